@@ -1,0 +1,33 @@
+# Everything a new machine needs: `make test` and `make demo` build .venv on first use.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+
+.PHONY: venv test demo lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	# torch pinned to the CPU build that ships with this machine kind; a bare `torch` pulls CUDA.
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[test,dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q
+
+demo: $(STAMP)
+	$(VPY) examples/train_gpt.py --steps 20
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check megabuf tests examples
+	$(VENV)/bin/ruff format --check megabuf tests examples
+	$(VENV)/bin/mypy megabuf
+
+bench: $(STAMP)
+	$(VPY) -m megabuf.bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,29 @@
+"""megabuf: Megatron-style contiguous param-and-grad buffers for data-parallel PyTorch training."""
+
+from megabuf.bucket_group import BucketGroup, GradSyncState, ParamSyncState, partition_buckets
+from megabuf.buffer import _ParamAndGradBucket, _ParamAndGradBuffer
+from megabuf.collectives import Collectives, CommStats
+from megabuf.config import DistributedDataParallelConfig
+from megabuf.ddp import DistributedDataParallel
+from megabuf.layout import BufferLayout, compute_layout
+from megabuf.process_groups import ProcessGroups, init_distributed
+from megabuf.replicas import is_expert_parallel, mark_expert_parallel
+
+__all__ = [
+    "BucketGroup",
+    "BufferLayout",
+    "Collectives",
+    "CommStats",
+    "DistributedDataParallel",
+    "DistributedDataParallelConfig",
+    "GradSyncState",
+    "ParamSyncState",
+    "ProcessGroups",
+    "_ParamAndGradBucket",
+    "_ParamAndGradBuffer",
+    "compute_layout",
+    "init_distributed",
+    "is_expert_parallel",
+    "mark_expert_parallel",
+    "partition_buckets",
+]

@@ -1,0 +1,142 @@
+"""`_ParamAndGradBuffer`: one contiguous grad (and, sharded, param) buffer per dtype pair.
+
+The layout comes from `megabuf.layout` (see [Note: buffer layout]); this module only allocates
+tensors and points params at views of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from megabuf.config import DistributedDataParallelConfig
+from megabuf.layout import BufferLayout, compute_layout
+
+
+class _ParamAndGradBucket:
+    """A contiguous slice of a buffer whose grads are reduced in one collective."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        param_data: Tensor | None,
+        grad_data: Tensor,
+        offset: int,
+        numel_unpadded: int,
+        gradient_scaling_factor: float,
+        bucket_id: int,
+    ) -> None:
+        self.params_list = list(params)  # buffer order
+        self.params = set(self.params_list)
+        self.param_data = param_data  # 1-D view, param_dtype, padded bucket numel (or None)
+        self.grad_data = grad_data  # 1-D view, grad_dtype, padded bucket numel
+        self.offset = offset  # start of this bucket inside the buffer, in elements
+        self.numel_unpadded = numel_unpadded  # sum of param numels in the bucket
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.bucket_id = bucket_id
+        # all-to-all landing zone for reduce-scatter on gloo; allocated on first use
+        self.scratch: Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.grad_data.numel()
+
+
+class _ParamAndGradBuffer:
+    """Contiguous buffers for params that share (param dtype, grad dtype, expert-parallel?)."""
+
+    def __init__(
+        self,
+        ddp_config: DistributedDataParallelConfig,
+        param_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        params: Sequence[torch.nn.Parameter],
+        data_parallel_group: ProcessGroup,
+        bucket_size: int | None,
+        param_to_name: dict[torch.nn.Parameter, str],
+        gradient_scaling_factor: float,
+        *,
+        dp_size: int,
+        dp_rank: int,
+    ) -> None:
+        self.ddp_config = ddp_config
+        self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype
+        self.params = list(params)  # registration order
+        self.data_parallel_group = data_parallel_group
+        self.dp_size = dp_size
+        self.dp_rank = dp_rank
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.param_to_name = param_to_name
+        self.is_expert_parallel = any(getattr(p, "allreduce", True) is False for p in params)
+        self.layout: BufferLayout = compute_layout(
+            [p.numel() for p in self.params],
+            bucket_size=bucket_size,
+            dp_size=dp_size,
+            sharded=ddp_config.use_distributed_optimizer,
+            high_nccl_busbw=ddp_config.pad_buckets_for_high_nccl_busbw,
+            own_bucket=[bool(getattr(p, "shared_embedding", False)) for p in self.params],
+        )
+        self.numel = self.layout.numel
+        self.numel_unpadded = self.layout.numel_unpadded
+        self.param_index_map: dict[torch.nn.Parameter, tuple[int, int, int]] = {
+            p: (slot.start, slot.end, slot.bucket_id)
+            for p, slot in zip(self.params, self.layout.params, strict=True)
+        }
+        self._allocate()
+
+    def _allocate(self) -> None:
+        device = self.params[0].device
+        self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)  # 1-D
+        self.param_data: Tensor | None = None  # 1-D, param_dtype, padded numel (sharded only)
+        if self.ddp_config.use_distributed_optimizer:
+            self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
+        for param in self.params:
+            start, end, _ = self.param_index_map[param]
+            if self.param_data is not None:
+                view = self.param_data[start:end].view(param.shape)
+                view.copy_(param.data)  # values preserved; then the param lives in the buffer
+                param.data = view
+            param.main_grad = self.grad_data[start:end].view(param.shape)  # type: ignore[attr-defined]
+        self.buckets = [self._make_bucket(slot.bucket_id) for slot in self.layout.buckets]
+
+    def _make_bucket(self, bucket_id: int) -> _ParamAndGradBucket:
+        slot = self.layout.buckets[bucket_id]
+        param_data = None
+        if self.param_data is not None:
+            param_data = self.param_data[slot.start : slot.end]
+        return _ParamAndGradBucket(
+            [self.params[i] for i in slot.param_ids],
+            param_data,
+            self.grad_data[slot.start : slot.end],
+            slot.start,
+            slot.numel_unpadded,
+            self.gradient_scaling_factor,
+            bucket_id,
+        )
+
+    def scale_gradients(self, factor: float) -> None:
+        self.grad_data.mul_(factor)
+
+    def reset(self) -> None:
+        """Zero the grad buffer (param grads are views, so they are zeroed too)."""
+        self.grad_data.zero_()
+
+    def shard_range(self, bucket_id: int) -> tuple[int, int]:
+        """Buffer range [start, end) of this rank's shard of bucket `bucket_id`."""
+        return self.layout.buckets[bucket_id].shard_range(self.dp_rank, self.dp_size)
+
+    @property
+    def padding_fraction(self) -> float:
+        return (self.numel - self.numel_unpadded) / max(1, self.numel)
+
+    def describe(self) -> str:
+        kind = "expert " if self.is_expert_parallel else ""
+        return (
+            f"{kind}buffer param={self.param_dtype} grad={self.grad_dtype}: "
+            f"{len(self.params)} params, {len(self.buckets)} buckets, {self.numel} elements "
+            f"({self.numel - self.numel_unpadded} padding, {100 * self.padding_fraction:.2f}%)"
+        )

@@ -1,0 +1,213 @@
+"""Every torch.distributed call megabuf makes, as thin typed wrappers.
+
+Each wrapper takes an explicit group and `async_op`, returns a `PendingCollective` (finish it with
+`.wait()`), counts the bytes this rank sends in `Collectives.stats`, and runs the same code at
+world size 1. Tests may subclass `Collectives` to intercept or fake any call.
+
+[Note: collective strategies]
+A backend's own collective is not always the fastest way to move the bytes. Measured on gloo
+(2 CPU ranks, 128 MB fp32; ../shared/notes/gloo-collectives.md): all_reduce ~101 ms,
+reduce_scatter_tensor ~175 ms but all_to_all_single + local sum ~55 ms; all_gather_into_tensor
+~135 ms but point-to-point send/recv of the shard ~34 ms. So on gloo reduce-scatter is an
+all-to-all into a scratch buffer followed by a sum of the dp chunks in fixed rank order (which
+is also deterministic), and all-gather is point-to-point. NCCL's native collectives are already
+ring-optimal. gloo has no AVG reduction: megabuf sums and divides by the group size on finish.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+Group = ProcessGroup | None
+
+
+@dataclass(frozen=True)
+class CollectiveStrategy:
+    """How one backend realises the operations; see [Note: collective strategies]."""
+
+    reduce_scatter: str  # "native" | "all_to_all"
+    all_gather: str  # "native" | "p2p"
+    has_avg: bool  # backend supports ReduceOp.AVG
+
+
+STRATEGIES: dict[str, CollectiveStrategy] = {
+    "gloo": CollectiveStrategy(reduce_scatter="all_to_all", all_gather="p2p", has_avg=False),
+    "nccl": CollectiveStrategy(reduce_scatter="native", all_gather="native", has_avg=True),
+}
+FALLBACK_STRATEGY = CollectiveStrategy(reduce_scatter="native", all_gather="native", has_avg=False)
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank put on the wire and calls made, per operation name."""
+
+    bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, op: str, nbytes: int) -> None:
+        self.bytes_sent[op] += nbytes
+        self.calls[op] += 1
+
+    @property
+    def total_bytes_sent(self) -> int:
+        return sum(self.bytes_sent.values())
+
+    def reset(self) -> None:
+        self.bytes_sent.clear()
+        self.calls.clear()
+
+
+@dataclass
+class PendingCollective:
+    """An in-flight collective and the tensors it owns until `wait()` returns."""
+
+    op: str
+    handles: list[Any]  # torch.distributed Work objects
+    output: Tensor | None = None  # where the result lands
+    scratch: Tensor | None = None  # all-to-all landing zone, summed into `output` on wait
+    divide_by: int = 1  # AVG emulated by SUM then division
+
+    def wait(self) -> None:
+        with torch.profiler.record_function(f"megabuf::wait_{self.op}"):
+            for handle in self.handles:
+                handle.wait()
+            self.handles = []
+            if self.output is None:
+                return
+            if self.scratch is not None:
+                n = self.scratch.numel() // self.output.numel()
+                torch.sum(self.scratch.view(n, -1), dim=0, out=self.output)
+                self.scratch = None
+            if self.divide_by > 1:
+                self.output.div_(self.divide_by)
+                self.divide_by = 1
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Collectives:
+    """The collective layer. One instance per engine; `stats` counts bytes sent by this rank."""
+
+    def __init__(self, strategies: dict[str, CollectiveStrategy] | None = None) -> None:
+        self.strategies = dict(STRATEGIES if strategies is None else strategies)
+        self.stats = CommStats()
+
+    def strategy(self, group: Group) -> CollectiveStrategy:
+        return self.strategies.get(str(dist.get_backend(group)), FALLBACK_STRATEGY)
+
+    def all_reduce(
+        self, tensor: Tensor, group: Group, *, average: bool = False, async_op: bool = True
+    ) -> PendingCollective:
+        """Sum (or average) `tensor` in place across `group`."""
+        size = dist.get_world_size(group)
+        self.stats.record("all_reduce", 2 * (size - 1) * _nbytes(tensor) // size)
+        avg_native = average and self.strategy(group).has_avg
+        op = dist.ReduceOp.AVG if avg_native else dist.ReduceOp.SUM
+        with torch.profiler.record_function("megabuf::all_reduce"):
+            work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        divide = size if average and not avg_native else 1
+        return self._pending("all_reduce", work, tensor, None, divide)
+
+    def reduce_scatter(
+        self,
+        output: Tensor,
+        input: Tensor,
+        group: Group,
+        *,
+        average: bool = False,
+        async_op: bool = True,
+        scratch: Tensor | None = None,
+    ) -> PendingCollective:
+        """output (this rank's 1/size chunk of `input`) = sum over ranks of that chunk.
+
+        `scratch` (same shape as input) is required by the all-to-all strategy; callers keep it
+        so steady-state steps allocate nothing.
+        """
+        size = dist.get_world_size(group)
+        if input.numel() != output.numel() * size:
+            raise ValueError(
+                f"megabuf: reduce_scatter input has {input.numel()} elements, expected "
+                f"{output.numel()} x group size {size}"
+            )
+        self.stats.record("reduce_scatter", (size - 1) * _nbytes(output))
+        strategy = self.strategy(group)
+        with torch.profiler.record_function("megabuf::reduce_scatter"):
+            if strategy.reduce_scatter == "all_to_all":
+                if scratch is None:
+                    scratch = torch.empty_like(input)
+                work = dist.all_to_all_single(scratch, input, group=group, async_op=async_op)
+                return self._pending("reduce_scatter", work, output, scratch, size if average else 1)
+            avg_native = average and strategy.has_avg
+            op = dist.ReduceOp.AVG if avg_native else dist.ReduceOp.SUM
+            work = dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        divide = size if average and not avg_native else 1
+        return self._pending("reduce_scatter", work, output, None, divide)
+
+    def all_gather(
+        self, output: Tensor, input: Tensor, group: Group, *, async_op: bool = True, tag: int = 0
+    ) -> PendingCollective:
+        """output = concatenation over ranks of each rank's `input` (a 1-D shard)."""
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if output.numel() != input.numel() * size:
+            raise ValueError(
+                f"megabuf: all_gather output has {output.numel()} elements, expected "
+                f"{input.numel()} x group size {size}"
+            )
+        self.stats.record("all_gather", (size - 1) * _nbytes(input))
+        with torch.profiler.record_function("megabuf::all_gather"):
+            if self.strategy(group).all_gather != "p2p":
+                work = dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+                return self._pending("all_gather", work, None, None, 1)
+            chunks = output.view(size, -1)
+            if chunks[rank].data_ptr() != input.data_ptr():
+                chunks[rank].copy_(input)
+            ops = []
+            for peer in range(size):
+                if peer != rank:
+                    peer_global = dist.get_global_rank(group, peer) if group else peer
+                    ops.append(dist.P2POp(dist.isend, input, peer_global, group, tag))
+                    ops.append(dist.P2POp(dist.irecv, chunks[peer], peer_global, group, tag))
+            handles = dist.batch_isend_irecv(ops) if ops else []
+        pending = PendingCollective("all_gather", list(handles))
+        if not async_op:
+            pending.wait()
+        return pending
+
+    def broadcast(self, tensor: Tensor, src_group_rank: int, group: Group) -> None:
+        """Synchronously copy `tensor` from group rank `src_group_rank` to every rank."""
+        src = dist.get_global_rank(group, src_group_rank) if group else src_group_rank
+        if dist.get_rank() == src:
+            self.stats.record("broadcast", _nbytes(tensor))
+        with torch.profiler.record_function("megabuf::broadcast"):
+            dist.broadcast(tensor, src=src, group=group)
+
+    def all_reduce_max(self, tensor: Tensor, group: Group) -> None:
+        """Synchronous elementwise max across the group (e.g. found-inf flags)."""
+        self.stats.record("all_reduce", _nbytes(tensor))
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+    def all_gather_object(self, obj: Any, group: Group) -> list[Any]:
+        """Every rank's `obj`, in group-rank order (pickled; for set-up checks, not hot paths)."""
+        self.stats.record("all_gather_object", len(pickle.dumps(obj)))
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    @staticmethod
+    def _pending(
+        op: str, work: Any, output: Tensor | None, scratch: Tensor | None, divide: int
+    ) -> PendingCollective:
+        pending = PendingCollective(op, [work] if work is not None else [], output, scratch, divide)
+        if work is None:  # synchronous call: finish the epilogue now
+            pending.wait()
+        return pending

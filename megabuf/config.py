@@ -1,0 +1,117 @@
+"""`DistributedDataParallelConfig`: every knob of the engine in one keyword-only dataclass.
+
+Loaded from TOML files in `configs/` (`from_toml`) or plain dicts (`from_dict`); contradictions are
+rejected at construction with a ValueError naming the fields involved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedDataParallelConfig:
+    """Configuration of megabuf's data-parallel engine (Megatron-LM field names)."""
+
+    grad_reduce_in_fp32: bool = False
+    """Accumulate and reduce gradients in fp32 even when params are bf16/fp16 (`main_grad` is
+    fp32). Costs 2x grad memory for half-precision params; buys exact-ish accumulation."""
+
+    overlap_grad_reduce: bool = False
+    """Dispatch each bucket group's reduction asynchronously as soon as all its grads are ready,
+    overlapping communication with the rest of backward. Off: one reduction in
+    `finish_grad_sync()`."""
+
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: all-gather updated params lazily, bucket group by bucket
+    group, from forward pre-hooks of the next forward. Requires `use_distributed_optimizer`."""
+
+    align_param_gather: bool = False
+    """Let a pipeline schedule dispatch every model chunk's first param all-gather itself (so the
+    gathers of all chunks start together). Requires `use_distributed_optimizer`."""
+
+    use_distributed_optimizer: bool = False
+    """ZeRO-1 layout: pad params/buckets so every bucket splits into dp_size equal shards, reduce-
+    scatter grads instead of all-reducing, keep params in a contiguous `param_data` buffer."""
+
+    check_for_nan_in_grad: bool = False
+    """Before each collective, check the bucket for NaN/Inf and raise naming the bucket, its
+    params and the rank (costs one reduction over the bucket)."""
+
+    bucket_size: int | None = None
+    """Bucket size in elements. None: with `overlap_grad_reduce`, Megatron's
+    max(40_000_000, 1_000_000 * dp_size) capped at a quarter of the largest buffer (so small
+    models overlap too); without overlap, one bucket per buffer."""
+
+    pad_buckets_for_high_nccl_busbw: bool = False
+    """Pad buckets to a multiple of 2**16 elements as well (NCCL reaches higher bus bandwidth
+    for such sizes at large dp). Only meaningful with `use_distributed_optimizer`."""
+
+    average_in_collective: bool = False
+    """Average with an AVG collective instead of pre-scaling grads by 1/dp and summing. (gloo has
+    no AVG op: megabuf sums and divides after the collective, with the same result.)"""
+
+    num_distributed_optimizer_instances: int = 1
+    """Reserved for Megatron compatibility; only 1 is supported."""
+
+    def __post_init__(self) -> None:
+        for name in ("overlap_param_gather", "align_param_gather"):
+            if getattr(self, name) and not self.use_distributed_optimizer:
+                raise ValueError(
+                    f"megabuf: DistributedDataParallelConfig.{name}=True requires "
+                    "use_distributed_optimizer=True (only the distributed optimizer gathers "
+                    "params); set use_distributed_optimizer=True or turn it off"
+                )
+        if self.bucket_size is not None and (
+            isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int)
+        ):
+            raise ValueError(
+                f"megabuf: DistributedDataParallelConfig.bucket_size must be an int number of "
+                f"elements or None, got {self.bucket_size!r}"
+            )
+        if self.bucket_size is not None and self.bucket_size <= 0:
+            raise ValueError(
+                f"megabuf: DistributedDataParallelConfig.bucket_size must be > 0 elements, got "
+                f"{self.bucket_size}; use None for the default"
+            )
+        if self.num_distributed_optimizer_instances != 1:
+            raise ValueError(
+                "megabuf: DistributedDataParallelConfig.num_distributed_optimizer_instances="
+                f"{self.num_distributed_optimizer_instances} is not supported; use 1"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> DistributedDataParallelConfig:
+        """Build from a mapping; unknown keys raise a ValueError listing the valid fields."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"megabuf: unknown DistributedDataParallelConfig field(s) {unknown}; "
+                f"valid fields: {sorted(known)}"
+            )
+        return cls(**values)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> DistributedDataParallelConfig:
+        """Load a TOML file; keys may sit at top level or under a `[ddp]` table."""
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        section = data.get("ddp", data)
+        try:
+            return cls.from_dict(dict(section))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"megabuf: bad config file {path}: {exc}") from exc
+
+    def replace(self, **changes: Any) -> DistributedDataParallelConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,156 @@
+"""`ProcessGroups`: the explicit record of every group the engine talks over.
+
+[Note: rank order]
+World ranks are laid out as (pp, expt_dp, ep) with ep varying fastest:
+
+    rank = pp_rank * dp_size + dp_rank,    dp_rank = expt_dp_rank * ep_size + ep_rank
+
+so `dp` (dense data parallel) holds the dp_size consecutive ranks of one pipeline stage, `ep`
+holds ep_size consecutive ranks inside it (experts exchange tokens with near neighbours), and
+`expt_dp` holds the ranks of one stage with the same ep_rank (stride ep_size): the replicas of the
+same experts. `pp` holds the ranks with the same dp_rank across stages (stride dp_size). `embd`
+joins the first and last stage of a pipeline (tied word embeddings).
+Example, world 8 = pp 2 x dp 4, ep 2: dp groups [0,1,2,3] [4,5,6,7]; ep [0,1] [2,3] [4,5] [6,7];
+expt_dp [0,2] [1,3] [4,6] [5,7]; pp [0,4] [1,5] [2,6] [3,7].
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """Groups the engine uses; pass it explicitly (megabuf keeps no global group state)."""
+
+    dp: ProcessGroup
+    """Dense data-parallel group: grads of ordinary params are reduced over it."""
+    expt_dp: ProcessGroup
+    """Expert data-parallel group: grads of expert-parallel params are reduced over it."""
+    ep: ProcessGroup
+    """Expert-parallel group: ranks holding different experts of one layer (token all-to-all)."""
+    pp: ProcessGroup
+    """Pipeline group: the stages of one pipeline, in stage order."""
+    embd: ProcessGroup | None = None
+    """First and last pipeline stage of this pipeline (tied embeddings); None without pp."""
+    pp_ranks: tuple[int, ...] = (0,)
+    """Global ranks of this rank's pipeline, in stage order (for point-to-point send/recv)."""
+
+    @property
+    def dp_size(self) -> int:
+        return dist.get_world_size(self.dp)
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.dp)
+
+    @property
+    def pp_size(self) -> int:
+        return dist.get_world_size(self.pp)
+
+    @property
+    def pp_rank(self) -> int:
+        return dist.get_rank(self.pp)
+
+    @classmethod
+    def default(cls) -> ProcessGroups:
+        """Plain data parallelism over the whole world (no expert or pipeline parallelism)."""
+        return cls.build(pp_size=1, ep_size=1)
+
+    @classmethod
+    def build(cls, *, pp_size: int = 1, ep_size: int = 1) -> ProcessGroups:
+        """Carve the world into (pp, dp, ep) groups; see [Note: rank order]. Collective: every
+        rank must call it with the same sizes."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "megabuf: torch.distributed is not initialised; call megabuf.init_distributed() "
+                "(or torch.distributed.init_process_group) first"
+            )
+        world, rank = dist.get_world_size(), dist.get_rank()
+        layout = rank_layout(world, pp_size=pp_size, ep_size=ep_size)
+        if pp_size == 1:
+            del layout["embd"]
+        # Kinds with identical rank lists share one group (e.g. expt_dp == dp when ep_size == 1).
+        made: dict[tuple[tuple[int, ...], ...], ProcessGroup] = {}
+        groups: dict[str, ProcessGroup] = {}
+        for name, ranks_list in layout.items():
+            key = tuple(tuple(r) for r in ranks_list)
+            if key not in made:
+                made[key] = _my_group(ranks_list, rank)
+            groups[name] = made[key]
+        my_pp = next(r for r in layout["pp"] if rank in r)
+        embd = groups.get("embd")
+        return cls(
+            dp=groups["dp"],
+            expt_dp=groups["expt_dp"],
+            ep=groups["ep"],
+            pp=groups["pp"],
+            embd=embd,
+            pp_ranks=tuple(my_pp),
+        )
+
+
+def _check_sizes(world: int, pp_size: int, ep_size: int) -> int:
+    if pp_size < 1 or world % pp_size != 0:
+        raise ValueError(
+            f"megabuf: pp_size={pp_size} must be >= 1 and divide the world size {world}"
+        )
+    dp_size = world // pp_size
+    if ep_size < 1 or dp_size % ep_size != 0:
+        raise ValueError(
+            f"megabuf: ep_size={ep_size} must be >= 1 and divide dp_size={dp_size} "
+            f"(world {world} / pp_size {pp_size})"
+        )
+    return dp_size
+
+
+def rank_layout(world: int, *, pp_size: int = 1, ep_size: int = 1) -> dict[str, list[list[int]]]:
+    """Pure: the global ranks of every group of each kind; see [Note: rank order]."""
+    dp_size = _check_sizes(world, pp_size, ep_size)
+    dp = [list(range(p * dp_size, (p + 1) * dp_size)) for p in range(pp_size)]
+    ep = [ranks[i : i + ep_size] for ranks in dp for i in range(0, dp_size, ep_size)]
+    expt_dp = [ranks[e::ep_size] for ranks in dp for e in range(ep_size)]
+    pp = [list(range(d, world, dp_size)) for d in range(dp_size)]
+    embd = [sorted({r[0], r[-1]}) for r in pp]
+    return {"dp": dp, "expt_dp": expt_dp, "ep": ep, "pp": pp, "embd": embd}
+
+
+def _my_group(ranks_list: list[list[int]], rank: int) -> ProcessGroup:
+    """Create all groups of one kind (collectively) and return the one holding `rank`."""
+    world = dist.get_world_size()
+    if len(ranks_list) == 1 and len(ranks_list[0]) == world:
+        return dist.group.WORLD  # type: ignore[return-value]
+    mine: ProcessGroup | None = None
+    for ranks in ranks_list:  # every rank creates every group, in the same order
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    if mine is None:
+        raise RuntimeError(f"megabuf: rank {rank} is in no group of {ranks_list}")
+    return mine
+
+
+def init_distributed(
+    *, backend: str | None = None, timeout_s: float = 600.0, pp_size: int = 1, ep_size: int = 1
+) -> ProcessGroups:
+    """Start torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT, LOCAL_RANK) and return the groups. NCCL when CUDA is available, else gloo."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing and not dist.is_initialized():
+        raise RuntimeError(
+            f"megabuf: init_distributed() needs torchrun's environment; missing {missing}. "
+            "Run under torchrun or megabuf.testing.launch.spawn"
+        )
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return ProcessGroups.build(pp_size=pp_size, ep_size=ep_size)

@@ -1,0 +1,28 @@
+"""Session-wide pools of gloo ranks (see dist_pool.py) and the GPU skip marker."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from dist_pool import DistPool  # noqa: E402
+
+_POOLS: dict[int, DistPool] = {}
+
+
+def get_pool(world_size: int) -> DistPool:
+    if world_size not in _POOLS:
+        _POOLS[world_size] = DistPool(world_size)
+    return _POOLS[world_size]
+
+
+@pytest.fixture(scope="session")
+def pools() -> Iterator[object]:
+    yield get_pool
+    for pool in _POOLS.values():
+        pool.close()

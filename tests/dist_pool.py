@@ -1,0 +1,108 @@
+"""One small spawn helper for multi-process tests: a pool of real gloo ranks, started once.
+
+`DistPool(world_size).run(fn, *args)` runs the module-level function `fn(*args)` on every rank
+(each rank already inside `init_process_group("gloo")`) and returns the per-rank results in rank
+order. Process start-up (Python + torch import + gloo rendezvous, seconds on 2 cores) is paid once
+per world size per test session, not once per case.
+
+If any rank raises, `run` raises with that rank's traceback. If a case does not finish within
+`timeout_s` (a hang: mismatched collectives), the pool is torn down and restarted on next use.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+_CTX = mp.get_context("spawn")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
+    )
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            outbox.put((rank, True, fn(*args)))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            outbox.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistPool:
+    def __init__(self, world_size: int, timeout_s: float = 120.0) -> None:
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._procs: list[Any] = []
+
+    def _start(self) -> None:
+        port = _free_port()
+        self._inboxes = [_CTX.Queue() for _ in range(self.world_size)]
+        self._outbox = _CTX.Queue()
+        self._procs = [
+            _CTX.Process(
+                target=_worker,
+                args=(r, self.world_size, port, self._inboxes[r], self._outbox),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        for inbox in self._inboxes:
+            inbox.put((fn, args))
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        for _ in range(self.world_size):
+            # once a rank has failed, its peers may be stuck in a collective: wait less
+            timeout = 15.0 if failures else self.timeout_s
+            try:
+                rank, ok, value = self._outbox.get(timeout=timeout)
+            except queue.Empty:
+                self.close()
+                if failures:
+                    break
+                raise TimeoutError(
+                    f"{fn.__name__} did not finish on all {self.world_size} ranks within "
+                    f"{self.timeout_s}s (finished: {sorted(results) + sorted(failures)})"
+                ) from None
+            (results if ok else failures)[rank] = value
+        if failures:
+            rank = min(failures)
+            raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{failures[rank]}")
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+        self._procs = []
