@@ -134,5 +134,6 @@ def grad_case(case: dict[str, Any]) -> dict[str, Any]:
         "n_groups": len(model.bucket_groups),
         "linked": linked,
         "frozen_ok": frozen_ok,
+        "all_params": sorted(names.values()),
         "scale": max(v.abs().max().item() for v in expected.values()),
     }

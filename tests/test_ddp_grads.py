@@ -44,10 +44,13 @@ def test_grads_match_single_process_reference(pools: Any, world_size: int) -> No
     for rank, per_case in enumerate(results):
         for name, res in per_case.items():
             tol = BF16_RTOL * res["scale"] if name in BF16_CASES else FP32_ATOL
-            worst = max(res["errors"].items(), key=lambda kv: kv[1])
+            worst = max(res["errors"].items(), key=lambda kv: kv[1], default=("-", 0.0))
             assert worst[1] <= tol, f"{name} rank {rank}: {worst[0]} off by {worst[1]:.3g}"
             assert res["linked"], f"{name}: param.grad is not the main_grad view"
             assert res["frozen_ok"], f"{name}: frozen params got a buffer or a grad"
+    for name in CASES.keys() | BF16_CASES.keys():  # the shards of all ranks cover every param
+        checked = set().union(*(per_case[name]["errors"] for per_case in results))
+        assert checked == set(results[0][name]["all_params"]), name
     mixed = results[0]["mixed_fp32_bf16_fp32_grads"]
     assert mixed["n_buffers"] == 2  # (fp32, fp32) and (bf16, fp32)
     assert results[0]["overlap_param_per_bucket"]["n_groups"] > 5
