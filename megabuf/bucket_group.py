@@ -238,14 +238,26 @@ class BucketGroup:
         )
 
     def check_grads_finite(self) -> None:
-        for bucket in self.buckets:
-            if bool(torch.isfinite(bucket.grad_data).all()):
+        """Raise on every rank if any rank's bucket holds NaN/Inf (one small MAX all-reduce, so
+        a rank with clean grads never waits forever for a rank that raised)."""
+        device = self.buckets[0].grad_data.device
+        flags = torch.zeros(len(self.buckets), self.collective_group_size, device=device)
+        for b, bucket in enumerate(self.buckets):
+            flags[b, self.dp_rank] = 0.0 if _finite(bucket.grad_data) else 1.0
+        self.collectives.all_reduce_max(flags, self.collective_group)
+        for b, bucket in enumerate(self.buckets):
+            bad_ranks = [
+                dist.get_global_rank(self.collective_group, r) if self.collective_group else r
+                for r in flags[b].nonzero().flatten().tolist()
+            ]
+            if not bad_ranks:
                 continue
-            bad = [self._name(p) for p in bucket.params_list if not _finite(p.main_grad)]  # type: ignore[attr-defined]
+            mine = [self._name(p) for p in bucket.params_list if not _finite(p.main_grad)]  # type: ignore[attr-defined]
             raise RuntimeError(
                 f"megabuf: NaN or Inf in gradients of bucket {bucket.bucket_id} (bucket group "
-                f"{self.group_id}) on rank {dist.get_rank()}, before reduction; params with "
-                f"non-finite grads: {', '.join(bad) or '(padding)'}"
+                f"{self.group_id}, params: {', '.join(self._name(p) for p in bucket.params_list)})"
+                f" on rank(s) {bad_ranks}, before reduction; this rank ({dist.get_rank()}) has "
+                f"non-finite grads in: {', '.join(mine) or 'none'}"
             )
 
     # ---- param sync (distributed optimizer) -------------------------------------------------
