@@ -22,6 +22,8 @@ from megabuf.replicas import check_devices, check_replicas_match, is_expert_para
 
 logger = logging.getLogger(__name__)
 
+BACKWARD_END_GROUP_ID = -1  # group id of the timeline's "backward_end" marker
+
 
 class DistributedDataParallel(nn.Module):
     """Megatron-style data parallelism for any module; see README for the lifecycle per step."""
@@ -167,6 +169,8 @@ class DistributedDataParallel(nn.Module):
     def finish_grad_sync(self) -> None:
         """Wait for (or, without overlap, run) every reduction; then `param.grad` holds the
         averaged grad (the main_grad view itself when dtypes match)."""
+        if self.timeline is not None:
+            self.timeline.record(BACKWARD_END_GROUP_ID, "backward_end")
         if self.ddp_config.overlap_grad_reduce:
             self._raise_if_grads_missing()
         for chain in self._chains:
@@ -175,6 +179,16 @@ class DistributedDataParallel(nn.Module):
             chain.next_index = len(chain.groups)
         if not self.ddp_config.use_distributed_optimizer:
             self._expose_mismatched_grads()
+
+    def enable_timeline(self) -> Timeline:
+        """Record when every bucket group became ready, was dispatched and finished, and a
+        "backward_end" marker (group id -1) at the start of each finish_grad_sync(), into one
+        shared `Timeline` (also `self.timeline`); `megabuf.overlap` turns it into a report."""
+        timeline = Timeline()
+        self.timeline = timeline
+        for group in self.all_bucket_groups:
+            group.timeline = timeline
+        return timeline
 
     def _raise_if_grads_missing(self) -> None:
         missing = [
