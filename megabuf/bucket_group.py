@@ -229,7 +229,9 @@ class BucketGroup:
 
     def _raise_not_ready(self) -> None:
         missing = [self._name(p) for i, p in enumerate(self.params_list) if not self._ready[i]]
-        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        shown = ", ".join(missing[:10]) + (
+            f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        )
         raise RuntimeError(
             f"megabuf: finish_grad_sync() on rank {dist.get_rank()}: bucket group {self.group_id} "
             f"never became ready; {len(missing)} trainable param(s) got no gradient this "
@@ -336,7 +338,7 @@ def partition_buckets(
             )
         all_buckets = [bucket for b in buffers for bucket in b.buckets]
         return [BucketGroup(all_buckets, config, buffers[0].data_parallel_group, collectives)]
-    result = []
+    result: list[BucketGroup] = []
     for buf in buffers:
         for bucket in buf.buckets:
             result.append(

@@ -1,8 +1,9 @@
 """Every torch.distributed call megabuf makes, as thin typed wrappers.
 
-Each wrapper takes an explicit group and `async_op`, returns a `PendingCollective` (finish it with
-`.wait()`), counts the bytes this rank sends in `Collectives.stats`, and runs the same code at
-world size 1. Tests may subclass `Collectives` to intercept or fake any call.
+Each wrapper takes an explicit group and `async_op` (point-to-point `send`/`recv` are always
+async), returns a `PendingCollective` (finish it with `.wait()`), counts the bytes this rank
+sends in `Collectives.stats`, and runs the same code at world size 1.
+Tests may subclass `Collectives` to intercept or fake any call.
 
 [Note: collective strategies]
 A backend's own collective is not always the fastest way to move the bytes. Measured on gloo
@@ -146,7 +147,9 @@ class Collectives:
                 if scratch is None:
                     scratch = torch.empty_like(input)
                 work = dist.all_to_all_single(scratch, input, group=group, async_op=async_op)
-                return self._pending("reduce_scatter", work, output, scratch, size if average else 1)
+                return self._pending(
+                    "reduce_scatter", work, output, scratch, size if average else 1
+                )
             avg_native = average and strategy.has_avg
             op = dist.ReduceOp.AVG if avg_native else dist.ReduceOp.SUM
             work = dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
@@ -190,6 +193,59 @@ class Collectives:
             self.stats.record("broadcast", _nbytes(tensor))
         with torch.profiler.record_function("megabuf::broadcast"):
             dist.broadcast(tensor, src=src, group=group)
+
+    def all_to_all(
+        self,
+        output: Tensor,
+        input: Tensor,
+        group: Group,
+        *,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+        async_op: bool = True,
+    ) -> PendingCollective:
+        """Rows `input_split_sizes[r]` of `input` go to group rank r; `output` receives
+        `output_split_sizes[r]` rows from each rank r, in rank order (equal splits if None)."""
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        checks = (("input", input, input_split_sizes), ("output", output, output_split_sizes))
+        for name, t, splits in checks:
+            rows = t.shape[0] if t.dim() else 0
+            if splits is not None and (len(splits) != size or sum(splits) != rows):
+                raise ValueError(
+                    f"megabuf: all_to_all {name} split sizes {splits} must have group size "
+                    f"{size} entries summing to the {name}'s {rows} rows (rank {dist.get_rank()})"
+                )
+        row_nbytes = _nbytes(input) // max(1, input.shape[0]) if input.dim() else 0
+        kept = input_split_sizes[rank] if input_split_sizes is not None else input.shape[0] // size
+        self.stats.record("all_to_all", (input.shape[0] - kept) * row_nbytes)
+        with torch.profiler.record_function("megabuf::all_to_all"):
+            work = dist.all_to_all_single(
+                output, input, output_split_sizes, input_split_sizes, group=group,
+                async_op=async_op,
+            )  # fmt: skip
+        return self._pending("all_to_all", work, None, None, 1)
+
+    def send(
+        self, tensor: Tensor, dst_group_rank: int, group: Group, *, tag: int = 0
+    ) -> PendingCollective:
+        """Asynchronous point-to-point send to group rank `dst_group_rank` (pipelines). The
+        returned record owns `tensor` until `wait()`: do not modify it before then."""
+        dst = dist.get_global_rank(group, dst_group_rank) if group else dst_group_rank
+        self.stats.record("send", _nbytes(tensor))
+        with torch.profiler.record_function("megabuf::send"):
+            work = dist.isend(tensor, dst=dst, group=group, tag=tag)
+        # `output` keeps the sent tensor alive until wait(); nothing is written into it.
+        return PendingCollective("send", [work] if work is not None else [], output=tensor)
+
+    def recv(
+        self, tensor: Tensor, src_group_rank: int, group: Group, *, tag: int = 0
+    ) -> PendingCollective:
+        """Asynchronous point-to-point receive into `tensor` from group rank `src_group_rank`."""
+        src = dist.get_global_rank(group, src_group_rank) if group else src_group_rank
+        self.stats.record("recv", 0)
+        with torch.profiler.record_function("megabuf::recv"):
+            work = dist.irecv(tensor, src=src, group=group, tag=tag)
+        return PendingCollective("recv", [work] if work is not None else [], output=tensor)
 
     def all_reduce_max(self, tensor: Tensor, group: Group) -> None:
         """Synchronous elementwise max across the group (e.g. found-inf flags)."""

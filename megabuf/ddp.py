@@ -58,12 +58,24 @@ class DistributedDataParallel(nn.Module):
         expert = [p for _, p in trainable if is_expert_parallel(p)]
         bucket_size = self._resolve_bucket_size(dense, expert)
         dense_scale, expert_scale = self._scaling_factors()
-        self.buffers = self._make_buffers(dense, pgs.dp, bucket_size, dense_scale)
+        # Megatron's attribute name; it shadows nn.Module.buffers() on the wrapper (the wrapped
+        # module's buffers() is untouched).
+        self.buffers = self._make_buffers(  # type: ignore[method-assign,assignment]
+            dense, pgs.dp, bucket_size, dense_scale
+        )
         self.expert_parallel_buffers = self._make_buffers(
             expert, pgs.expt_dp, bucket_size, expert_scale
         )
+        self._all_buffers: list[_ParamAndGradBuffer] = [
+            *self.buffers,  # type: ignore[misc]
+            *self.expert_parallel_buffers,
+        ]
         single = self.disable_bucketing
-        self.bucket_groups = partition_buckets(self.buffers, single, collectives=self.collectives)
+        self.bucket_groups = partition_buckets(
+            self.buffers,
+            single,
+            collectives=self.collectives,  # type: ignore[arg-type]
+        )
         self.expert_parallel_bucket_groups = partition_buckets(
             self.expert_parallel_buffers, single, collectives=self.collectives
         )
@@ -75,10 +87,12 @@ class DistributedDataParallel(nn.Module):
         if self.ddp_config.overlap_param_gather:
             self.param_gather_hooks.enable()
         self.broadcast_params()
-        for buf in self.buffers + self.expert_parallel_buffers:
+        for buf in self._all_buffers:
             logger.debug("megabuf: %s", buf.describe())
 
-    def _resolve_bucket_size(self, dense: list[nn.Parameter], expert: list[nn.Parameter]) -> int | None:
+    def _resolve_bucket_size(
+        self, dense: list[nn.Parameter], expert: list[nn.Parameter]
+    ) -> int | None:
         cfg = self.ddp_config
         if self.disable_bucketing:
             return None
@@ -109,9 +123,16 @@ class DistributedDataParallel(nn.Module):
             by_key.setdefault(_dtype_key(p, self.ddp_config), []).append(p)
         return [
             _ParamAndGradBuffer(
-                self.ddp_config, param_dtype, grad_dtype, ps, group, bucket_size,
-                self.param_to_name, scale,
-                dp_size=dist.get_world_size(group), dp_rank=dist.get_rank(group),
+                self.ddp_config,
+                param_dtype,
+                grad_dtype,
+                ps,
+                group,
+                bucket_size,
+                self.param_to_name,
+                scale,
+                dp_size=dist.get_world_size(group),
+                dp_rank=dist.get_rank(group),
             )  # fmt: skip
             for (param_dtype, grad_dtype), ps in by_key.items()
         ]
@@ -125,6 +146,7 @@ class DistributedDataParallel(nn.Module):
             group.param_to_name = self.param_to_name
             for param in group.params_list:
                 self.param_to_bucket_group[param] = group
+
         # Expected backward order: groups holding the last-registered params come first.
         def backward_rank(g: BucketGroup) -> int:
             return -max(self._registration_index[p] for p in g.params_list)
@@ -219,7 +241,7 @@ class DistributedDataParallel(nn.Module):
         """Zero every grad buffer and reset the bucket groups for the next iteration."""
         for group in self.all_bucket_groups:
             group.reset()
-        for buf in self.buffers + self.expert_parallel_buffers:
+        for buf in self._all_buffers:
             buf.reset()
         for chain in self._chains:
             chain.reset()
@@ -234,7 +256,7 @@ class DistributedDataParallel(nn.Module):
         self.zero_grad_buffer()
 
     def scale_gradients(self, scaling_factor: float) -> None:
-        for buf in self.buffers + self.expert_parallel_buffers:
+        for buf in self._all_buffers:
             buf.scale_gradients(scaling_factor)
 
     # ---- params -------------------------------------------------------------------------------
@@ -248,7 +270,9 @@ class DistributedDataParallel(nn.Module):
             for tensor in self.module.buffers():
                 self.collectives.broadcast(tensor, 0, pgs.dp)
 
-    def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
+    def start_param_sync(
+        self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False
+    ) -> None:
         """After an optimizer step: gather params now (no overlap, or force_sync), or dispatch
         the first group's gather (force_dispatch), or leave it to the forward pre-hooks."""
         del unused
@@ -290,7 +314,9 @@ class DistributedDataParallel(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict)
 
 
-def _dtype_key(p: nn.Parameter, cfg: DistributedDataParallelConfig) -> tuple[torch.dtype, torch.dtype]:
+def _dtype_key(
+    p: nn.Parameter, cfg: DistributedDataParallelConfig
+) -> tuple[torch.dtype, torch.dtype]:
     return p.dtype, torch.float32 if cfg.grad_reduce_in_fp32 else p.dtype
 
 

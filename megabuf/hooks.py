@@ -66,9 +66,7 @@ class ParamGatherHooks:
     """Forward pre-hooks that finish param all-gathers just in time; see [Note: lazy param
     gather]."""
 
-    def __init__(
-        self, module: nn.Module, param_to_group: dict[nn.Parameter, BucketGroup]
-    ) -> None:
+    def __init__(self, module: nn.Module, param_to_group: dict[nn.Parameter, BucketGroup]) -> None:
         self.module = module
         self.param_to_group = param_to_group
         self.plan: dict[nn.Module, list[BucketGroup]] | None = None  # None until learned

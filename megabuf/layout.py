@@ -137,7 +137,8 @@ def compute_layout(
     pad_multiple = bucket_pad_multiple(dp_size, high_nccl_busbw) if sharded else 1
     slots: dict[int, ParamSlot] = {}
     buckets: list[BucketSlot] = []
-    bucket_start, cursor, members, payload = 0, 0, [], 0
+    members: list[int] = []
+    bucket_start, cursor, payload = 0, 0, 0
 
     def close_bucket() -> None:
         nonlocal bucket_start, cursor, members, payload

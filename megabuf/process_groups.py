@@ -77,20 +77,21 @@ class ProcessGroups:
         if pp_size == 1:
             del layout["embd"]
         # Kinds with identical rank lists share one group (e.g. expt_dp == dp when ep_size == 1).
-        made: dict[tuple[tuple[int, ...], ...], ProcessGroup] = {}
-        groups: dict[str, ProcessGroup] = {}
+        made: dict[tuple[tuple[int, ...], ...], ProcessGroup | None] = {}
+        groups: dict[str, ProcessGroup | None] = {}
         for name, ranks_list in layout.items():
             key = tuple(tuple(r) for r in ranks_list)
             if key not in made:
-                made[key] = _my_group(ranks_list, rank)
+                # Middle pipeline stages (pp_size > 2) belong to no embd group.
+                made[key] = _my_group(ranks_list, rank, optional=name == "embd")
             groups[name] = made[key]
         my_pp = next(r for r in layout["pp"] if rank in r)
         embd = groups.get("embd")
         return cls(
-            dp=groups["dp"],
-            expt_dp=groups["expt_dp"],
-            ep=groups["ep"],
-            pp=groups["pp"],
+            dp=_required(groups["dp"]),
+            expt_dp=_required(groups["expt_dp"]),
+            ep=_required(groups["ep"]),
+            pp=_required(groups["pp"]),
             embd=embd,
             pp_ranks=tuple(my_pp),
         )
@@ -121,8 +122,17 @@ def rank_layout(world: int, *, pp_size: int = 1, ep_size: int = 1) -> dict[str, 
     return {"dp": dp, "expt_dp": expt_dp, "ep": ep, "pp": pp, "embd": embd}
 
 
-def _my_group(ranks_list: list[list[int]], rank: int) -> ProcessGroup:
-    """Create all groups of one kind (collectively) and return the one holding `rank`."""
+def _required(group: ProcessGroup | None) -> ProcessGroup:
+    if group is None:
+        raise RuntimeError(f"megabuf: rank {dist.get_rank()} is in no group of a required kind")
+    return group
+
+
+def _my_group(
+    ranks_list: list[list[int]], rank: int, *, optional: bool = False
+) -> ProcessGroup | None:
+    """Create all groups of one kind (collectively) and return the one holding `rank` (None if
+    `optional` and no group holds it)."""
     world = dist.get_world_size()
     if len(ranks_list) == 1 and len(ranks_list[0]) == world:
         return dist.group.WORLD  # type: ignore[return-value]
@@ -131,7 +141,7 @@ def _my_group(ranks_list: list[list[int]], rank: int) -> ProcessGroup:
         group = dist.new_group(ranks)
         if rank in ranks:
             mine = group
-    if mine is None:
+    if mine is None and not optional:
         raise RuntimeError(f"megabuf: rank {rank} is in no group of {ranks_list}")
     return mine
 
@@ -141,7 +151,9 @@ def init_distributed(
 ) -> ProcessGroups:
     """Start torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT, LOCAL_RANK) and return the groups. NCCL when CUDA is available, else gloo."""
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
     if missing and not dist.is_initialized():
         raise RuntimeError(
             f"megabuf: init_distributed() needs torchrun's environment; missing {missing}. "

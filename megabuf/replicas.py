@@ -66,9 +66,7 @@ def first_difference(reference: list[tuple], theirs: list[tuple]) -> str | None:
     """Pure: describe the first entry where two signatures differ, or None if equal."""
     for i, (a, b) in enumerate(zip(reference, theirs)):
         if a != b:
-            return (
-                f"param #{i}: {_describe(a)} vs {_describe(b)}"
-            )
+            return f"param #{i}: {_describe(a)} vs {_describe(b)}"
     if len(reference) != len(theirs):
         longer = reference if len(reference) > len(theirs) else theirs
         extra = longer[min(len(reference), len(theirs))][0]

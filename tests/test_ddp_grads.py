@@ -20,17 +20,40 @@ CASES: dict[str, dict[str, Any]] = {
     "sync_param_per_bucket": {"config": {"bucket_size": 1}},
     "disable_bucketing": {"config": {"overlap_grad_reduce": True}, "disable_bucketing": True},
     "frozen": {"config": {"overlap_grad_reduce": True, "bucket_size": 100}, "frozen": True},
-    "no_sync_4_micro": {"config": {"overlap_grad_reduce": True, "bucket_size": 100}, "micro_batches": 4},
+    "no_sync_4_micro": {
+        "config": {"overlap_grad_reduce": True, "bucket_size": 100},
+        "micro_batches": 4,
+    },
     "no_sync_4_micro_sync": {"micro_batches": 4},
     "accumulate_two_backwards": {"config": {"overlap_grad_reduce": True}, "backwards": 2},
-    "average_in_collective": {"config": {"overlap_grad_reduce": True, "average_in_collective": True}},
+    "average_in_collective": {
+        "config": {"overlap_grad_reduce": True, "average_in_collective": True}
+    },
     "distopt_reduce_scatter": {"config": {"use_distributed_optimizer": True, "bucket_size": 200}},
-    "distopt_overlap": {"config": {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "bucket_size": 1}},
-    "distopt_avg": {"config": {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "average_in_collective": True}},
+    "distopt_overlap": {
+        "config": {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "bucket_size": 1}
+    },
+    "distopt_avg": {
+        "config": {
+            "use_distributed_optimizer": True,
+            "overlap_grad_reduce": True,
+            "average_in_collective": True,
+        }
+    },
 }
 BF16_CASES: dict[str, dict[str, Any]] = {
-    "mixed_fp32_bf16_fp32_grads": {"bf16": True, "config": {"overlap_grad_reduce": True, "grad_reduce_in_fp32": True, "bucket_size": 100}},
-    "mixed_distopt": {"bf16": True, "config": {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "grad_reduce_in_fp32": True}},
+    "mixed_fp32_bf16_fp32_grads": {
+        "bf16": True,
+        "config": {"overlap_grad_reduce": True, "grad_reduce_in_fp32": True, "bucket_size": 100},
+    },
+    "mixed_distopt": {
+        "bf16": True,
+        "config": {
+            "use_distributed_optimizer": True,
+            "overlap_grad_reduce": True,
+            "grad_reduce_in_fp32": True,
+        },
+    },
 }
 
 

@@ -1,4 +1,4 @@
-"""20 AdamW steps of the example GPT: megabuf DDP == torch DDP == one process on the global batch."""
+"""20 AdamW steps of the example GPT: megabuf DDP == torch DDP == one process, global batch."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from megabuf.testing.models import build_model, loss_fn, make_batch
 STEPS = 20
 GLOBAL_BATCH = 8
 MODEL = "gpt_tiny"
-ATOL = 1e-4  # 20 AdamW steps in fp32: reduction order differs (ring vs one-process sum), and
-# Adam divides by sqrt(v), amplifying last-bit grad differences of tiny grads; torch DDP shows the same
+# 20 AdamW steps in fp32 vs one process: the reduction order differs (ring vs one sum) and Adam
+# divides by sqrt(v), amplifying last-bit differences of tiny grads; torch DDP shows the same.
+ATOL = 1e-4
 
 
 def _train(model: nn.Module, params: list[nn.Parameter], step_fn: Any) -> list[float]:
