@@ -80,6 +80,9 @@ class DistributedDataParallel(nn.Module):
             self.expert_parallel_buffers, single, collectives=self.collectives
         )
         self._wire_groups()
+        self._mismatched_params = [
+            p for _, p in trainable if p.main_grad.dtype != p.dtype  # type: ignore[attr-defined]
+        ]
         self._grad_hook_handles = register_grad_hooks(
             [p for _, p in trainable], self.param_to_bucket_group
         )
@@ -230,12 +233,11 @@ class DistributedDataParallel(nn.Module):
             )
 
     def _expose_mismatched_grads(self) -> None:
-        for group in self.all_bucket_groups:
-            for param in group.params_list:
-                main_grad = param.main_grad  # type: ignore[attr-defined]
-                if main_grad.dtype != param.dtype:
-                    param.grad = main_grad.to(param.dtype)
-                    self._exposed_grad_copies.append(param)
+        """bf16/fp16 params with fp32 main_grad: torch optimizers need a grad of the param's
+        dtype, so hand them a copy (dropped again at the next forward or zero_grad_buffer)."""
+        for param in self._mismatched_params:
+            param.grad = param.main_grad.to(param.dtype)  # type: ignore[attr-defined]
+        self._exposed_grad_copies = list(self._mismatched_params)
 
     def zero_grad_buffer(self) -> None:
         """Zero every grad buffer and reset the bucket groups for the next iteration."""
