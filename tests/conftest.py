@@ -12,13 +12,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from dist_pool import DistPool  # noqa: E402
 
-_POOLS: dict[int, DistPool] = {}
+_POOLS: dict[tuple[int, str], DistPool] = {}
 
 
-def get_pool(world_size: int) -> DistPool:
-    if world_size not in _POOLS:
-        _POOLS[world_size] = DistPool(world_size)
-    return _POOLS[world_size]
+def get_pool(world_size: int, backend: str = "gloo") -> DistPool:
+    key = (world_size, backend)
+    if key not in _POOLS:
+        _POOLS[key] = DistPool(world_size, backend=backend)
+    return _POOLS[key]
 
 
 @pytest.fixture(scope="session")

@@ -30,15 +30,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
+def _worker(rank: int, world_size: int, port: int, backend: str, inbox: Any, outbox: Any) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
+        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
     )
     while True:
         job = inbox.get()
@@ -53,8 +55,9 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> N
 
 
 class DistPool:
-    def __init__(self, world_size: int, timeout_s: float = 120.0) -> None:
+    def __init__(self, world_size: int, timeout_s: float = 120.0, backend: str = "gloo") -> None:
         self.world_size = world_size
+        self.backend = backend
         self.timeout_s = timeout_s
         self._procs: list[Any] = []
 
@@ -65,7 +68,7 @@ class DistPool:
         self._procs = [
             _CTX.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self._inboxes[r], self._outbox),
+                args=(r, self.world_size, port, self.backend, self._inboxes[r], self._outbox),
                 daemon=True,
             )
             for r in range(self.world_size)
