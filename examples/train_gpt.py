@@ -1,0 +1,245 @@
+"""Train a small GPT with megabuf data parallelism on CPU ranks.
+
+Run it from the repository root:
+
+    python examples/train_gpt.py                          # spawns 2 CPU ranks by itself
+    torchrun --nproc-per-node 2 examples/train_gpt.py     # or let torchrun start the ranks
+    python examples/train_gpt.py --check                  # and compare with 1-process training
+    python examples/train_gpt.py --config configs/ddp.toml --model gpt_small --steps 50
+
+What every rank does (see `train` below):
+
+1. `megabuf.init_distributed()` joins the process group from torchrun's environment variables
+   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); on CPU it uses gloo.
+2. Every rank builds the same GPT from the same seed and wraps it in
+   `megabuf.DistributedDataParallel`, which moves all grads into contiguous buffers split into
+   buckets (and broadcasts rank 0's params, so the replicas start identical).
+3. Each step every rank takes its contiguous slice of the global batch, runs forward and backward
+   (with `overlap_grad_reduce`, buckets are all-reduced while backward is still running),
+   `finish_grad_sync()` waits for the reductions, so every `param.grad` holds the gradient
+   averaged over the data-parallel ranks, and a plain `torch.optim.AdamW` steps.
+
+Because the per-rank slices have equal size, the average of the ranks' mean losses is the mean
+loss of the global batch, so data-parallel training follows the same trajectory as one process
+training on the whole batch, up to float rounding. `--check` verifies exactly that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+try:
+    import megabuf
+except ModuleNotFoundError:  # a source checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import megabuf
+from megabuf.testing import (
+    PRESETS,
+    GPTConfig,
+    build_model,
+    corpus_text,
+    corpus_tokens,
+    gpt_loss,
+    lm_batches,
+    spawn,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+CHECK_RTOL = 1e-4
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "ddp_overlap.toml")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (no torchrun)")
+    parser.add_argument(
+        "--global-batch", type=int, default=16, help="sequences per step, all ranks"
+    )
+    parser.add_argument("--model", choices=["gpt_tiny", "gpt_small"], default="gpt_tiny")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check", action="store_true", help="compare with 1-process training")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.global_batch < 1 or args.world_size < 1:
+        parser.error("--steps, --global-batch and --world-size must be >= 1")
+    return args
+
+
+def load_config(path: Path) -> megabuf.DistributedDataParallelConfig:
+    cfg = megabuf.DistributedDataParallelConfig.from_toml(path)
+    if cfg.use_distributed_optimizer:
+        # With ZeRO-1 each rank only holds the reduced grads of its own shard, so a plain torch
+        # optimizer over all params would step on garbage; this example uses plain AdamW.
+        raise SystemExit(
+            f"{path}: use_distributed_optimizer=true needs a distributed optimizer; this example "
+            "uses plain torch AdamW. Try configs/ddp.toml or configs/ddp_overlap.toml"
+        )
+    return cfg
+
+
+def make_optimizer(params: Any, lr: float) -> torch.optim.Optimizer:
+    # foreach=False: the same per-tensor kernels in the DDP and reference runs, for --check.
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, foreach=False)
+
+
+def log(*parts: object) -> None:
+    if dist.get_rank() == 0:
+        print(*parts, flush=True)
+
+
+def train_step(
+    model: megabuf.DistributedDataParallel, opt: torch.optim.Optimizer, x: Tensor, y: Tensor
+) -> Tensor:
+    """One data-parallel step on this rank's slice (x, y); returns the local loss, detached."""
+    model.zero_grad_buffer()  # grads accumulate into the buffers: clear them every step
+    loss = gpt_loss(model(x), y)
+    loss.backward()  # with overlap_grad_reduce, bucket all-reduces start during backward
+    model.finish_grad_sync()  # wait for them: every param.grad is now the dp-averaged grad
+    opt.step()
+    return loss.detach()
+
+
+def train(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Runs on every rank. Rank 0 returns its losses (and, with --check, the check result)."""
+    pgs = megabuf.init_distributed()
+    cfg = load_config(args.config)
+    dp_size, dp_rank = pgs.dp_size, pgs.dp_rank
+    if args.global_batch % dp_size != 0:
+        raise ValueError(f"--global-batch {args.global_batch} must be divisible by dp={dp_size}")
+    local = args.global_batch // dp_size
+    lo, hi = dp_rank * local, (dp_rank + 1) * local  # this rank's contiguous slice
+
+    model = megabuf.DistributedDataParallel(
+        build_model(args.model, seed=args.seed), cfg, process_groups=pgs
+    )
+    opt = make_optimizer(model.parameters(), args.lr)
+    gpt_cfg = PRESETS[args.model]
+    if not isinstance(gpt_cfg, GPTConfig):
+        raise TypeError(f"{args.model} is not a GPT preset")
+    tokens = corpus_tokens(_corpus_len(args, gpt_cfg), gpt_cfg.vocab_size, seed=args.seed)
+    _print_header(args, cfg, model, dp_size, local)
+
+    losses: list[float] = []
+    step_times: list[float] = []
+    for step in range(args.steps):
+        start = time.perf_counter()
+        x, y = lm_batches(tokens, args.global_batch, gpt_cfg.seq_len, step)
+        loss = train_step(model, opt, x[lo:hi], y[lo:hi])
+        step_times.append(time.perf_counter() - start)
+        # For logging only: the global-batch loss is the mean of the ranks' local means.
+        dist.all_reduce(loss, group=pgs.dp)
+        losses.append(loss.item() / dp_size)
+        tok_s = args.global_batch * gpt_cfg.seq_len / step_times[-1]
+        log(f"step {step + 1:4d}/{args.steps}  loss {losses[-1]:.4f}  {tok_s:9,.0f} tok/s")
+
+    _print_summary(args, model, losses, step_times, gpt_cfg.seq_len)
+    if dist.get_rank() != 0:
+        return None
+    result: dict[str, Any] = {"losses": losses}
+    if args.check:
+        result["check_ok"] = run_check(args, model.module, losses, tokens, gpt_cfg.seq_len)
+    return result
+
+
+def _corpus_len(args: argparse.Namespace, cfg: GPTConfig) -> int:
+    # Enough text that no window repeats during the run (lm_batches wraps around otherwise).
+    return max(10_000, args.steps * args.global_batch * cfg.seq_len + 1)
+
+
+def _print_header(
+    args: argparse.Namespace,
+    cfg: megabuf.DistributedDataParallelConfig,
+    model: nn.Module,
+    dp_size: int,
+    local: int,
+) -> None:
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"megabuf example: {args.model} ({n_params / 1e6:.2f}M params), dp={dp_size}")
+    log(f"config {args.config}: overlap_grad_reduce={cfg.overlap_grad_reduce}")
+    log(f"global batch {args.global_batch} = {dp_size} ranks x {local} sequences; lr {args.lr}")
+    log(f"corpus sample: {corpus_text(24, seed=args.seed)!r}")
+
+
+def _print_summary(
+    args: argparse.Namespace,
+    model: nn.Module,
+    losses: list[float],
+    step_times: list[float],
+    seq_len: int,
+) -> None:
+    # Step 1 pays one-off costs (allocations, thread pools); leave it out of the throughput.
+    timed = step_times[1:] or step_times
+    tok_s = args.global_batch * seq_len * len(timed) / sum(timed)
+    log(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps")
+    log(f"throughput {tok_s:,.0f} tok/s, {1e3 * sum(timed) / len(timed):.1f} ms/step")
+    stats = getattr(getattr(model, "collectives", None), "stats", None)
+    if stats is not None:
+        calls = dict(stats.calls)
+        log(f"rank 0 sent {stats.total_bytes_sent / 1e6:.1f} MB in collectives {calls}")
+
+
+def run_check(
+    args: argparse.Namespace, trained: nn.Module, losses: list[float], tokens: Tensor, seq: int
+) -> bool:
+    """Train a fresh copy in this one process on the full global batch; compare with DDP."""
+    ref = build_model(args.model, seed=args.seed)
+    opt = make_optimizer(ref.parameters(), args.lr)
+    ref_losses = []
+    for step in range(args.steps):
+        x, y = lm_batches(tokens, args.global_batch, seq, step)
+        opt.zero_grad(set_to_none=True)
+        loss = gpt_loss(ref(x), y)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+    max_abs, norm_rel = _param_diff(trained, ref)
+    ok = loss_rel <= CHECK_RTOL and norm_rel <= CHECK_RTOL
+    print(
+        f"check vs 1 process: max loss diff {loss_rel:.2e} (relative); params: max abs diff "
+        f"{max_abs:.2e}, |ddp - ref| / |ref| = {norm_rel:.2e} -> "
+        f"{'OK' if ok else f'FAILED (tolerance {CHECK_RTOL:g})'}",
+        flush=True,
+    )
+    return ok
+
+
+def _param_diff(a: nn.Module, b: nn.Module) -> tuple[float, float]:
+    """(max abs element difference, |a - b| / |b| in L2 norm over all params together).
+
+    The pass criterion is the norm ratio, not the max abs difference: Adam's first step moves
+    every element by lr * sign(grad), so an element whose true gradient is below float rounding
+    (summing the batch in a different order, as data parallelism does) moves by +-lr in either
+    run. Those few elements say nothing about correctness but dominate a max-abs comparison.
+    """
+    pb = dict(b.named_parameters())
+    max_abs = diff_sq = ref_sq = 0.0
+    for name, p in a.named_parameters():
+        diff = p.detach().double() - pb[name].detach().double()
+        max_abs = max(max_abs, diff.abs().max().item())
+        diff_sq += diff.square().sum().item()
+        ref_sq += pb[name].detach().double().square().sum().item()
+    return max_abs, (diff_sq / max(ref_sq, 1e-30)) ** 0.5
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    load_config(args.config)  # fail fast on a bad config, before starting any rank
+    results = spawn(train, args.world_size, args)  # under torchrun: just train(args) here
+    mine = results[0]
+    if mine is None or not args.check:  # ranks other than 0 (torchrun), or nothing to check
+        return 0
+    return 0 if mine["check_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
