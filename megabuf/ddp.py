@@ -58,10 +58,10 @@ class DistributedDataParallel(nn.Module):
         expert = [p for _, p in trainable if is_expert_parallel(p)]
         bucket_size = self._resolve_bucket_size(dense, expert)
         dense_scale, expert_scale = self._scaling_factors()
-        # Megatron's attribute name; it shadows nn.Module.buffers() on the wrapper (the wrapped
-        # module's buffers() is untouched).
-        self.buffers = self._make_buffers(  # type: ignore[method-assign,assignment]
-            dense, pgs.dp, bucket_size, dense_scale
+        # Megatron's attribute name. It would shadow nn.Module.buffers(), so the list is also
+        # callable: `model.buffers` is the grad buffers, `model.buffers()` the module buffers.
+        self.buffers = _BufferList(  # type: ignore[method-assign,assignment]
+            self._make_buffers(dense, pgs.dp, bucket_size, dense_scale), self
         )
         self.expert_parallel_buffers = self._make_buffers(
             expert, pgs.expt_dp, bucket_size, expert_scale
@@ -314,6 +314,17 @@ class DistributedDataParallel(nn.Module):
             )
         self.publish_params()
         return self.module.load_state_dict(state_dict, strict=strict)
+
+
+class _BufferList(list):  # type: ignore[type-arg]
+    """A list of `_ParamAndGradBuffer` that, called, behaves like `nn.Module.buffers()`."""
+
+    def __init__(self, items: list[_ParamAndGradBuffer], owner: nn.Module) -> None:
+        super().__init__(items)
+        self._owner = owner
+
+    def __call__(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        return nn.Module.buffers(self._owner, recurse)
 
 
 def _dtype_key(

@@ -122,3 +122,15 @@ def test_nan_check_raises_on_every_rank_naming_bucket_and_rank(
         assert "NaN or Inf" in msg and "bucket 0" in msg and "rank(s) [1]" in msg, msg
         if rank == 1:
             assert "non-finite grads in: " in msg and "body.weight" in msg.split("in: ")[-1]
+
+
+def module_buffers_case() -> tuple[int, int]:
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model = megabuf.DistributedDataParallel(net)
+    return len(model.buffers), len(list(model.buffers()))
+
+
+def test_buffers_attribute_and_module_buffers_coexist(pools: Any) -> None:
+    n_grad_buffers, n_module_buffers = pools(1).run(module_buffers_case)[0]
+    assert n_grad_buffers == 1  # Megatron's attribute: the list of grad buffers
+    assert n_module_buffers == 3  # nn.Module.buffers(): BatchNorm running mean/var/count
