@@ -1,0 +1,157 @@
+"""Rank-side code for the expert-parallel tests (runs inside DistPool workers, 4 gloo ranks).
+
+Every case builds the sharded MoE model on every rank and the whole model in one process on the
+global batch, runs megabuf on this rank's dp slice, and returns the largest deviation per param.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import megabuf
+from megabuf.finalize import finalize_model_grads
+from megabuf.layout import shard_pieces
+from megabuf.testing.moe import MoEConfig, MoEModel, global_expert_index, moe_batch
+
+CFG = MoEConfig(d_in=8, d_model=16, d_ff=24, d_out=4, num_experts=4, top_k=2)
+GLOBAL_BATCH = 32
+_GROUPS: dict[tuple[int, int], megabuf.ProcessGroups] = {}
+
+
+def groups(pp_size: int = 1, ep_size: int = 1) -> megabuf.ProcessGroups:
+    """Built once per worker process and reused across cases (group creation is collective)."""
+    key = (pp_size, ep_size)
+    if key not in _GROUPS:
+        _GROUPS[key] = megabuf.ProcessGroups.build(pp_size=pp_size, ep_size=ep_size)
+    return _GROUPS[key]
+
+
+def reference_name(name: str, ep_rank: int, n_local: int) -> str:
+    m = re.match(r"moe\.experts\.(\d+)\.(.*)", name)
+    if m is None:
+        return name
+    return f"moe.experts.{global_expert_index(int(m.group(1)), ep_rank, n_local)}.{m.group(2)}"
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor, per_token: bool) -> torch.Tensor:
+    per_row = ((out - y) ** 2).mean(dim=1)
+    return per_row.sum() if per_token else per_row.mean()
+
+
+def reference_grads() -> dict[str, torch.Tensor]:
+    ref = MoEModel(CFG, seed=3)
+    x, y = moe_batch(CFG, GLOBAL_BATCH, seed=100)
+    _loss(ref(x), y, per_token=False).backward()
+    return {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def build(case: dict[str, Any]) -> megabuf.DistributedDataParallel:
+    pgs = groups(ep_size=case["ep"])
+    net = MoEModel(CFG, ep_group=pgs.ep, seed=3)
+    cfg = megabuf.DistributedDataParallelConfig.from_dict(case.get("config", {}))
+    model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
+    net.moe.collectives = model.collectives  # one byte counter for the whole engine
+    return model
+
+
+def run_step(model: megabuf.DistributedDataParallel, step: int, per_token: bool) -> None:
+    pgs = model.process_groups
+    x, y = moe_batch(CFG, GLOBAL_BATCH, seed=100 + step)
+    n = GLOBAL_BATCH // pgs.dp_size
+    rows = slice(pgs.dp_rank * n, (pgs.dp_rank + 1) * n)
+    _loss(model(x[rows]), y[rows], per_token).backward()
+    num_tokens = torch.tensor(n) if per_token else None
+    finalize_model_grads([model], num_tokens=num_tokens)
+
+
+def compare(model: megabuf.DistributedDataParallel, expected: dict[str, torch.Tensor]) -> dict:
+    ep_rank = dist.get_rank(model.process_groups.ep)
+    n_local = CFG.num_experts // dist.get_world_size(model.process_groups.ep)
+    names = {p: reference_name(n, ep_rank, n_local) for p, n in model.param_to_name.items()}
+    errors: dict[str, float] = {}
+    if model.ddp_config.use_distributed_optimizer:
+        for buf in model.buffers + model.expert_parallel_buffers:
+            for piece in shard_pieces(buf.layout, buf.dp_rank, buf.dp_size):
+                param = buf.params[piece.param_id]
+                got = buf.grad_data[piece.buffer_start : piece.buffer_start + piece.numel]
+                want = expected[names[param]].flatten()[piece.param_start : piece.param_end]
+                err = (got - want).abs().max().item()
+                errors[names[param]] = max(errors.get(names[param], 0.0), err)
+    else:
+        for param, name in names.items():
+            errors[name] = (param.main_grad - expected[name]).abs().max().item()
+    return errors
+
+
+def grads_case(case: dict[str, Any]) -> dict[str, Any]:
+    model = build(case)
+    run_step(model, 0, case.get("per_token", False))
+    expected = reference_grads()
+    return {
+        "errors": compare(model, expected),
+        "n_expert_buffers": len(model.expert_parallel_buffers),
+        "n_expert_params": sum(len(b.params) for b in model.expert_parallel_buffers),
+        "expert_groups_reduce_over_expt_dp": all(
+            g.collective_group is model.process_groups.expt_dp
+            for g in model.expert_parallel_bucket_groups
+        ),
+        "all_to_all_bytes": model.collectives.stats.bytes_sent.get("all_to_all", 0),
+    }
+
+
+def rank_value_case(case: dict[str, Any]) -> dict[str, list[float]]:
+    """Every grad element := global rank + 1; return the distinct values after finalize (only
+    this rank's shards with the distributed optimizer)."""
+    model = build(case)
+    for group in model.all_bucket_groups:
+        for p in group.params_list:
+            p.main_grad.fill_(dist.get_rank() + 1.0)
+    finalize_model_grads([model])
+    seen: dict[str, set[float]] = {"dense": set(), "expert": set()}
+    for kind, bufs in (("dense", model.buffers), ("expert", model.expert_parallel_buffers)):
+        for buf in bufs:
+            for piece in shard_pieces(buf.layout, buf.dp_rank, buf.dp_size):
+                if not model.ddp_config.use_distributed_optimizer:
+                    piece_data = buf.params[piece.param_id].main_grad
+                else:
+                    start = piece.buffer_start
+                    piece_data = buf.grad_data[start : start + piece.numel]
+                seen[kind].update(round(v, 6) for v in piece_data.unique().tolist())
+    return {k: sorted(v) for k, v in seen.items()}
+
+
+def norm_case(case: dict[str, Any]) -> dict[str, float]:
+    """Global grad norm over dense + expert params after finalize vs the reference's."""
+    model = build(case)
+    run_step(model, 0, per_token=False)
+    expected = reference_grads()
+    ref_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in expected.values()))
+    got = global_grad_norm(model)
+    return {"got": got, "want": ref_norm, "source": _NORM_SOURCE}
+
+
+_NORM_SOURCE = "tests/moe_cases.py"
+
+
+def global_grad_norm(model: megabuf.DistributedDataParallel) -> float:
+    """Own reference computation (no distributed optimizer): dense grads are replicated over dp,
+    so count them once; expert grads differ over ep (different experts) and are replicated over
+    expt_dp, so sum their squares over ep."""
+    dense = sum(float(p.main_grad.double().pow(2).sum()) for b in model.buffers for p in b.params)
+    expert = torch.tensor(
+        [sum(float(p.main_grad.double().pow(2).sum())
+             for b in model.expert_parallel_buffers for p in b.params)],
+        dtype=torch.float64,
+    )  # fmt: skip
+    model.collectives.all_reduce(expert, model.process_groups.ep, async_op=False)
+    return math.sqrt(dense + float(expert.item()))
+
+
+def run_all(cases: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    kinds = {"grads": grads_case, "rank_value": rank_value_case, "norm": norm_case}
+    return {name: kinds[kind](case) for name, (kind, case) in cases.items()}
