@@ -33,7 +33,11 @@ RANK_VALUE_CASES = {
     "rv_ep2_distopt": {"ep": 2, "config": DISTOPT | {"overlap_grad_reduce": False}},
     "rv_ep2_avg": {"ep": 2, "config": {"average_in_collective": True}},
 }
-NORM_CASES = {"norm_ep2": {"ep": 2, "config": OVERLAP}, "norm_ep4": {"ep": 4}}
+NORM_CASES = {
+    "norm_ep2": {"ep": 2, "config": OVERLAP},
+    "norm_ep4": {"ep": 4},
+    "norm_ep2_distopt": {"ep": 2, "config": DISTOPT},
+}
 
 
 def test_moe_grads_groups_and_norm(pools: Any) -> None:
