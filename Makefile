@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(VPY) -m pytest -q
 
 demo: $(STAMP)
-	$(VPY) examples/train_gpt.py --steps 20
+	$(VPY) examples/train_gpt.py --steps 20 --check
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megabuf tests examples

@@ -152,6 +152,9 @@ def _child_main(
     except BaseException:  # report everything, KeyboardInterrupt included, then exit non-zero
         message = ("error", traceback.format_exc())
     if message[0] == "ok" and dist.is_initialized():
+        # Wait for every rank before tearing gloo down: destroying the group while a peer still
+        # works (e.g. rank 0's --check pass) aborts the process from gloo's threads.
+        dist.barrier()
         dist.destroy_process_group()  # a clean shutdown; avoids torch's "not destroyed" warning
     try:
         conn.send(message)
