@@ -1,0 +1,114 @@
+"""Command line of the benchmark, the models it runs, and the optimizer every system uses."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Every system trains with torch AdamW (or its sharded equivalent) with these settings. eps is
+# 1e-6 rather than 1e-8 so that the one-step check is not dominated by elements whose grad is at
+# rounding level (Adam's first step is lr * g / (|g| + eps), i.e. +-lr for any |g| >> eps).
+OPTIMIZER_KWARGS: dict[str, float] = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}
+CHECK_ATOL = 1e-5  # params after one step vs the single-process step (each moved by <= lr)
+
+# model preset -> samples per rank per step (sized so a full run stays under 10 minutes here)
+DEFAULT_MODELS: dict[str, int] = {"gpt_small": 4, "mlp_34m": 64, "many_small": 32}
+QUICK_MODELS: dict[str, int] = {"gpt_tiny": 4, "mlp_tiny": 8, "many_small": 8}
+
+SYSTEM_NAMES: tuple[str, ...] = (
+    "no_comm",
+    "torch_ddp",
+    "torch_ddp_gabv",
+    "fsdp2_reshard",
+    "fsdp2_no_reshard",
+    "zero_ddp",
+    "megabuf_ar_overlap",
+    "megabuf_ar_sync",
+    "megabuf_distopt_overlap",
+    "megabuf_distopt_sync",
+)
+BASELINE = "torch_ddp_gabv"  # ratios are to torch DDP with gradient_as_bucket_view=True
+FLOOR = "no_comm"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchOptions:
+    """Everything one benchmark run needs; built from the command line."""
+
+    models: dict[str, int]
+    """Preset name -> samples per rank per step."""
+    systems: tuple[str, ...]
+    world_size: int
+    warmup: int
+    """Untimed steps after the checked step."""
+    steps: int
+    """Timed steps; the table shows their median."""
+    isolate: bool
+    """One fresh set of rank processes per (model, system): peak RSS is that system's alone."""
+    out: str
+    """JSON lines file."""
+    trace_dir: str | None
+    """Write Chrome traces (torch.profiler) and PNG timelines here."""
+    trace_steps: int = 3
+
+
+def _parse_models(text: str) -> dict[str, int]:
+    models: dict[str, int] = {}
+    for item in text.split(","):
+        name, _, batch = item.strip().partition(":")
+        if not name:
+            continue
+        models[name] = int(batch) if batch else {**DEFAULT_MODELS, **QUICK_MODELS}.get(name, 8)
+    if not models:
+        raise ValueError(f"megabuf.bench: no models in {text!r}")
+    return models
+
+
+def _parse_systems(text: str | None) -> tuple[str, ...]:
+    if not text:
+        return SYSTEM_NAMES
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in names if s not in SYSTEM_NAMES]
+    if unknown:
+        raise ValueError(f"megabuf.bench: unknown systems {unknown}; known: {list(SYSTEM_NAMES)}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megabuf.bench", description=__doc__)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: tiny models, 1 warm-up + 2 timed steps, one launch",
+    )
+    p.add_argument("--models", help="comma list of preset[:batch_per_rank], e.g. gpt_small:4")
+    p.add_argument("--systems", help=f"comma list out of {', '.join(SYSTEM_NAMES)}")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=None, help="untimed warm steps (default 3)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 12)")
+    p.add_argument(
+        "--no-isolate",
+        action="store_true",
+        help="run every system in one launch (faster; peak RSS then approximate)",
+    )
+    p.add_argument("--out", default="bench-results.jsonl", help="JSON lines output")
+    p.add_argument("--trace", metavar="DIR", help="write Chrome traces and PNG timelines to DIR")
+    return p
+
+
+def parse_options(argv: Sequence[str]) -> BenchOptions:
+    args = build_parser().parse_args(list(argv))
+    quick = bool(args.quick)
+    models = (
+        _parse_models(args.models) if args.models else (QUICK_MODELS if quick else DEFAULT_MODELS)
+    )
+    warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
+    steps = args.steps if args.steps is not None else (2 if quick else 12)
+    if steps < 1 or warmup < 0 or args.world_size < 1:
+        raise ValueError("megabuf.bench: need --steps >= 1, --warmup >= 0, --world-size >= 1")
+    return BenchOptions(
+        models=dict(models), systems=_parse_systems(args.systems), world_size=args.world_size,
+        warmup=warmup, steps=steps, isolate=not (quick or args.no_isolate), out=args.out,
+        trace_dir=args.trace, trace_steps=2 if quick else 3,
+    )  # fmt: skip

@@ -1,0 +1,135 @@
+"""Progress bar, per-rank aggregation, the result tables and the JSON lines file."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from megabuf.bench.options import BASELINE, FLOOR
+
+MiB = 1 << 20
+MB = 1e6
+
+
+class Progress:
+    """A one-line progress bar on stderr: `[#####.....] 7/30 gpt_small torch_ddp`."""
+
+    def __init__(self, total: int, width: int = 24, stream: TextIO | None = None) -> None:
+        self.total = max(1, total)
+        self.width = width
+        self.stream = stream or sys.stderr
+
+    def prefix(self, done: int, label: str) -> str:
+        filled = self.width * done // self.total
+        return f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total} {label}"
+
+    def show(self, done: int, label: str) -> None:
+        """Redraw the line on a terminal; elsewhere (a log file) one line per update."""
+        if self.stream.isatty():
+            self.stream.write(f"\r{self.prefix(done, label)}\x1b[K")
+        else:
+            self.stream.write(f"{self.prefix(done, label)}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.stream.isatty():
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def combine_ranks(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One row from every rank's result: the slowest rank's time, the largest memory figures,
+    the worst check error; rank 0's bytes, phases and overlap figures."""
+    row = {k: v for k, v in per_rank[0].items() if k not in ("rank", "timeline_events")}
+    if row.get("status") != "ok":
+        return row
+    row["step_ms"] = max(r["step_ms"] for r in per_rank)
+    row["step_ms_per_rank"] = [r["step_ms"] for r in per_rank]
+    for key in ("peak_rss_bytes", "optimizer_state_nbytes"):
+        row[key] = max(r[key] for r in per_rank)
+    errors = [r["check_max_abs_error"] for r in per_rank if r["check_max_abs_error"] is not None]
+    row["check_max_abs_error"] = max(errors) if errors else None
+    traces = [r.get("trace") for r in per_rank]
+    row["traces"] = [t["chrome_trace"] for t in traces if t]
+    row["trace"] = traces if any(traces) else None  # per rank; for the PNG, not for JSON
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]], world_size: int) -> None:
+    """Ratio to the baseline (torch DDP, bucket view) and to the floor, per model; samples/s."""
+    by_model: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        by_model.setdefault(row["model"], {})[row["system"]] = row
+    for row in rows:
+        if row.get("status") != "ok":
+            continue
+        peers = by_model[row["model"]]
+        for key, name in (("ratio_to_ddp", BASELINE), ("ratio_to_floor", FLOOR)):
+            ref = peers.get(name)
+            ok = ref is not None and ref.get("status") == "ok"
+            row[key] = row["step_ms"] / ref["step_ms"] if ok and ref is not None else None
+        row["samples_per_s"] = 1e3 * row["batch_per_rank"] * world_size / row["step_ms"]
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _cells(row: dict[str, Any], tolerance: float) -> list[str]:
+    if row.get("status") != "ok":
+        return [row["model"], row["system"], str(row.get("status"))] + [""] * 9
+    measured = row.get("bytes_per_step")
+    sent = _num(measured / MB, ".2f") if measured is not None else "-"
+    overlap = row.get("overlap") or {}
+    err = row.get("check_max_abs_error")
+    check = "n/a" if err is None else ("ok " if err <= tolerance else "FAIL ") + f"{err:.1e}"
+    return [
+        row["model"], row["system"], f"{row['step_ms']:.1f}",
+        _num(row.get("ratio_to_ddp"), ".2f"), _num(row.get("ratio_to_floor"), ".2f"),
+        f"{row['samples_per_s']:.1f}", f"{row['peak_rss_bytes'] / MiB:.0f}",
+        f"{row['optimizer_state_nbytes'] / MiB:.1f}", sent,
+        f"{row['theoretical_bytes_per_step'] / MB:.2f}",
+        _num(overlap.get("median_exposed_ms"), ".1f"), check,
+    ]  # fmt: skip
+
+
+HEADER = [
+    "model", "system", "step ms", "x DDP", "x floor", "samples/s", "peak RSS MiB",
+    "opt state MiB", "sent MB/step", "theory MB/step", "exposed comm ms", "check",
+]  # fmt: skip
+PHASE_HEADER = ["model", "system", "forward ms", "backward ms", "grad sync ms", "optimizer ms"]
+
+
+def markdown_table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(header)]
+    out = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |"]
+    out.append("| " + " | ".join("-" * w for w in widths) + " |")
+    for cells in lines:
+        out.append("| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |")
+    return "\n".join(out)
+
+
+def results_table(rows: Sequence[dict[str, Any]], tolerance: float) -> str:
+    return markdown_table(HEADER, [_cells(r, tolerance) for r in rows])
+
+
+def phase_table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = []
+    for row in rows:
+        if row.get("status") == "ok":
+            p = row["phase_ms"]
+            lines.append([row["model"], row["system"]] + [
+                f"{p[k]:.1f}" for k in ("forward", "backward", "grad_sync", "optimizer")
+            ])  # fmt: skip
+    return markdown_table(PHASE_HEADER, lines) if lines else ""
+
+
+def write_jsonl(path: str, header: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(json.dumps({"kind": "run", **header}) + "\n")
+        for row in rows:
+            f.write(json.dumps({"kind": "result", **row}, default=str) + "\n")

@@ -1,0 +1,195 @@
+"""What each benchmark rank runs: build a system, check one step, time warm steps, measure.
+
+[Note: peak RSS per rank]
+With `isolate` (the default for full runs) every (model, system) pair runs in fresh processes, so
+the peak RSS (VmHWM, else getrusage's ru_maxrss) is that system's own, start-up included. Without
+it the peak is reset (`/proc/self/clear_refs`) before each system, but memory an earlier system
+freed stays in the heap (the benchmark raises glibc's trim threshold on purpose), so the figure is
+an upper bound.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import megabuf
+from megabuf.bench.reference import Reference, max_error, rank_batch
+from megabuf.bench.systems import (
+    BUILDERS,
+    Engine,
+    NotAvailable,
+    full_params,
+    optimizer_state_nbytes,
+)
+from megabuf.overlap import analyze
+from megabuf.testing.models import build_model, loss_fn
+
+PHASES = ("forward", "backward", "grad_sync", "optimizer")
+# Chrome traces of the peers on the many-small model reach 100 MB per rank: trace megabuf, the
+# baseline and the floor only.
+TRACED_PREFIXES = ("megabuf_", "torch_ddp_gabv", "no_comm")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One (model, system) measurement."""
+
+    model: str
+    batch_per_rank: int
+    system: str
+    warmup: int
+    steps: int
+    reference: Reference | None
+    trace_dir: str | None
+    trace_steps: int
+    progress: str  # prefix of the progress line rank 0 prints (empty: silent)
+    reset_peak: bool  # not isolated: see [Note: peak RSS per rank]
+
+
+def reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _show(job: Job, text: str) -> None:
+    if job.progress and dist.get_rank() == 0 and sys.stderr.isatty():
+        sys.stderr.write(f"\r{job.progress} {text}\x1b[K")
+        sys.stderr.flush()
+
+
+def train_step(engine: Engine, x: Tensor, y: Tensor, loss: Any) -> list[float]:
+    """One step of megabuf's contract; returns the perf_counter times at the start and at the
+    end of each phase (see PHASES): 5 values."""
+    t0 = time.perf_counter()
+    engine.zero_grad()
+    with torch.profiler.record_function("bench::forward"):
+        value = loss(engine.model(x), y)
+    t1 = time.perf_counter()
+    with torch.profiler.record_function("bench::backward"):
+        value.backward()
+    t2 = time.perf_counter()
+    with torch.profiler.record_function("bench::grad_sync"):
+        engine.finish_sync()
+    t3 = time.perf_counter()
+    with torch.profiler.record_function("bench::optimizer"):
+        engine.optimizer.step()
+        engine.after_step()
+    return [t0, t1, t2, t3, time.perf_counter()]
+
+
+def _check(job: Job, engine: Engine) -> float | None:
+    if job.reference is None:
+        return None
+    return max_error(job.reference, full_params(engine))
+
+
+def _timed_steps(job: Job, engine: Engine, x: Tensor, y: Tensor) -> list[list[float]]:
+    loss = loss_fn(job.model)
+    for i in range(job.warmup):
+        _show(job, f"warm-up {i + 1}/{job.warmup}")
+        train_step(engine, x, y, loss)
+    if engine.collectives is not None:
+        engine.collectives.stats.reset()
+    if engine.ddp is not None:
+        engine.ddp.enable_timeline()
+    dist.barrier()
+    phases = []
+    for i in range(job.steps):
+        _show(job, f"step {i + 1}/{job.steps}")
+        times = train_step(engine, x, y, loss)
+        phases.append([b - a for a, b in zip(times, times[1:])])
+    return phases
+
+
+def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, Any]:
+    totals = [sum(p) for p in phases]
+    out: dict[str, Any] = {
+        "step_ms": 1e3 * statistics.median(totals),
+        "phase_ms": {
+            n: 1e3 * statistics.median(p[i] for p in phases) for i, n in enumerate(PHASES)
+        },
+        "optimizer_state_nbytes": optimizer_state_nbytes(engine.optimizer),
+        "theoretical_bytes_per_step": engine.theoretical_nbytes,
+        "bytes_per_step": None,
+        "overlap": None,
+        "notes": engine.notes,
+    }
+    if engine.collectives is not None:
+        stats = engine.collectives.stats
+        out["bytes_per_step"] = stats.total_bytes_sent // job.steps
+        out["bytes_by_op"] = {k: v // job.steps for k, v in stats.bytes_sent.items()}
+    if engine.ddp is not None and engine.ddp.timeline is not None:
+        out["overlap"] = analyze(engine.ddp.timeline.events).to_dict()
+        out["timeline_events"] = list(engine.ddp.timeline.events)
+    return out
+
+
+def _trace(job: Job, engine: Engine, x: Tensor, y: Tensor) -> dict[str, Any] | None:
+    if job.trace_dir is None or not job.system.startswith(TRACED_PREFIXES):
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    loss = loss_fn(job.model)
+    path = f"{job.trace_dir}/{job.model}_{job.system}_rank{dist.get_rank()}.json"
+    _show(job, "tracing")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        steps = [train_step(engine, x, y, loss) for _ in range(job.trace_steps)]
+    prof.export_chrome_trace(path)
+    start = steps[0][0]
+    events = engine.ddp.timeline.events if engine.ddp and engine.ddp.timeline else []
+    return {"chrome_trace": path, "steps": steps,
+            "events": [e for e in events if e[2] >= start]}  # fmt: skip
+
+
+def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
+    """Measure one (model, system) pair on this rank."""
+    result: dict[str, Any] = {"model": job.model, "system": job.system, "rank": dist.get_rank(),
+                              "batch_per_rank": job.batch_per_rank}  # fmt: skip
+    gc.collect()
+    if job.reset_peak:
+        reset_peak_rss()
+    try:
+        engine = BUILDERS[job.system](build_model(job.model, seed=0), pgs)
+    except NotAvailable as exc:
+        return {**result, "status": "n/a (not available)", "reason": str(exc)}
+    x, y = rank_batch(job.model, job.batch_per_rank, pgs.dp_rank)
+    _show(job, "checking one step")
+    train_step(engine, x, y, loss_fn(job.model))
+    result["check_max_abs_error"] = _check(job, engine)
+    phases = _timed_steps(job, engine, x, y)
+    result.update(_summary(job, engine, phases))
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    result["trace"] = _trace(job, engine, x, y)
+    result["status"] = "ok"
+    del engine
+    return result
+
+
+def run_jobs(jobs: list[Job]) -> list[dict[str, Any]]:
+    """The rank entry point (`megabuf.testing.spawn` target): every job, in order."""
+    pgs = megabuf.init_distributed()
+    return [run_job(job, pgs) for job in jobs]
