@@ -252,6 +252,12 @@ class Collectives:
         self.stats.record("all_reduce", _nbytes(tensor))
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
+    def barrier(self, group: Group) -> None:
+        """Synchronous: return once every rank of the group has called it (checkpoint I/O)."""
+        self.stats.record("barrier", 0)
+        with torch.profiler.record_function("megabuf::barrier"):
+            dist.barrier(group=group)
+
     def all_gather_object(self, obj: Any, group: Group) -> list[Any]:
         """Every rank's `obj`, in group-rank order (pickled; for set-up checks, not hot paths)."""
         self.stats.record("all_gather_object", len(pickle.dumps(obj)))
