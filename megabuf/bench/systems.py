@@ -156,12 +156,20 @@ def _with_distributed_optimizer(
     model: DistributedDataParallel, module: nn.Module, nbytes: int
 ) -> Engine:
     try:
-        from megabuf import build_optimizer  # type: ignore[attr-defined]
+        from megabuf.optimizer import OptimizerConfig, build_optimizer
     except ImportError as exc:
-        raise NotAvailable("megabuf.build_optimizer is not available yet") from exc
-    opt = build_optimizer(model, torch.optim.AdamW, **OPTIMIZER_KWARGS)
+        raise NotAvailable(f"megabuf's distributed optimizer does not import: {exc}") from exc
+    config = OptimizerConfig(
+        optimizer="adamw",
+        lr=OPTIMIZER_KWARGS["lr"],
+        weight_decay=OPTIMIZER_KWARGS["weight_decay"],
+        adam_eps=OPTIMIZER_KWARGS["eps"],
+    )
+    opt = build_optimizer(model, config)
+    # opt.zero_grad() zeroes the grad buffers and, with overlap_param_gather, dispatches the
+    # first bucket group's param all-gather; step() publishes the updated shards.
     return Engine(
-        model, module, opt, nbytes, model.zero_grad_buffer, model.finish_grad_sync,
+        model, module, opt, nbytes, opt.zero_grad, model.finish_grad_sync,
         publish=model.publish_params, collectives=model.collectives, ddp=model,
     )  # fmt: skip
 
@@ -215,16 +223,15 @@ def _local_nbytes(t: Tensor) -> int:
 
 def optimizer_state_nbytes(optimizer: Any) -> int:
     """Bytes of tensors this rank's optimizer keeps (states, and sharded fp32 copies if any)."""
+    report = getattr(optimizer, "memory_report", None)  # megabuf's optimizers
+    if callable(report):
+        return int(report().optimizer_nbytes)
     inner = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer's local optimizer
-    states = [optimizer.state]
-    if inner is not None:
-        states = [inner.state]
+    state = (inner if inner is not None else optimizer).state
     total = 0
-    for state in states:
-        for per_param in state.values():
-            total += sum(_local_nbytes(v) for v in per_param.values() if isinstance(v, Tensor))
-    extra = getattr(optimizer, "state_nbytes", None)  # megabuf's distributed optimizer, if any
-    return int(extra()) if callable(extra) else total
+    for per_param in state.values():
+        total += sum(_local_nbytes(v) for v in per_param.values() if isinstance(v, Tensor))
+    return total
 
 
 def world_rank() -> int:

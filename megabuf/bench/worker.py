@@ -138,6 +138,10 @@ def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, A
         "overlap": None,
         "notes": engine.notes,
     }
+    if engine.ddp is not None:  # the same ring figure over megabuf's padded buffers
+        buffers = engine.ddp.buffers + engine.ddp.expert_parallel_buffers
+        padded = sum(b.numel * b.grad_data.element_size() for b in buffers)
+        out["theoretical_bytes_layout"] = 2 * (job_dp_size() - 1) * padded // job_dp_size()
     if engine.collectives is not None:
         stats = engine.collectives.stats
         out["bytes_per_step"] = stats.total_bytes_sent // job.steps
@@ -146,6 +150,10 @@ def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, A
         out["overlap"] = analyze(engine.ddp.timeline.events).to_dict()
         out["timeline_events"] = list(engine.ddp.timeline.events)
     return out
+
+
+def job_dp_size() -> int:
+    return dist.get_world_size()
 
 
 def _trace(job: Job, engine: Engine, x: Tensor, y: Tensor) -> dict[str, Any] | None:
