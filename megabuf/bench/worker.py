@@ -139,8 +139,8 @@ def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, A
         "notes": engine.notes,
     }
     if engine.ddp is not None:  # the same ring figure over megabuf's padded buffers
-        buffers = engine.ddp.buffers + engine.ddp.expert_parallel_buffers
-        padded = sum(b.numel * b.grad_data.element_size() for b in buffers)
+        buckets = [b for g in engine.ddp.all_bucket_groups for b in g.buckets]
+        padded = sum(b.numel * b.grad_data.element_size() for b in buckets)
         out["theoretical_bytes_layout"] = 2 * (job_dp_size() - 1) * padded // job_dp_size()
     if engine.collectives is not None:
         stats = engine.collectives.stats
