@@ -80,7 +80,7 @@ def _num(value: float | None, fmt: str) -> str:
 
 def _cells(row: dict[str, Any], tolerance: float) -> list[str]:
     if row.get("status") != "ok":
-        return [row["model"], row["system"], str(row.get("status"))] + [""] * 9
+        return [row["model"], row["system"]] + ["-"] * 9 + [str(row.get("status"))]
     measured = row.get("bytes_per_step")
     sent = _num(measured / MB, ".2f") if measured is not None else "-"
     overlap = row.get("overlap") or {}

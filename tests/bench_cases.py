@@ -1,0 +1,91 @@
+"""Rank-side code for the byte-counter, timeline and inspector-vs-DDP tests (DistPool workers).
+
+`KnownNet` has params of 100, 37, 64 and 5 elements (registration order), so layouts are easy
+to work out by hand; see the expected figures in test_bench.py and test_inspect.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import megabuf
+from megabuf.overlap import analyze
+
+NUMELS = (100, 37, 64, 5)
+STEPS = 3
+
+
+class KnownNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.p0 = nn.Parameter(torch.randn(10, 10, generator=gen))
+        self.p1 = nn.Parameter(torch.randn(37, generator=gen))
+        self.p2 = nn.Parameter(torch.randn(8, 8, generator=gen))
+        self.p3 = nn.Parameter(torch.randn(5, generator=gen))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total = sum((p.tanh() ** 2).sum() for p in (self.p0, self.p1, self.p2, self.p3))
+        return x.mean() * total
+
+
+def _step(model: megabuf.DistributedDataParallel, sharded: bool) -> None:
+    model.zero_grad_buffer()
+    model(torch.ones(4)).backward()
+    model.finish_grad_sync()
+    if sharded:  # what an optimizer does after updating its shard: gather the others
+        for group in model.all_bucket_groups:
+            group.mark_params_stale()
+        model.start_param_sync()
+
+
+def count_bytes(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per config: bytes and calls per op over STEPS steps, and overlap figures."""
+    out = {}
+    for name, values in configs.items():
+        config = megabuf.DistributedDataParallelConfig(**values)
+        model = megabuf.DistributedDataParallel(KnownNet(), config)
+        model.collectives.stats.reset()  # drop the start-up broadcasts
+        timeline = model.enable_timeline()
+        for _ in range(STEPS):
+            _step(model, config.use_distributed_optimizer)
+        stats = model.collectives.stats
+        report = analyze(timeline.events)
+        out[name] = {
+            "bytes": dict(stats.bytes_sent),
+            "calls": dict(stats.calls),
+            "steps": len(report.steps),
+            "groups": [len(s.groups) for s in report.steps],
+            "early": [s.dispatched_before_backward_end for s in report.steps],
+            "exposed": [s.exposed_s for s in report.steps],
+        }
+    return out
+
+
+def ddp_layouts(model_name: str, configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What a real DistributedDataParallel built: per buffer (numel, buckets as (start, end,
+    param names)), and bucket groups in dispatch order as (buffer index, bucket id)."""
+    from megabuf.testing import build_model
+
+    out = {}
+    for name, values in configs.items():
+        module = build_model(model_name, seed=0)
+        model = megabuf.DistributedDataParallel(
+            module, megabuf.DistributedDataParallelConfig(**values)
+        )
+        names = {p: n for n, p in module.named_parameters()}
+        buffers = []
+        bucket_of: dict[int, tuple[int, int]] = {}
+        for i, buf in enumerate(model.buffers):
+            buckets = []
+            for b in buf.buckets:
+                bucket_of[id(b)] = (i, b.bucket_id)
+                names_in = [names[p] for p in b.params_list]
+                buckets.append((b.offset, b.offset + b.numel, names_in))
+            buffers.append((buf.numel, buckets))
+        order = [bucket_of[id(g.buckets[0])] for chain in model._chains for g in chain.groups]
+        out[name] = {"buffers": buffers, "order": order}
+    return out

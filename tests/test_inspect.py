@@ -1,0 +1,92 @@
+"""`megabuf inspect`: exact output for a known model, and agreement with a real DDP."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bench_cases import KnownNet, ddp_layouts
+
+from megabuf.cli import main
+from megabuf.config import DistributedDataParallelConfig
+from megabuf.inspect import format_inspection, inspect_model, load_model
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "sync": {},
+    "overlap": {"overlap_grad_reduce": True},
+    "distopt": {"use_distributed_optimizer": True, "overlap_grad_reduce": True},
+    "distopt_small_buckets": {"use_distributed_optimizer": True, "bucket_size": 5000},
+}
+
+
+def test_known_model_sharded_layout_text() -> None:
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=100)
+    text = format_inspection(inspect_model(KnownNet(), cfg, 2, model_name="known"))
+    # reverse registration order, params aligned to 64 elements, buckets padded to 128:
+    # bucket 0 = p3 [0, 5) + p2 [64, 128); bucket 1 = p1 [128, 165) + p0 [192, 292) -> 384
+    expected = [
+        "model known: 206 params, dp_size=2",
+        "buffer 0 (dense, param float32, grad float32): 4 params, 2 buckets, 384 elements, "
+        "padding 178 (46.35%); grad buffer 0.00 MiB, param buffer 0.00 MiB",
+        "    bucket 0: [0, 128) 128 elements, 2 params, padding 59 (46.09%)",
+        "      dp shards: r0 [0, 64)  r1 [64, 128)",
+        "      params: p3 ... p2",
+        "    bucket 1: [128, 384) 256 elements, 2 params, padding 119 (46.48%)",
+        "      dp shards: r0 [128, 256)  r1 [256, 384)",
+        "      params: p1 ... p0",
+        "bucket groups (2), in dispatch order:",
+        "  0: group 0 = buffer 0 bucket 0",
+        "  1: group 1 = buffer 0 bucket 1",
+    ]
+    for line in expected:
+        assert line in text.splitlines(), f"missing line {line!r} in:\n{text}"
+
+
+def test_known_model_unsharded_has_no_padding_and_one_bucket_without_overlap() -> None:
+    info = inspect_model(KnownNet(), DistributedDataParallelConfig(), 4)
+    (buf,) = info.buffers
+    assert info.bucket_size is None
+    assert [(b.start, b.end, b.param_names) for b in buf.buckets] == [
+        (0, 206, ("p3", "p2", "p1", "p0"))
+    ]
+    assert buf.layout.padding_numel == 0 and buf.buckets[0].shard_ranges == ()
+    assert buf.grad_nbytes == 206 * 4 and buf.param_nbytes == 0
+
+
+def test_inspector_matches_a_real_ddp(pools: Any) -> None:
+    real = pools(2).run(ddp_layouts, "gpt_tiny", CONFIGS)[0]
+    model = load_model("gpt_tiny")
+    for name, values in CONFIGS.items():
+        info = inspect_model(model, DistributedDataParallelConfig(**values), 2)
+        mine = [
+            (b.layout.numel, [(k.start, k.end, list(k.param_names)) for k in b.buckets])
+            for b in info.buffers
+        ]
+        assert [list(x) for x in mine] == [list(x) for x in real[name]["buffers"]], name
+        order = sorted(info.groups, key=lambda g: g.dispatch_position)
+        assert [(g.buffer_index, g.bucket_id) for g in order] == [
+            tuple(x) for x in real[name]["order"]
+        ], name
+
+
+def test_cli_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "distopt_overlap.toml")
+    argv = ["inspect", "gpt_tiny", "--config", config, "--dp-size", "4"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "dp_size=4" in out and "r3 [" in out and "use_distributed_optimizer=True" in out
+    assert main([*argv, "--json", "--set", "bucket_size=10000"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["dp_size"] == 4 and data["bucket_size"] == 10000
+    for bucket in data["buffers"][0]["buckets"]:
+        assert len(bucket["shard_ranges"]) == 4
+        assert (bucket["end"] - bucket["start"]) % 4 == 0
+
+
+def test_cli_reports_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "no_such_model"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+    assert main(["inspect", "gpt_tiny", "--set", "bogus=1"]) == 2
+    assert "bogus" in capsys.readouterr().err
