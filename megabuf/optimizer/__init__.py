@@ -1,0 +1,23 @@
+"""megabuf optimizers: distributed (ZeRO-1) and non-distributed, with one `step()` contract."""
+
+from megabuf.optimizer.base import MegabufOptimizer, StepResult
+from megabuf.optimizer.builder import build_optimizer
+from megabuf.optimizer.config import OptimizerConfig
+from megabuf.optimizer.distributed import DistributedOptimizer
+from megabuf.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
+from megabuf.optimizer.memory import OptimizerMemoryReport
+from megabuf.optimizer.mixed_precision import FP32Optimizer, MixedPrecisionOptimizer
+
+__all__ = [
+    "ConstantGradScaler",
+    "DistributedOptimizer",
+    "DynamicGradScaler",
+    "FP32Optimizer",
+    "GradScaler",
+    "MegabufOptimizer",
+    "MixedPrecisionOptimizer",
+    "OptimizerConfig",
+    "OptimizerMemoryReport",
+    "StepResult",
+    "build_optimizer",
+]

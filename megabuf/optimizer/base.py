@@ -1,0 +1,209 @@
+"""`MegabufOptimizer`: the step contract shared by the distributed and non-distributed optimizers.
+
+[Note: optimizer step]
+`step()` returns (update_successful, grad_norm, num_zeros_in_grad):
+1. point every main param's grad at its reduced grad (fp32 copy if the grad is bf16/fp16);
+2. with a grad scaler: unscale, and take the inf/NaN flag's max over all ranks; on inf the scaler
+   backs off and the step is skipped on every rank -> (False, None, None);
+3. the global grad norm over dense and expert grads (see [Note: global grad norm]); clip to
+   `clip_grad` if > 0;
+4. step every inner optimizer (one for dense, one for expert params), copy updated fp32 main
+   params back into the model's memory, and let the subclass publish them (the distributed
+   optimizer marks params stale and all-gathers them, now or in the next forward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from megabuf.ddp import DistributedDataParallel
+from megabuf.optimizer.clip import NormPart, clip_grads_, count_zeros, global_grad_norm
+from megabuf.optimizer.grad_scaler import GradScaler
+from megabuf.optimizer.main_params import MainParam
+from megabuf.optimizer.memory import OptimizerMemoryReport, memory_report
+from megabuf.optimizer.model_space import common_state, load_model_space_state, owned_pieces
+from megabuf.optimizer.param_groups import (
+    ParamGroupsArg,
+    as_chunks,
+    model_space_keys,
+    resolve_param_groups,
+)
+
+StepResult = tuple[bool, float | None, int | None]
+
+
+@dataclass
+class Domain:
+    """Dense or expert params: their main params, inner optimizer and norm groups."""
+
+    kind: str  # "dense" | "expert"
+    main_params: list[MainParam]
+    optimizer: torch.optim.Optimizer
+    norm_groups: tuple[ProcessGroup, ...]  # see [Note: global grad norm]
+
+
+class MegabufOptimizer:
+    """Base class; subclasses decide which main params a rank owns and how params are published."""
+
+    def __init__(
+        self,
+        model_chunks: DistributedDataParallel | Sequence[DistributedDataParallel],
+        optimizer_cls: type[torch.optim.Optimizer],
+        param_groups: ParamGroupsArg = None,
+        *,
+        clip_grad: float = 0.0,
+        grad_scaler: GradScaler | None = None,
+        log_num_zeros_in_grad: bool = False,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        self.model_chunks = as_chunks(model_chunks)
+        self.collectives = self.model_chunks[0].collectives
+        self.process_groups = self.model_chunks[0].process_groups
+        self.optimizer_cls = optimizer_cls
+        self.clip_grad = clip_grad
+        self.grad_scaler = grad_scaler
+        self.log_num_zeros_in_grad = log_num_zeros_in_grad
+        self.keys = model_space_keys(self.model_chunks)
+        self._hparams, self._group_of = resolve_param_groups(self.model_chunks, param_groups)
+        self.domains: list[Domain] = []
+        for kind in ("dense", "expert"):
+            mains = self._build_main_params(kind)
+            if mains is not None:
+                inner = self._make_inner(mains, optimizer_kwargs)
+                self.domains.append(Domain(kind, mains, inner, self._norm_groups(kind)))
+        self._copied_grads = False
+
+    # ---- subclass hooks -----------------------------------------------------------------------
+    def _build_main_params(self, kind: str) -> list[MainParam] | None:
+        """This rank's main params of `kind`, or None if the model has no such params."""
+        raise NotImplementedError
+
+    def _norm_groups(self, kind: str) -> tuple[ProcessGroup, ...]:
+        raise NotImplementedError
+
+    def _before_update(self) -> None:
+        """Called right before main params change (e.g. finish in-flight param gathers)."""
+
+    def _after_update(self) -> None:
+        """Called after updated values were copied into the model's memory."""
+
+    # ---- construction helpers -----------------------------------------------------------------
+    def _make_inner(
+        self, mains: list[MainParam], optimizer_kwargs: dict[str, Any]
+    ) -> torch.optim.Optimizer:
+        groups: list[dict[str, Any]] = [{**hp, "params": []} for hp in self._hparams]
+        for mp in mains:
+            groups[self._group_of[mp.model_param]]["params"].append(mp.main)
+        return self.optimizer_cls(groups, **optimizer_kwargs)
+
+    # ---- the step -----------------------------------------------------------------------------
+    @property
+    def main_params(self) -> list[MainParam]:
+        return [mp for d in self.domains for mp in d.main_params]
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """See [Note: optimizer step]."""
+        with torch.profiler.record_function("megabuf::optimizer_step"):
+            self._copied_grads = any([mp.attach_grad() for mp in self.main_params])
+            grads = [mp.main.grad for mp in self.main_params if mp.main.grad is not None]
+            if self.grad_scaler is not None:
+                found_inf = self._unscale_and_check(grads)
+                self.grad_scaler.update(found_inf)
+                if found_inf:
+                    self._release_grads()
+                    return False, None, None
+            parts = [NormPart(self._grads_of(d), d.norm_groups) for d in self.domains]
+            grad_norm = global_grad_norm(parts, self.collectives)
+            if self.clip_grad > 0.0:
+                clip_grads_(grads, self.clip_grad, grad_norm)
+            num_zeros = count_zeros(parts, self.collectives) if self.log_num_zeros_in_grad else None
+            self._before_update()
+            with torch.profiler.record_function("megabuf::inner_step"):
+                for domain in self.domains:
+                    domain.optimizer.step()
+            with torch.profiler.record_function("megabuf::copy_main_to_model"):
+                for mp in self.main_params:
+                    mp.write_back()
+            self._release_grads()
+            self._after_update()
+            return True, grad_norm, num_zeros
+
+    @staticmethod
+    def _grads_of(domain: Domain) -> list[torch.Tensor]:
+        return [mp.main.grad for mp in domain.main_params if mp.main.grad is not None]
+
+    def _unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
+        if self.grad_scaler is None:
+            return False
+        with torch.profiler.record_function("megabuf::unscale_and_check"):
+            found_inf = torch.zeros(1, dtype=torch.float32)
+            if grads:
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    grads, found_inf, self.grad_scaler.inv_scale
+                )
+            for group in (self.process_groups.dp, self.process_groups.pp):
+                if dist.get_world_size(group) > 1:
+                    self.collectives.all_reduce_max(found_inf, group)
+            return bool(found_inf.item() > 0)
+
+    def _release_grads(self) -> None:
+        """Drop fp32 grad copies (views of the grad buffer stay attached)."""
+        if self._copied_grads:
+            for mp in self.main_params:
+                if mp.model_grad.dtype != torch.float32:
+                    mp.main.grad = None
+            self._copied_grads = False
+
+    # ---- torch-optimizer surface --------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the model chunks' grad buffers (grads live there)."""
+        del set_to_none
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every inner group (dense groups, then expert groups): LR schedules edit these."""
+        return [g for d in self.domains for g in d.optimizer.param_groups]
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.param_groups:
+            group["lr"] = lr
+
+    def get_loss_scale(self) -> torch.Tensor:
+        if self.grad_scaler is None:
+            return torch.ones(1)
+        return self.grad_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss * loss scale (unchanged without a grad scaler); call backward on the result."""
+        if self.grad_scaler is None:
+            return loss
+        # fp32 product: an fp16 loss times a large scale would overflow
+        return loss.float() * self.grad_scaler.scale.to(loss.device)[0]
+
+    def model_params(self) -> list[nn.Parameter]:
+        return [p for chunk in self.model_chunks for p in chunk.param_to_name]
+
+    # ---- state and memory ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """{"common": rank-independent state, "pieces": this rank's state in model space};
+        see [Note: model-space optimizer state]."""
+        return {"common": common_state(self), "pieces": owned_pieces(self)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load pieces saved by any dp size / bucket layout (they must cover this rank's)."""
+        load_model_space_state(self, state)
+
+    def memory_report(self) -> OptimizerMemoryReport:
+        return memory_report(self, sharded=self.sharded)
+
+    sharded = False

@@ -1,0 +1,97 @@
+"""`DistributedOptimizer`: ZeRO-1 over megabuf's contiguous buffers.
+
+Each rank steps only its shard of every bucket (see [Note: main params]) and then publishes the
+updated shard to the other dp ranks with the bucket groups' param all-gather.
+
+[Note: publishing params]
+After the inner step, this rank's slice of `param_data` holds new values and the rest is stale.
+Every bucket group is marked stale and `start_param_sync()` either gathers now (no overlap) or
+leaves the gathers to the forward pre-hooks of the next forward (`overlap_param_gather`); then
+`zero_grad()` dispatches the first group's gather early (unless `align_param_gather`, where the
+pipeline schedule does it). Before writing into `param_data` the step finishes any gather still
+in flight (`publish_params()`), so a gather never races the copy. Anything that reads params
+outside forward (evaluation, checkpoints) must call `model.publish_params()` first;
+`model.state_dict()` and `megabuf.save_checkpoint` do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from megabuf.ddp import DistributedDataParallel
+from megabuf.optimizer.base import MegabufOptimizer
+from megabuf.optimizer.grad_scaler import GradScaler
+from megabuf.optimizer.main_params import MainParam, sharded_main_params
+from megabuf.optimizer.param_groups import ParamGroupsArg, as_chunks, grad_buffers
+
+
+class DistributedOptimizer(MegabufOptimizer):
+    """Shards fp32 main params and optimizer state over the data-parallel group.
+
+    `optimizer_cls` is any pointwise torch optimizer (Adam, AdamW, SGD, ...), built with
+    `optimizer_kwargs` and `param_groups` (torch-style; per-group hyperparameters survive
+    sharding). Dense and expert params get separate inner optimizers under one grad norm.
+    """
+
+    sharded = True
+
+    def __init__(
+        self,
+        model_chunks: DistributedDataParallel | Sequence[DistributedDataParallel],
+        optimizer_cls: type[torch.optim.Optimizer],
+        param_groups: ParamGroupsArg = None,
+        *,
+        clip_grad: float = 0.0,
+        grad_scaler: GradScaler | None = None,
+        log_num_zeros_in_grad: bool = False,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        for i, chunk in enumerate(as_chunks(model_chunks)):
+            if not chunk.ddp_config.use_distributed_optimizer:
+                raise ValueError(
+                    f"megabuf: DistributedOptimizer got model chunk {i} built without "
+                    "DistributedDataParallelConfig(use_distributed_optimizer=True); rebuild it "
+                    "with that flag, or use MixedPrecisionOptimizer / FP32Optimizer"
+                )
+        super().__init__(
+            model_chunks, optimizer_cls, param_groups,
+            clip_grad=clip_grad, grad_scaler=grad_scaler,
+            log_num_zeros_in_grad=log_num_zeros_in_grad, **optimizer_kwargs,
+        )  # fmt: skip
+
+    def _build_main_params(self, kind: str) -> list[MainParam] | None:
+        buffers = [
+            buf for chunk in self.model_chunks for buf in grad_buffers(chunk, kind == "expert")
+        ]
+        if not buffers:
+            return None
+        return [mp for buf in buffers for mp in sharded_main_params(buf, self.keys)]
+
+    def _norm_groups(self, kind: str) -> tuple[ProcessGroup, ...]:
+        pgs = self.process_groups  # see [Note: global grad norm]
+        return (pgs.dp, pgs.pp) if kind == "dense" else (pgs.expt_dp, pgs.ep, pgs.pp)
+
+    def _before_update(self) -> None:
+        for chunk in self.model_chunks:
+            chunk.publish_params()  # no gather may be in flight while we write param_data
+
+    def _after_update(self) -> None:
+        """See [Note: publishing params]."""
+        with torch.profiler.record_function("megabuf::publish_params"):
+            for chunk in self.model_chunks:
+                for group in chunk.all_bucket_groups:
+                    group.mark_params_stale()
+                chunk.start_param_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero grad buffers; with overlap_param_gather, dispatch the first param gather."""
+        super().zero_grad(set_to_none)
+        for chunk in self.model_chunks:
+            cfg = chunk.ddp_config
+            if cfg.overlap_param_gather and not cfg.align_param_gather:
+                chunk.start_param_sync(force_dispatch=True)
+

@@ -1,0 +1,189 @@
+"""Optimizer state in model space: independent of dp size and bucket layout.
+
+[Note: model-space optimizer state]
+`state_dict()` of a megabuf optimizer is {"common": ..., "pieces": [...]}:
+- "common" holds nothing rank-specific: optimizer class, each param group's hyperparameters,
+  the grad scaler's state.
+- "pieces" are the ranges this rank owns: {"key": param name, "start", "end": range of the
+  flattened param, "numel", "shape": of the whole param, "state": {"main": fp32 values,
+  <optimizer state name>: values}}. Elementwise state is stored flat (1-D, end - start
+  elements); per-tensor scalars (Adam's `step`) are stored as they are.
+`load_state_dict` accepts pieces saved by any number of ranks with any bucket layout: every main
+param of this rank is filled from the saved ranges overlapping it, and must be covered exactly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from megabuf.optimizer.main_params import MainParam
+
+if TYPE_CHECKING:
+    from megabuf.optimizer.base import MegabufOptimizer
+
+FORMAT = "megabuf-optimizer-v1"
+MAIN = "main"
+
+
+def class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def common_state(opt: MegabufOptimizer) -> dict[str, Any]:
+    first = opt.domains[0].optimizer.param_groups if opt.domains else []
+    return {
+        "format": FORMAT,
+        "optimizer_class": class_name(opt.optimizer_cls),
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in first],
+        "grad_scaler": opt.grad_scaler.state_dict() if opt.grad_scaler is not None else None,
+    }
+
+
+def owned_pieces(opt: MegabufOptimizer) -> list[dict[str, Any]]:
+    """This rank's pieces (copies, so saving them does not serialise whole buffers)."""
+    pieces = []
+    for domain in opt.domains:
+        for mp in domain.main_params:
+            if not mp.owner:
+                continue
+            state: dict[str, Any] = {MAIN: mp.main.detach().flatten().clone()}
+            for name, value in domain.optimizer.state.get(mp.main, {}).items():
+                state[name] = _flat_state(mp, name, value)
+            param = mp.model_param
+            pieces.append(
+                {
+                    "key": mp.key,
+                    "start": mp.param_start,
+                    "end": mp.param_end,
+                    "numel": param.numel(),
+                    "shape": list(param.shape),
+                    "state": state,
+                }  # fmt: skip
+            )
+    return pieces
+
+
+def _flat_state(mp: MainParam, name: str, value: Any) -> Any:
+    if not isinstance(value, Tensor):
+        return value
+    if value.shape == mp.main.shape and value.numel() == mp.numel:
+        return value.detach().flatten().clone()
+    if value.numel() == 1:
+        return value.detach().clone()
+    raise ValueError(
+        f"megabuf: optimizer state {name!r} of {mp.key!r} has shape {tuple(value.shape)}, neither "
+        f"elementwise (shape {tuple(mp.main.shape)}) nor a scalar; only pointwise optimizers can "
+        "be sharded"
+    )
+
+
+def load_model_space_state(opt: MegabufOptimizer, state: dict[str, Any]) -> None:
+    """See [Note: model-space optimizer state]."""
+    common = state["common"]
+    check_common(opt, common)
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for piece in state["pieces"]:
+        by_key.setdefault(piece["key"], []).append(piece)
+    check_keys(opt, by_key)
+    for domain in opt.domains:
+        inner_state: dict[int, dict[str, Any]] = {}
+        groups = []
+        index = 0
+        for gi, group in enumerate(domain.optimizer.param_groups):
+            ids = []
+            for main in group["params"]:
+                mp = _main_param_of(domain.main_params, main)
+                values = assemble(mp, by_key[mp.key])
+                mp.main.view(-1).copy_(values.pop(MAIN))
+                if values:
+                    inner_state[index] = {k: _unflatten(mp, v) for k, v in values.items()}
+                ids.append(index)
+                index += 1
+            groups.append({**group, **common["param_groups"][gi], "params": ids})
+        domain.optimizer.load_state_dict({"state": inner_state, "param_groups": groups})
+    if opt.grad_scaler is not None and common.get("grad_scaler") is not None:
+        opt.grad_scaler.load_state_dict(common["grad_scaler"])
+
+
+def _main_param_of(mains: list[MainParam], main: Tensor) -> MainParam:
+    for mp in mains:
+        if mp.main is main:
+            return mp
+    raise RuntimeError("megabuf: inner optimizer holds a tensor that is no main param")
+
+
+def _unflatten(mp: MainParam, value: Any) -> Any:
+    if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == mp.numel:
+        return value.view(mp.main.shape)
+    return value
+
+
+def assemble(mp: MainParam, pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    """Values of every state entry over [param_start, param_end) from overlapping saved pieces."""
+    out: dict[str, Any] = {}
+    covered: dict[str, int] = {}
+    for piece in pieces:
+        lo, hi = max(piece["start"], mp.param_start), min(piece["end"], mp.param_end)
+        if lo >= hi:
+            continue
+        width = piece["end"] - piece["start"]
+        for name, value in piece["state"].items():
+            if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == width:
+                dst = out.setdefault(name, torch.empty(mp.numel, dtype=value.dtype))
+                dst[lo - mp.param_start : hi - mp.param_start] = value[
+                    lo - piece["start"] : hi - piece["start"]
+                ]
+                covered[name] = covered.get(name, 0) + hi - lo
+            else:
+                out.setdefault(name, value)
+    short = {name: n for name, n in covered.items() if n != mp.numel}
+    if MAIN not in covered or short:
+        raise ValueError(
+            f"megabuf: checkpoint does not cover elements [{mp.param_start}, {mp.param_end}) of "
+            f"{mp.key!r}: covered {short or {MAIN: covered.get(MAIN, 0)}} of {mp.numel}; "
+            "pieces overlap or are missing (was the checkpoint written completely?)"
+        )
+    return out
+
+
+def check_common(opt: MegabufOptimizer, common: dict[str, Any]) -> None:
+    if common.get("format") != FORMAT:
+        raise ValueError(
+            f"megabuf: optimizer state has format {common.get('format')!r}, expected {FORMAT!r}"
+        )
+    problems = []
+    saved_cls, cls = common["optimizer_class"], class_name(opt.optimizer_cls)
+    if saved_cls != cls:
+        problems.append(f"optimizer class {saved_cls} was saved, this optimizer is {cls}")
+    if len(common["param_groups"]) != len(opt._hparams):
+        problems.append(
+            f"{len(common['param_groups'])} param groups were saved, this optimizer has "
+            f"{len(opt._hparams)}"
+        )
+    if (common.get("grad_scaler") is None) != (opt.grad_scaler is None):
+        problems.append("grad scaler present in only one of checkpoint and optimizer")
+    if problems:
+        raise ValueError("megabuf: optimizer state does not fit: " + "; ".join(problems))
+
+
+def check_keys(opt: MegabufOptimizer, by_key: dict[str, list[dict[str, Any]]]) -> None:
+    """Every param this rank steps must be in the state with the same numel; nothing saved may
+    be unknown to the model."""
+    expected = {key: p for p, key in opt.keys.items()}
+    needed = {mp.key for mp in opt.main_params}
+    missing = sorted(needed - set(by_key))
+    unexpected = sorted(set(by_key) - set(expected))
+    wrong = [
+        f"{key} saved with shape {by_key[key][0]['shape']}, model has {list(p.shape)}"
+        for key, p in expected.items()
+        if key in by_key and by_key[key][0]["numel"] != p.numel()
+    ]
+    if missing or unexpected or wrong:
+        raise ValueError(
+            "megabuf: optimizer state does not fit the model: "
+            f"missing params {missing[:10]}, unexpected params {unexpected[:10]}, "
+            f"shape mismatches {wrong[:10]}"
+        )

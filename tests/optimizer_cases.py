@@ -1,0 +1,337 @@
+"""Rank-side code for the optimizer tests (runs inside DistPool workers).
+
+Every case builds the same model on every rank, trains it with megabuf DDP + a megabuf optimizer
+on this rank's slice of the global batch, trains a deep copy with the plain torch optimizer on the
+whole global batch in one process, and returns the largest deviation per param.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import megabuf
+from megabuf.layout import shard_pieces
+
+GLOBAL_BATCH = 16
+DIM = 12
+OUT = 3
+TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "sgd": torch.optim.SGD,
+}
+
+
+class Net(nn.Module):
+    """Forward order = registration order; a tied weight and a param whose grad is always 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.block = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, DIM, bias=False)
+        self.head.weight = self.embed.weight
+        self.scale = nn.Parameter(torch.ones(DIM))
+        self.dead = nn.Parameter(torch.ones(DIM))  # multiplied by 0: grad is exactly 0
+        self.tail = nn.Linear(DIM, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.tail.weight.dtype)
+        h = torch.tanh(self.embed(x))
+        h = torch.tanh(self.block(h)) * self.scale + 0.0 * self.dead
+        return self.tail(torch.tanh(self.head(h))).float()
+
+
+class Permuted(nn.Module):
+    """Registered a, b, c, d; run d, b, a, c."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(DIM, DIM) for _ in range(4))
+        self.out = nn.Linear(DIM, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(self.out.weight.dtype)
+        for layer in (self.d, self.b, self.a, self.c):
+            h = torch.tanh(layer(h))
+        return self.out(h).float()
+
+
+class ParentReads(nn.Module):
+    """The parent reads a child's weight through F.linear (the child's forward never runs) and
+    an nn.ParameterList; Megatron-core would read these half-updated with overlap_param_gather."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(DIM, DIM)
+        self.inner = nn.Linear(DIM, DIM)  # never called
+        self.gains = nn.ParameterList([nn.Parameter(1 + 0.1 * torch.randn(DIM)) for _ in range(3)])
+        self.out = nn.Linear(DIM, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x.to(self.out.weight.dtype)))
+        h = torch.tanh(F.linear(h, self.inner.weight, self.inner.bias))
+        for gain in self.gains:
+            h = h * gain
+        return self.out(h).float()
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "net": Net, "permuted": Permuted, "parent_reads": ParentReads,
+}  # fmt: skip
+
+
+def make_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, DIM, generator=g), torch.randn(GLOBAL_BATCH, OUT, generator=g)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def local_slice(t: torch.Tensor) -> torch.Tensor:
+    n = t.shape[0] // dist.get_world_size()
+    return t[dist.get_rank() * n : (dist.get_rank() + 1) * n]
+
+
+def param_groups(model: nn.Module, lr: float) -> list[dict[str, Any]]:
+    """Two groups with different lr and weight decay (they must survive sharding)."""
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    return [
+        {"params": matrices, "weight_decay": 0.1},
+        {"params": vectors, "lr": lr * 0.5, "weight_decay": 0.0},
+    ]
+
+
+def optimizer_kwargs(name: str, case: dict[str, Any]) -> dict[str, Any]:
+    lr = case.get("lr", 1e-2)
+    if name == "sgd":
+        return {"lr": lr, "momentum": 0.9}
+    return {"lr": lr, "eps": case.get("eps", 1e-8)}
+
+
+def build_model(case: dict[str, Any], **ddp_overrides: Any) -> megabuf.DistributedDataParallel:
+    torch.manual_seed(0)
+    net = MODELS[case.get("model", "net")]()
+    if case.get("bf16"):
+        net.to(torch.bfloat16)
+    cfg = megabuf.DistributedDataParallelConfig.from_dict({**case["ddp"], **ddp_overrides})
+    return megabuf.DistributedDataParallel(net, cfg)
+
+
+def build_opt(model: megabuf.DistributedDataParallel, case: dict[str, Any]) -> Any:
+    name = case.get("optimizer", "adam")
+    kwargs = optimizer_kwargs(name, case)
+    groups = param_groups(model.module, kwargs["lr"])
+    if case.get("builder"):
+        config = megabuf.OptimizerConfig(
+            optimizer=name, lr=kwargs["lr"], adam_eps=kwargs.get("eps", 1e-8),
+            sgd_momentum=0.9, clip_grad=case.get("clip", 0.0), bf16=bool(case.get("bf16")),
+            log_num_zeros_in_grad=True,
+        )  # fmt: skip
+        return megabuf.build_optimizer(model, config, groups)
+    if model.ddp_config.use_distributed_optimizer:
+        cls: type[megabuf.MegabufOptimizer] = megabuf.DistributedOptimizer
+    else:
+        cls = megabuf.MixedPrecisionOptimizer
+    return cls(
+        model, TORCH_OPTIMIZERS[name], groups, clip_grad=case.get("clip", 0.0),
+        grad_scaler=_scaler(case), log_num_zeros_in_grad=True, **kwargs,
+    )  # fmt: skip
+
+
+def _scaler(case: dict[str, Any]) -> megabuf.DynamicGradScaler | None:
+    kwargs = case.get("scaler")
+    return None if kwargs is None else megabuf.DynamicGradScaler(**kwargs)
+
+
+def train_step(model: Any, opt: Any, step: int, poison: bool = False) -> Any:
+    x, y = make_data(step)
+    opt.zero_grad()
+    opt.scale_loss(loss_fn(model(local_slice(x)), local_slice(y))).backward()
+    model.finish_grad_sync()
+    if poison and dist.get_rank() == dist.get_world_size() - 1:
+        _poison_own_grad(model)
+    return opt.step()
+
+
+def _poison_own_grad(model: megabuf.DistributedDataParallel) -> None:
+    """An inf only this rank sees: one element of a reduced grad this rank owns."""
+    buf = model.buffers[0]
+    if model.ddp_config.use_distributed_optimizer:
+        piece = shard_pieces(buf.layout, buf.dp_rank, buf.dp_size)[0]
+        buf.grad_data[piece.buffer_start] = float("inf")
+    else:
+        buf.params[0].main_grad.view(-1)[0] = float("inf")
+
+
+class Reference:
+    """Single process, global batch; bf16 models keep fp32 master copies (mixed precision)."""
+
+    def __init__(self, case: dict[str, Any]) -> None:
+        torch.manual_seed(0)
+        self.model = MODELS[case.get("model", "net")]()
+        self.bf16 = bool(case.get("bf16"))
+        if self.bf16:
+            self.model.to(torch.bfloat16)
+        self.params = list(self.model.parameters())
+        self.masters = [p.detach().float().clone() for p in self.params]
+        name = case.get("optimizer", "adam")
+        kwargs = optimizer_kwargs(name, case)
+        by_param = dict(zip(self.params, self.masters, strict=True))
+        groups = [
+            {**g, "params": [by_param[p] for p in g["params"]]}
+            for g in param_groups(self.model, kwargs["lr"])
+        ]
+        self.opt = TORCH_OPTIMIZERS[name](groups, **kwargs)
+        self.clip = case.get("clip", 0.0)
+
+    def step(self, step: int) -> tuple[float, int]:
+        x, y = make_data(step)
+        self.model.zero_grad()
+        loss_fn(self.model(x), y).backward()
+        for master, p in zip(self.masters, self.params, strict=True):
+            master.grad = p.grad.float()
+        zeros = sum(int((m.grad == 0).sum()) for m in self.masters)
+        norm = torch.nn.utils.clip_grad_norm_(self.masters, self.clip or math.inf)
+        self.opt.step()
+        with torch.no_grad():
+            for master, p in zip(self.masters, self.params, strict=True):
+                p.copy_(master)
+        return float(norm), zeros
+
+
+def param_errors(model: megabuf.DistributedDataParallel, ref: Reference) -> dict[str, float]:
+    model.publish_params()
+    ref_params = dict(ref.model.named_parameters())
+    return {
+        name: (p.detach().float() - ref_params[name].detach().float()).abs().max().item()
+        for name, p in model.module.named_parameters()
+    }
+
+
+def equality_case(case: dict[str, Any]) -> dict[str, Any]:
+    """N steps of megabuf vs the single-process torch optimizer."""
+    model = build_model(case)
+    opt = build_opt(model, case)
+    ref = Reference(case)
+    norms, zeros = [], []
+    for step in range(case.get("steps", 3)):
+        ok, norm, n_zeros = train_step(model, opt, step)
+        ref_norm, ref_zeros = ref.step(step)
+        if not ok:
+            raise RuntimeError(f"step {step} unexpectedly skipped")
+        norms.append((norm, ref_norm))
+        zeros.append((n_zeros, ref_zeros))
+    scale = max(p.abs().max().item() for p in ref.model.parameters())
+    return {"errors": param_errors(model, ref), "norms": norms, "zeros": zeros, "scale": scale}
+
+
+def overlap_case(case: dict[str, Any]) -> dict[str, Any]:
+    """overlap_param_gather off and on must give bitwise equal params; with it on, params stay
+    stale after step() until the next forward gathers them."""
+    finals, lazy = [], True
+    for overlap in (False, True):
+        model = build_model(case, overlap_param_gather=overlap)
+        opt = build_opt(model, case)
+        for step in range(case.get("steps", 4)):
+            train_step(model, opt, step)
+            if overlap:
+                states = {g.param_state for g in model.all_bucket_groups}
+                lazy &= states == {megabuf.ParamSyncState.STALE}
+        model.publish_params()
+        finals.append([p.detach().clone() for p in model.module.parameters()])
+    bitwise = all(torch.equal(a, b) for a, b in zip(*finals, strict=True))
+    ref = Reference(case)
+    for step in range(case.get("steps", 4)):
+        ref.step(step)
+    errors = {
+        name: (p - q).abs().max().item()
+        for (name, q), p in zip(ref.model.named_parameters(), finals[1], strict=True)
+    }
+    return {"bitwise": bitwise, "lazy": lazy, "errors": errors}
+
+
+def memory_case(case: dict[str, Any]) -> dict[str, Any]:
+    """Exact per-rank bytes after Adam has created its state."""
+    model = build_model(case)
+    opt = build_opt(model, case)
+    train_step(model, opt, 0)
+    report = opt.memory_report()
+    ref = Reference(case)
+    ref.step(0)
+    ref_state = sum(
+        t.numel() * t.element_size()
+        for st in ref.opt.state.values()
+        for t in st.values()
+        if t.dim() > 0
+    )
+    bufs = list(model.buffers) + model.expert_parallel_buffers
+    return {
+        "report": report,
+        "ref_state_nbytes": ref_state,
+        "numel_unpadded": sum(b.numel_unpadded for b in bufs),
+        "numel_padded": sum(b.numel for b in bufs),
+    }
+
+
+def scaler_case(case: dict[str, Any]) -> dict[str, Any]:
+    """Dynamic loss scaling: an inf on one rank at `poison_step` skips that step everywhere."""
+    model = build_model(case)
+    opt = build_opt(model, case)
+    ref = Reference(case)
+    oks, scales = [], []
+    for step in range(case["steps"]):
+        poison = step == case["poison_step"]
+        ok, _, _ = train_step(model, opt, step, poison=poison)
+        oks.append(ok)
+        scales.append(float(opt.get_loss_scale().item()))
+        if not poison:
+            ref.step(step)
+    return {"oks": oks, "scales": scales, "errors": param_errors(model, ref)}
+
+
+def errors_case(case: dict[str, Any]) -> dict[str, str]:
+    """Misuse must raise a ValueError that says what to do."""
+    messages = {}
+    attempts: dict[str, Callable[[], Any]] = {
+        "distopt_on_plain_ddp": lambda: megabuf.DistributedOptimizer(
+            build_model({"ddp": {}}), torch.optim.Adam
+        ),
+        "mixed_on_distopt": lambda: megabuf.MixedPrecisionOptimizer(
+            build_model({"ddp": {"use_distributed_optimizer": True}}), torch.optim.Adam
+        ),
+        "param_in_no_group": lambda: _no_group(),
+        "fp32_optimizer_bf16": lambda: megabuf.FP32Optimizer(
+            build_model({"bf16": True, "ddp": {}}), torch.optim.Adam
+        ),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            messages[name] = "no error"
+        except ValueError as exc:
+            messages[name] = str(exc)
+    return messages
+
+
+def _no_group() -> Any:
+    model = build_model({"ddp": {"use_distributed_optimizer": True}})
+    return megabuf.DistributedOptimizer(model, torch.optim.Adam, [model.module.tail.weight])
+
+
+def run_cases(cases: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    kinds = {
+        "equal": equality_case, "overlap": overlap_case, "memory": memory_case,
+        "scaler": scaler_case, "errors": errors_case,
+    }  # fmt: skip
+    return {name: kinds[kind](case) for name, (kind, case) in cases.items()}

@@ -1,0 +1,188 @@
+"""Distributed and non-distributed megabuf optimizers against a single-process torch optimizer on
+the global batch (gloo ranks, dp 1/2/4), overlap_param_gather on/off bitwise equality, clipping,
+dynamic loss scaling, exact per-rank byte counts and error messages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from optimizer_cases import run_cases
+
+FP32_ATOL = 1e-6
+# bf16 params (fp32 main params and grads): megabuf's local bf16 backward on a slice of the batch
+# vs the reference's bf16 backward on all of it round differently; allow two bf16 ulps at the
+# largest param magnitude (2 * 2**-8 * scale). bf16 Adam cases use eps=1e-4: with eps=1e-8 Adam
+# turns an element whose grad is ~0 into a +-lr step whose sign bf16 rounding can flip.
+BF16_ULPS = 2 * 2.0**-8
+NORM_RTOL = 1e-5
+
+DISTOPT = {"use_distributed_optimizer": True}
+OVERLAP = {**DISTOPT, "overlap_grad_reduce": True, "bucket_size": 50}
+BF16_DDP = {"grad_reduce_in_fp32": True}
+EQUAL: dict[str, dict[str, Any]] = {
+    "distopt_adam_fp32": {"optimizer": "adam", "ddp": {**DISTOPT, "bucket_size": 100}},
+    "distopt_adamw_fp32_overlap": {"optimizer": "adamw", "ddp": OVERLAP},
+    "distopt_sgd_fp32": {"optimizer": "sgd", "ddp": {**OVERLAP, "bucket_size": 100}},
+    "distopt_adam_clip": {"optimizer": "adam", "clip": 0.05, "ddp": DISTOPT},
+    "distopt_builder_adamw_clip": {
+        "optimizer": "adamw",
+        "clip": 0.05,
+        "builder": True,
+        "ddp": OVERLAP,
+    },
+    "distopt_adamw_bf16": {
+        "optimizer": "adamw",
+        "bf16": True,
+        "eps": 1e-4,
+        "ddp": {**OVERLAP, **BF16_DDP},
+    },
+    "distopt_sgd_bf16": {"optimizer": "sgd", "bf16": True, "ddp": {**DISTOPT, **BF16_DDP}},
+    "distopt_adam_bf16_builder": {
+        "optimizer": "adam",
+        "bf16": True,
+        "eps": 1e-4,
+        "builder": True,
+        "ddp": {**DISTOPT, **BF16_DDP, "bucket_size": 100},
+    },
+    "mixed_adam_fp32": {
+        "optimizer": "adam",
+        "ddp": {"overlap_grad_reduce": True, "bucket_size": 50},
+    },
+    "mixed_sgd_fp32_clip": {"optimizer": "sgd", "clip": 0.05, "builder": True, "ddp": {}},
+    "mixed_adamw_bf16": {"optimizer": "adamw", "bf16": True, "eps": 1e-4, "ddp": BF16_DDP},
+}
+OVERLAP_CASES: dict[str, dict[str, Any]] = {
+    "overlap_registration_order": {
+        "model": "net",
+        "optimizer": "adamw",
+        "clip": 0.5,
+        "ddp": OVERLAP,
+    },
+    "overlap_permuted_forward": {"model": "permuted", "ddp": OVERLAP},
+    "overlap_parent_reads_child_param": {
+        "model": "parent_reads",
+        "optimizer": "sgd",
+        "ddp": OVERLAP,
+    },
+    "overlap_bf16": {
+        "model": "permuted",
+        "bf16": True,
+        "eps": 1e-4,
+        "ddp": {**OVERLAP, **BF16_DDP},
+    },
+}
+SCALER = {"initial_scale": 1024.0, "hysteresis": 1, "growth_interval": 2}
+SCALER_CASES: dict[str, dict[str, Any]] = {
+    "scaler_distopt": {"steps": 6, "poison_step": 2, "scaler": SCALER, "ddp": DISTOPT},
+    "scaler_mixed": {"steps": 6, "poison_step": 2, "scaler": SCALER, "ddp": {}},
+}
+MEMORY_CASES: dict[str, dict[str, Any]] = {
+    "memory_bf16": {"bf16": True, "ddp": {**DISTOPT, **BF16_DDP, "bucket_size": 100}},
+    "memory_fp32": {"ddp": {**DISTOPT, "bucket_size": 100}},
+}
+
+
+def all_cases() -> dict[str, tuple[str, dict[str, Any]]]:
+    cases: dict[str, tuple[str, dict[str, Any]]] = {}
+    cases.update({n: ("equal", c) for n, c in EQUAL.items()})
+    cases.update({n: ("overlap", c) for n, c in OVERLAP_CASES.items()})
+    cases.update({n: ("scaler", c) for n, c in SCALER_CASES.items()})
+    cases.update({n: ("memory", c) for n, c in MEMORY_CASES.items()})
+    cases["errors"] = ("errors", {})
+    return cases
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4])
+def results(request: Any, pools: Any) -> tuple[int, list[dict[str, Any]]]:
+    return request.param, pools(request.param).run(run_cases, all_cases())
+
+
+def _tolerance(case: dict[str, Any], res: dict[str, Any]) -> float:
+    return BF16_ULPS * res.get("scale", 1.0) if case.get("bf16") else FP32_ATOL
+
+
+def _worst(errors: dict[str, float]) -> tuple[str, float]:
+    return max(errors.items(), key=lambda kv: kv[1])
+
+
+def test_params_match_single_process_torch_optimizer(results: Any) -> None:
+    """Adam/AdamW/SGD-momentum, fp32 and bf16, two param groups with different lr/wd, with and
+    without clipping: params after 3 steps equal torch's on the global batch."""
+    world_size, per_rank = results
+    for rank, res in enumerate(per_rank):
+        for name, case in EQUAL.items():
+            worst = _worst(res[name]["errors"])
+            tol = _tolerance(case, res[name])
+            assert worst[1] <= tol, f"dp={world_size} rank {rank} {name}: {worst} > {tol:.3g}"
+
+
+def test_grad_norm_and_zero_count_match_torch(results: Any) -> None:
+    """The returned global grad norm equals clip_grad_norm_'s on the reference; num_zeros equals
+    the reference's count of zero grad elements (the `dead` param, counted once over ranks)."""
+    world_size, per_rank = results
+    for res in per_rank:
+        for name, case in EQUAL.items():
+            rtol = 1e-2 if case.get("bf16") else NORM_RTOL
+            for got, want in res[name]["norms"]:
+                assert got == pytest.approx(want, rel=rtol), (world_size, name)
+            if not case.get("bf16"):
+                assert all(got == want for got, want in res[name]["zeros"]), (world_size, name)
+
+
+def test_overlap_param_gather_is_bitwise_equal_and_lazy(results: Any) -> None:
+    """overlap_param_gather on/off give bitwise equal params after 4 steps, also when the forward
+    order is a permutation of registration order and when a parent reads a child's param
+    directly (F.linear, ParameterList); with it on, params stay stale until the next forward."""
+    world_size, per_rank = results
+    for rank, res in enumerate(per_rank):
+        for name, case in OVERLAP_CASES.items():
+            out = res[name]
+            assert out["bitwise"], f"dp={world_size} rank {rank} {name}: on != off"
+            assert out["lazy"], f"{name}: params were gathered eagerly with overlap_param_gather"
+            worst = _worst(out["errors"])
+            tol = BF16_ULPS * 2 if case.get("bf16") else FP32_ATOL
+            assert worst[1] <= tol, f"dp={world_size} {name} vs reference: {worst}"
+
+
+def test_dynamic_loss_scaling_skips_inf_steps_and_recovers(results: Any) -> None:
+    """An inf in one rank's own grad shard skips the step on every rank; the scale halves, then
+    grows again after `growth_interval` good steps; params equal a reference without that step."""
+    world_size, per_rank = results
+    for res in per_rank:
+        for name in SCALER_CASES:
+            out = res[name]
+            assert out["oks"] == [True, True, False, True, True, True], (world_size, name)
+            assert out["scales"] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0, 2048.0], name
+            assert _worst(out["errors"])[1] <= FP32_ATOL, (world_size, name, out["errors"])
+
+
+def test_per_rank_optimizer_bytes_are_exact(results: Any) -> None:
+    """Adam: 8 state bytes per owned element (+ 4 for an fp32 main copy of bf16 params, 0 for fp32
+    params whose buffer is stepped in place); owned + padding = 1/dp of the padded buffers; the
+    ranks' state adds up to exactly the unsharded torch optimizer's state."""
+    world_size, per_rank = results
+    for name in MEMORY_CASES:
+        reports = [res[name]["report"] for res in per_rank]
+        first = per_rank[0][name]
+        main_bytes_per_elem = 4 if name == "memory_bf16" else 0
+        for rep in reports:
+            assert rep.state_nbytes == 8 * rep.owned_numel, (name, rep)
+            assert rep.main_param_nbytes == main_bytes_per_elem * rep.owned_numel, (name, rep)
+            assert rep.shard_numel == first["numel_padded"] // world_size, (name, rep)
+            assert rep.owned_numel + rep.padding_numel == rep.shard_numel
+            assert rep.optimizer_nbytes <= (8 + main_bytes_per_elem + 4) * rep.shard_numel
+        assert sum(r.owned_numel for r in reports) == first["numel_unpadded"], name
+        assert sum(r.state_nbytes for r in reports) == first["ref_state_nbytes"], name
+        padding = first["numel_padded"] - first["numel_unpadded"]
+        assert sum(r.padding_numel for r in reports) == padding, name
+
+
+def test_misuse_raises_clear_errors(results: Any) -> None:
+    _, per_rank = results
+    messages = per_rank[0]["errors"]
+    assert "use_distributed_optimizer=True" in messages["distopt_on_plain_ddp"]
+    assert "DistributedOptimizer" in messages["mixed_on_distopt"]
+    assert "in no param group" in messages["param_in_no_group"]
+    assert "embed.weight" in messages["param_in_no_group"]
+    assert "FP32Optimizer needs fp32 params" in messages["fp32_optimizer_bf16"]
