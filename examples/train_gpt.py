@@ -6,6 +6,7 @@ Run it from the repository root:
     torchrun --nproc-per-node 2 examples/train_gpt.py     # or let torchrun start the ranks
     python examples/train_gpt.py --check                  # and compare with 1-process training
     python examples/train_gpt.py --config configs/ddp.toml --model gpt_small --steps 50
+    python examples/train_gpt.py --config configs/distopt_overlap.toml --check   # ZeRO-1
 
 What every rank does (see `train` below):
 
@@ -18,6 +19,10 @@ What every rank does (see `train` below):
    (with `overlap_grad_reduce`, buckets are all-reduced while backward is still running),
    `finish_grad_sync()` waits for the reductions, so every `param.grad` holds the gradient
    averaged over the data-parallel ranks, and a plain `torch.optim.AdamW` steps.
+   With a config that sets `use_distributed_optimizer` (configs/distopt_overlap.toml), grads are
+   reduce-scattered instead, `megabuf.build_optimizer` builds a `DistributedOptimizer` that steps
+   only this rank's shard of AdamW state, and the updated params are all-gathered lazily, bucket
+   group by bucket group, from forward pre-hooks of the next forward (`overlap_param_gather`).
 
 Because the per-rank slices have equal size, the average of the ranks' mean losses is the mean
 loss of the global batch, so data-parallel training follows the same trajectory as one process
@@ -75,15 +80,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_config(path: Path) -> megabuf.DistributedDataParallelConfig:
-    cfg = megabuf.DistributedDataParallelConfig.from_toml(path)
+    return megabuf.DistributedDataParallelConfig.from_toml(path)
+
+
+def make_train_optimizer(
+    model: megabuf.DistributedDataParallel, cfg: megabuf.DistributedDataParallelConfig, lr: float
+) -> Any:
     if cfg.use_distributed_optimizer:
-        # With ZeRO-1 each rank only holds the reduced grads of its own shard, so a plain torch
-        # optimizer over all params would step on garbage; this example uses plain AdamW.
-        raise SystemExit(
-            f"{path}: use_distributed_optimizer=true needs a distributed optimizer; this example "
-            "uses plain torch AdamW. Try configs/ddp.toml or configs/ddp_overlap.toml"
-        )
-    return cfg
+        # ZeRO-1: each rank holds only its shard's reduced grads, so a plain torch optimizer over
+        # all params would step on garbage. megabuf's optimizer steps the shard (same AdamW maths)
+        # and all-gathers the updated params.
+        opt_cfg = megabuf.OptimizerConfig(optimizer="adamw", lr=lr, weight_decay=0.01)
+        return megabuf.build_optimizer(model, opt_cfg)
+    return make_optimizer(model.parameters(), lr)
 
 
 def make_optimizer(params: Any, lr: float) -> torch.optim.Optimizer:
@@ -96,15 +105,13 @@ def log(*parts: object) -> None:
         print(*parts, flush=True)
 
 
-def train_step(
-    model: megabuf.DistributedDataParallel, opt: torch.optim.Optimizer, x: Tensor, y: Tensor
-) -> Tensor:
+def train_step(model: megabuf.DistributedDataParallel, opt: Any, x: Tensor, y: Tensor) -> Tensor:
     """One data-parallel step on this rank's slice (x, y); returns the local loss, detached."""
     model.zero_grad_buffer()  # grads accumulate into the buffers: clear them every step
     loss = gpt_loss(model(x), y)
     loss.backward()  # with overlap_grad_reduce, bucket all-reduces start during backward
     model.finish_grad_sync()  # wait for them: every param.grad is now the dp-averaged grad
-    opt.step()
+    opt.step()  # distributed optimizer: steps this rank's shard, then all-gathers params
     return loss.detach()
 
 
@@ -121,7 +128,7 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
     model = megabuf.DistributedDataParallel(
         build_model(args.model, seed=args.seed), cfg, process_groups=pgs
     )
-    opt = make_optimizer(model.parameters(), args.lr)
+    opt = make_train_optimizer(model, cfg, args.lr)
     gpt_cfg = PRESETS[args.model]
     if not isinstance(gpt_cfg, GPTConfig):
         raise TypeError(f"{args.model} is not a GPT preset")
@@ -141,13 +148,25 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
         tok_s = args.global_batch * gpt_cfg.seq_len / step_times[-1]
         log(f"step {step + 1:4d}/{args.steps}  loss {losses[-1]:.4f}  {tok_s:9,.0f} tok/s")
 
+    model.publish_params()  # overlap_param_gather: finish the lazy gathers before reading params
     _print_summary(args, model, losses, step_times, gpt_cfg.seq_len)
+    if isinstance(opt, megabuf.MegabufOptimizer):
+        mem = opt.memory_report()
+        log(
+            f"rank 0 optimizer: {mem.owned_numel} of {n_params(model)} params owned, "
+            f"{mem.optimizer_nbytes / 1e6:.2f} MB state + main params, "
+            f"{mem.padding_numel} padding elements in its shards"
+        )
     if dist.get_rank() != 0:
         return None
     result: dict[str, Any] = {"losses": losses}
     if args.check:
         result["check_ok"] = run_check(args, model.module, losses, tokens, gpt_cfg.seq_len)
     return result
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def _corpus_len(args: argparse.Namespace, cfg: GPTConfig) -> int:
@@ -164,7 +183,11 @@ def _print_header(
 ) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     log(f"megabuf example: {args.model} ({n_params / 1e6:.2f}M params), dp={dp_size}")
-    log(f"config {args.config}: overlap_grad_reduce={cfg.overlap_grad_reduce}")
+    log(
+        f"config {args.config}: overlap_grad_reduce={cfg.overlap_grad_reduce} "
+        f"use_distributed_optimizer={cfg.use_distributed_optimizer} "
+        f"overlap_param_gather={cfg.overlap_param_gather}"
+    )
     log(f"global batch {args.global_batch} = {dp_size} ranks x {local} sequences; lr {args.lr}")
     log(f"corpus sample: {corpus_text(24, seed=args.seed)!r}")
 
