@@ -83,16 +83,15 @@ def load_config(path: Path) -> megabuf.DistributedDataParallelConfig:
     return megabuf.DistributedDataParallelConfig.from_toml(path)
 
 
-def make_train_optimizer(
-    model: megabuf.DistributedDataParallel, cfg: megabuf.DistributedDataParallelConfig, lr: float
-) -> Any:
-    if cfg.use_distributed_optimizer:
+def make_train_optimizer(model: megabuf.DistributedDataParallel, args: argparse.Namespace) -> Any:
+    if model.ddp_config.use_distributed_optimizer:
         # ZeRO-1: each rank holds only its shard's reduced grads, so a plain torch optimizer over
-        # all params would step on garbage. megabuf's optimizer steps the shard (same AdamW maths)
+        # all params would step on garbage. megabuf's optimizer steps the shard (same AdamW maths
+        # as --check's reference: the config's [optimizer] table says adamw, weight decay 0.01)
         # and all-gathers the updated params.
-        opt_cfg = megabuf.OptimizerConfig(optimizer="adamw", lr=lr, weight_decay=0.01)
+        opt_cfg = megabuf.OptimizerConfig.from_toml(args.config).replace(lr=args.lr)
         return megabuf.build_optimizer(model, opt_cfg)
-    return make_optimizer(model.parameters(), lr)
+    return make_optimizer(model.parameters(), args.lr)
 
 
 def make_optimizer(params: Any, lr: float) -> torch.optim.Optimizer:
@@ -128,7 +127,7 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
     model = megabuf.DistributedDataParallel(
         build_model(args.model, seed=args.seed), cfg, process_groups=pgs
     )
-    opt = make_train_optimizer(model, cfg, args.lr)
+    opt = make_train_optimizer(model, args)
     gpt_cfg = PRESETS[args.model]
     if not isinstance(gpt_cfg, GPTConfig):
         raise TypeError(f"{args.model} is not a GPT preset")

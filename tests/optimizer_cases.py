@@ -124,6 +124,8 @@ def build_model(case: dict[str, Any], **ddp_overrides: Any) -> megabuf.Distribut
     net = MODELS[case.get("model", "net")]()
     if case.get("bf16"):
         net.to(torch.bfloat16)
+    if case.get("expert"):  # ep=1: expert params replicated over expt_dp == dp
+        megabuf.mark_expert_parallel(net.tail.parameters())
     cfg = megabuf.DistributedDataParallelConfig.from_dict({**case["ddp"], **ddp_overrides})
     return megabuf.DistributedDataParallel(net, cfg)
 
@@ -233,7 +235,11 @@ def equality_case(case: dict[str, Any]) -> dict[str, Any]:
         norms.append((norm, ref_norm))
         zeros.append((n_zeros, ref_zeros))
     scale = max(p.abs().max().item() for p in ref.model.parameters())
-    return {"errors": param_errors(model, ref), "norms": norms, "zeros": zeros, "scale": scale}
+    domains = [d.kind for d in opt.domains]
+    return {
+        "errors": param_errors(model, ref), "norms": norms, "zeros": zeros, "scale": scale,
+        "domains": domains,
+    }  # fmt: skip
 
 
 def overlap_case(case: dict[str, Any]) -> dict[str, Any]:

@@ -50,6 +50,13 @@ EQUAL: dict[str, dict[str, Any]] = {
         "ddp": {"overlap_grad_reduce": True, "bucket_size": 50},
     },
     "mixed_sgd_fp32_clip": {"optimizer": "sgd", "clip": 0.05, "builder": True, "ddp": {}},
+    "distopt_dense_and_expert_clip": {
+        "optimizer": "adamw",
+        "clip": 0.05,
+        "expert": True,
+        "ddp": OVERLAP,
+    },
+    "mixed_dense_and_expert_clip": {"optimizer": "adam", "clip": 0.05, "expert": True, "ddp": {}},
     "mixed_adamw_bf16": {"optimizer": "adamw", "bf16": True, "eps": 1e-4, "ddp": BF16_DDP},
 }
 OVERLAP_CASES: dict[str, dict[str, Any]] = {
@@ -128,6 +135,15 @@ def test_grad_norm_and_zero_count_match_torch(results: Any) -> None:
                 assert got == pytest.approx(want, rel=rtol), (world_size, name)
             if not case.get("bf16"):
                 assert all(got == want for got, want in res[name]["zeros"]), (world_size, name)
+
+
+def test_dense_and_expert_params_step_under_one_norm(results: Any) -> None:
+    """Params marked expert-parallel get their own inner optimizer; the clipped result still
+    equals torch's clip_grad_norm_ over all params (checked in the two tests above)."""
+    _, per_rank = results
+    for name in ("distopt_dense_and_expert_clip", "mixed_dense_and_expert_clip"):
+        assert per_rank[0][name]["domains"] == ["dense", "expert"], name
+    assert per_rank[0]["distopt_adam_fp32"]["domains"] == ["dense"]
 
 
 def test_overlap_param_gather_is_bitwise_equal_and_lazy(results: Any) -> None:
