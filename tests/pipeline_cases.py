@@ -1,0 +1,188 @@
+"""Rank-side code for the pipeline tests (runs inside DistPool workers, 4 gloo ranks).
+
+Each case splits one GPT into pp_size * chunks stages, trains N steps with a megabuf schedule on
+this rank's chunks and dp slice, and compares every param with the whole GPT trained in one
+process on the global batch. It also records the order in which the schedule called its hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+from moe_cases import groups
+
+import megabuf
+from megabuf.pipeline import (
+    ScheduleHooks,
+    default_schedule_hooks,
+    get_forward_backward_func,
+    wrap_model_chunks,
+)
+from megabuf.testing.models import GPT, GPTConfig, gpt_loss, make_batch
+from megabuf.testing.stages import split_gpt, stage_index
+
+GCFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=4, n_heads=2, d_ff=32)
+MBS = 2
+LR = 0.05
+
+
+def make_sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def global_batch(step: int, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return make_batch(GCFG, batch_size=n_rows, seed=500 + step)
+
+
+def reference_params(steps: int, n_rows: int) -> dict[str, torch.Tensor]:
+    gpt = GPT(GCFG, seed=0)
+    opt = make_sgd(gpt.parameters())
+    for step in range(steps):
+        x, y = global_batch(step, n_rows)
+        gpt_loss(gpt(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in gpt.named_parameters()}
+
+
+class Recorder:
+    """Wraps a schedule's hooks and the forward step so the call order can be checked."""
+
+    def __init__(self, chunks: list[megabuf.DistributedDataParallel], hooks: ScheduleHooks):
+        self.events: list[tuple[Any, ...]] = []
+        self.chunks = chunks
+        self.base = hooks
+        self.microbatch = [0] * len(chunks)
+
+    def hooks(self) -> ScheduleHooks:
+        def no_sync(c: int) -> Any:
+            @contextmanager
+            def cm() -> Iterator[None]:
+                self.events.append(("no_sync_enter", c))
+                with self.chunks[c].no_sync():
+                    yield
+                self.events.append(("no_sync_exit", c))
+
+            return cm
+
+        def wrap(name: str, funcs: Any) -> Any:
+            if funcs is None:
+                return None
+
+            def call(c: int, params: Any) -> None:
+                self.events.append((name, c))
+                funcs[c](params)
+
+            return [partial(call, c) for c in range(len(self.chunks))]
+
+        def finalize(chunks: Any, num_tokens: Any) -> None:
+            self.events.append(("finalize",))
+            assert self.base.finalize_model_grads_func is not None
+            self.base.finalize_model_grads_func(chunks, num_tokens)
+
+        return ScheduleHooks(
+            no_sync_func=[no_sync(c) for c in range(len(self.chunks))],
+            grad_sync_func=wrap("grad_sync", self.base.grad_sync_func),
+            param_sync_func=wrap("param_sync", self.base.param_sync_func),
+            finalize_model_grads_func=finalize,
+        )
+
+    def forward_step(self, per_token: bool, data_iterator: Any, model: Any) -> Any:
+        c = next(i for i, ch in enumerate(self.chunks) if ch is model)
+        m = self.microbatch[c]
+        self.microbatch[c] += 1
+        tokens, targets = next(data_iterator)
+        self.events.append(("F", c, m))
+        out = model(tokens)
+        out.register_hook(lambda g: self.events.append(("B", c, m)))
+        return out, partial(_loss, targets, per_token)
+
+
+def _loss(targets: torch.Tensor, per_token: bool, logits: torch.Tensor) -> Any:
+    if not per_token:
+        loss = gpt_loss(logits, targets)
+        return loss, {"loss": loss.detach()}
+    ce = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+    )
+    return ce, targets.numel(), {"loss_sum": ce.detach()}
+
+
+def pipeline_case(case: dict[str, Any]) -> dict[str, Any]:
+    pp, n_chunks, m_count = case["pp"], case.get("chunks", 1), case.get("microbatches", 4)
+    pgs = groups(pp_size=pp)
+    stages = split_gpt(GPT(GCFG, seed=0), pp * n_chunks)
+    mine = [stages[stage_index(pgs.pp_rank, c, pp)] for c in range(n_chunks)]
+    cfg = megabuf.DistributedDataParallelConfig.from_dict(case.get("config", {}))
+    chunks = wrap_model_chunks(mine, cfg, pgs)
+    params = [p for c in chunks for p in c.parameters()]
+    distopt = cfg.use_distributed_optimizer
+    if distopt:  # ZeRO-1 over the buffers, same SGD math on sharded fp32 main params
+        sgd = megabuf.OptimizerConfig(optimizer="sgd", lr=LR, sgd_momentum=0.9)
+        opt: Any = megabuf.build_optimizer(chunks, sgd)
+    else:  # plain torch optimizer on param.grad (the main_grad views)
+        opt = make_sgd(params) if params else None  # pp 4 x 2 chunks: some stages hold no block
+    n_rows = pgs.dp_size * m_count * MBS
+    rec = Recorder(chunks, default_schedule_hooks(chunks))
+    func = get_forward_backward_func(pp, n_chunks)
+    steps = case.get("steps", 3)
+    for step in range(steps):
+        rec.events, rec.microbatch = [], [0] * n_chunks
+        if distopt:
+            opt.zero_grad()  # also dispatches the first lazy param gather (no align)
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        x, y = global_batch(step, n_rows)
+        start = pgs.dp_rank * m_count * MBS
+        batches = [
+            (x[start + m * MBS : start + (m + 1) * MBS], y[start + m * MBS : start + (m + 1) * MBS])
+            for m in range(m_count)
+        ]
+        kwargs: dict[str, Any] = (
+            {"tensor_shape": (MBS, GCFG.seq_len, GCFG.d_model)} if pp > 1 else {}
+        )
+        func(
+            forward_step_func=partial(rec.forward_step, case.get("per_token", False)),
+            data_iterator=[iter(batches) for _ in chunks] if n_chunks > 1 else iter(batches),
+            model=chunks if n_chunks > 1 else chunks[0],
+            num_microbatches=m_count,
+            hooks=rec.hooks(),
+            per_token_loss=case.get("per_token", False),
+            **kwargs,
+        )
+        if opt is not None:
+            opt.step()
+    for chunk in chunks:
+        chunk.publish_params()  # lazy gathers (overlap_param_gather) land before we read
+    return _report(chunks, reference_params(steps, n_rows), rec, pgs)
+
+
+def _report(
+    chunks: list[megabuf.DistributedDataParallel],
+    expected: dict[str, torch.Tensor],
+    rec: Recorder,
+    pgs: megabuf.ProcessGroups,
+) -> dict[str, Any]:
+    errors: dict[str, float] = {}
+    tied: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        for name, p in chunk.module.named_parameters():
+            ref = "tok_emb.weight" if name == "lm_head.weight" else name
+            errors[name] = (p.detach() - expected[ref]).abs().max().item()
+            if getattr(p, "shared_embedding", False):
+                tied[name] = p.detach().clone()
+    return {
+        "errors": errors,
+        "tied": tied,
+        "events": rec.events,
+        "pp_rank": pgs.pp_rank,
+        "n_groups": [len(c.bucket_groups) for c in chunks],
+    }
+
+
+def run_all(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {name: pipeline_case(case) for name, case in cases.items()}

@@ -1,0 +1,132 @@
+"""Pipeline schedules on 4 gloo ranks: PP=2 x DP=2 with 1F1B and interleaved (2 chunks per stage),
+PP=4 x DP=1, and no pipelining at DP=4 give the same params after 3 SGD steps as one process on
+the global batch, with overlap flags on and off, with and without the distributed optimizer; tied
+embeddings on the first and last stage stay identical; the schedule calls its hooks in Megatron's
+order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from pipeline_cases import run_all
+
+ATOL = 1e-6
+OVERLAP = {"overlap_grad_reduce": True, "bucket_size": 200}
+DISTOPT = {"use_distributed_optimizer": True, "bucket_size": 200}
+DISTOPT_OVERLAP = {**DISTOPT, "overlap_grad_reduce": True, "overlap_param_gather": True}
+DISTOPT_ALIGN = {**DISTOPT_OVERLAP, "align_param_gather": True}
+CASES: dict[str, dict[str, Any]] = {
+    "no_pipelining_dp4_overlap": {"pp": 1, "config": OVERLAP},
+    "1f1b_sync": {"pp": 2},
+    "1f1b_overlap": {"pp": 2, "config": OVERLAP},
+    "1f1b_overlap_per_token_loss": {"pp": 2, "config": OVERLAP, "per_token": True},
+    "1f1b_distopt": {"pp": 2, "config": DISTOPT},
+    "1f1b_distopt_overlap": {"pp": 2, "config": DISTOPT_OVERLAP},
+    "interleaved_sync": {"pp": 2, "chunks": 2},
+    "interleaved_overlap": {"pp": 2, "chunks": 2, "config": OVERLAP, "microbatches": 6},
+    "interleaved_distopt": {"pp": 2, "chunks": 2, "config": DISTOPT},
+    "interleaved_distopt_align": {"pp": 2, "chunks": 2, "config": DISTOPT_ALIGN},
+    "pp4_1f1b_overlap": {"pp": 4, "config": OVERLAP},
+    "pp4_interleaved_overlap": {"pp": 4, "chunks": 2, "config": OVERLAP},  # has empty stages
+}
+
+
+@pytest.fixture(scope="module")
+def results(pools: Any) -> list[dict[str, Any]]:
+    return pools(4).run(run_all, CASES)  # type: ignore[no-any-return]
+
+
+def test_params_match_single_process_after_3_steps(results: list[dict[str, Any]]) -> None:
+    for rank, per_case in enumerate(results):
+        for name in CASES:
+            errors = per_case[name]["errors"]
+            worst = max(errors.items(), key=lambda kv: kv[1], default=("-", 0.0))
+            assert worst[1] <= ATOL, f"{name} rank {rank}: {worst[0]} off by {worst[1]:.3g}"
+    for name, case in CASES.items():  # together the ranks hold every param of the GPT
+        held = set().union(*(per_case[name]["errors"] for per_case in results))
+        assert "blocks.3.fc_out.bias" in held and "tok_emb.weight" in held, name
+        assert ("lm_head.weight" in held) == (case["pp"] > 1), name
+
+
+def test_tied_embeddings_identical_across_first_and_last_stage(
+    results: list[dict[str, Any]],
+) -> None:
+    for name, case in CASES.items():
+        if case["pp"] == 1:
+            continue
+        first = [r[name]["tied"]["tok_emb.weight"] for r in results if r[name]["pp_rank"] == 0]
+        last_stage = case["pp"] - 1
+        last = [
+            r[name]["tied"]["lm_head.weight"] for r in results if r[name]["pp_rank"] == last_stage
+        ]
+        assert first and last, name
+        for a in first:
+            for b in last:
+                assert torch.equal(a, b), name
+
+
+def _index(events: list[tuple[Any, ...]], event: tuple[Any, ...]) -> int:
+    return events.index(event)
+
+
+def test_1f1b_hook_order(results: list[dict[str, Any]]) -> None:
+    m_last = 3
+    for name in ("1f1b_sync", "1f1b_overlap", "pp4_1f1b_overlap"):
+        overlap = "overlap" in name
+        for rank, per_case in enumerate(results):
+            ev, stage = per_case[name]["events"], per_case[name]["pp_rank"]
+            assert ev[0] == ("no_sync_enter", 0) and ev[-1] == ("finalize",), (name, ev)
+            assert ev.count(("no_sync_enter", 0)) == ev.count(("no_sync_exit", 0)) == 1
+            exit_at, last_b = _index(ev, ("no_sync_exit", 0)), _index(ev, ("B", 0, m_last))
+            backwards = [i for i, e in enumerate(ev) if e[0] == "B"]
+            if overlap and stage > 0:  # reduction launched by grad_sync_func after cool-down
+                assert exit_at > backwards[-1], (name, rank, ev)
+            else:  # sync back on right before the last backward only
+                assert backwards[-2] < exit_at < last_b, (name, rank, ev)
+            if overlap:
+                assert ev.count(("grad_sync", 0)) == 1 and _index(ev, ("grad_sync", 0)) > last_b
+            else:
+                assert ("grad_sync", 0) not in ev
+
+
+def test_interleaved_hook_order(results: list[dict[str, Any]]) -> None:
+    for name, m_last in (("interleaved_overlap", 5), ("interleaved_sync", 3)):
+        overlap = "overlap" in name
+        for rank, per_case in enumerate(results):
+            ev = per_case[name]["events"]
+            assert ev[:2] == [("no_sync_enter", 0), ("no_sync_enter", 1)], (name, ev)
+            assert ev[-1] == ("finalize",) and ("F", 0, 0) in ev
+            for chunk in (0, 1):
+                last_b = _index(ev, ("B", chunk, m_last))
+                in_no_sync = _no_sync_depth(ev[:last_b]) > 0
+                assert in_no_sync == overlap, (name, rank, chunk, ev)  # hooks vs grad_sync_func
+                if overlap:
+                    assert ev.count(("grad_sync", chunk)) == 1
+                    assert _index(ev, ("grad_sync", chunk)) > last_b, (name, rank, ev)
+
+
+def _no_sync_depth(events: list[tuple[Any, ...]]) -> int:
+    return sum(
+        +1 if e == ("no_sync_enter", 0) else -1
+        for e in events
+        if e[0].startswith("no_sync") and e[1] == 0
+    )
+
+
+def test_interleaved_align_dispatches_param_sync_first(results: list[dict[str, Any]]) -> None:
+    for per_case in results:
+        ev = per_case["interleaved_distopt_align"]["events"]
+        first_f = _index(ev, ("F", 0, 0))
+        assert ("param_sync", 0) in ev[:first_f] and ("param_sync", 1) in ev[:first_f], ev
+
+
+def test_later_stages_and_chunks_use_one_bucket_group(results: list[dict[str, Any]]) -> None:
+    for per_case in results:
+        res = per_case["interleaved_overlap"]
+        groups = res["n_groups"]
+        if res["pp_rank"] == 0:
+            assert groups[0] > 2 and groups[1] == 1, groups
+        else:
+            assert groups == [1, 1], groups
