@@ -122,8 +122,8 @@ def optimizer_kwargs(name: str, case: dict[str, Any]) -> dict[str, Any]:
 def build_model(case: dict[str, Any], **ddp_overrides: Any) -> megabuf.DistributedDataParallel:
     torch.manual_seed(0)
     net = MODELS[case.get("model", "net")]()
-    if case.get("bf16"):
-        net.to(torch.bfloat16)
+    if case.get("bf16") or case.get("fp16"):
+        net.to(torch.bfloat16 if case.get("bf16") else torch.float16)
     if case.get("expert"):  # ep=1: expert params replicated over expt_dp == dp
         megabuf.mark_expert_parallel(net.tail.parameters())
     cfg = megabuf.DistributedDataParallelConfig.from_dict({**case["ddp"], **ddp_overrides})
@@ -182,9 +182,8 @@ class Reference:
     def __init__(self, case: dict[str, Any]) -> None:
         torch.manual_seed(0)
         self.model = MODELS[case.get("model", "net")]()
-        self.bf16 = bool(case.get("bf16"))
-        if self.bf16:
-            self.model.to(torch.bfloat16)
+        if case.get("bf16") or case.get("fp16"):
+            self.model.to(torch.bfloat16 if case.get("bf16") else torch.float16)
         self.params = list(self.model.parameters())
         self.masters = [p.detach().float().clone() for p in self.params]
         name = case.get("optimizer", "adam")
@@ -297,13 +296,14 @@ def scaler_case(case: dict[str, Any]) -> dict[str, Any]:
     ref = Reference(case)
     oks, scales = [], []
     for step in range(case["steps"]):
-        poison = step == case["poison_step"]
+        poison = step == case.get("poison_step")
         ok, _, _ = train_step(model, opt, step, poison=poison)
         oks.append(ok)
         scales.append(float(opt.get_loss_scale().item()))
-        if not poison:
+        if ok:
             ref.step(step)
-    return {"oks": oks, "scales": scales, "errors": param_errors(model, ref)}
+    scale = max(p.abs().max().item() for p in ref.model.parameters())
+    return {"oks": oks, "scales": scales, "errors": param_errors(model, ref), "scale": scale}
 
 
 def errors_case(case: dict[str, Any]) -> dict[str, str]:

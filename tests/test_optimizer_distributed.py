@@ -84,6 +84,12 @@ SCALER_CASES: dict[str, dict[str, Any]] = {
     "scaler_distopt": {"steps": 6, "poison_step": 2, "scaler": SCALER, "ddp": DISTOPT},
     "scaler_mixed": {"steps": 6, "poison_step": 2, "scaler": SCALER, "ddp": {}},
 }
+FP16_SCALER = {"initial_scale": 2.0**20, "hysteresis": 1, "growth_interval": 1000}
+FP16_CASES: dict[str, dict[str, Any]] = {  # fp16 params and grads: overflow at the start
+    "fp16_distopt": {"fp16": True, "steps": 10, "eps": 1e-4, "scaler": FP16_SCALER, "ddp": DISTOPT},
+    "fp16_mixed": {"fp16": True, "steps": 10, "eps": 1e-4, "scaler": FP16_SCALER, "ddp": {}},
+}
+FP16_ULPS = 2 * 2.0**-10
 MEMORY_CASES: dict[str, dict[str, Any]] = {
     "memory_bf16": {"bf16": True, "ddp": {**DISTOPT, **BF16_DDP, "bucket_size": 100}},
     "memory_fp32": {"ddp": {**DISTOPT, "bucket_size": 100}},
@@ -95,6 +101,7 @@ def all_cases() -> dict[str, tuple[str, dict[str, Any]]]:
     cases.update({n: ("equal", c) for n, c in EQUAL.items()})
     cases.update({n: ("overlap", c) for n, c in OVERLAP_CASES.items()})
     cases.update({n: ("scaler", c) for n, c in SCALER_CASES.items()})
+    cases.update({n: ("scaler", c) for n, c in FP16_CASES.items()})
     cases.update({n: ("memory", c) for n, c in MEMORY_CASES.items()})
     cases["errors"] = ("errors", {})
     return cases
@@ -171,6 +178,21 @@ def test_dynamic_loss_scaling_skips_inf_steps_and_recovers(results: Any) -> None
             assert out["oks"] == [True, True, False, True, True, True], (world_size, name)
             assert out["scales"] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0, 2048.0], name
             assert _worst(out["errors"])[1] <= FP32_ATOL, (world_size, name, out["errors"])
+
+
+def test_fp16_overflow_backs_off_until_steps_succeed(results: Any) -> None:
+    """fp16 params with a too-large initial scale: the first steps overflow in fp16 and are skipped
+    on every rank, the scale halves each time, then training proceeds and matches a torch
+    mixed-precision reference that took the same steps (2 fp16 ulps)."""
+    world_size, per_rank = results
+    for res in per_rank:
+        for name in FP16_CASES:
+            out = res[name]
+            assert not out["oks"][0] and all(out["oks"][-3:]), (world_size, name, out["oks"])
+            assert out["scales"][-1] < FP16_SCALER["initial_scale"]
+            assert out["oks"] == per_rank[0][name]["oks"]  # every rank skipped the same steps
+            worst = _worst(out["errors"])
+            assert worst[1] <= FP16_ULPS * out["scale"], (world_size, name, worst)
 
 
 def test_per_rank_optimizer_bytes_are_exact(results: Any) -> None:
