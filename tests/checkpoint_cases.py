@@ -28,6 +28,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "eps": 1e-4,
         "ddp": {"use_distributed_optimizer": True, "grad_reduce_in_fp32": True, "bucket_size": 60},
     },
+    "mixed_bf16_sgd": {  # non-distributed MixedPrecisionOptimizer: dp rank 0 writes whole params
+        "optimizer": "sgd",
+        "bf16": True,
+        "ddp": {"grad_reduce_in_fp32": True, "overlap_grad_reduce": True, "bucket_size": 80},
+    },
 }
 
 
