@@ -52,6 +52,8 @@ class Domain:
 class MegabufOptimizer:
     """Base class; subclasses decide which main params a rank owns and how params are published."""
 
+    sharded = False  # main params are shards of the buffers (memory_report counts shard padding)
+
     def __init__(
         self,
         model_chunks: DistributedDataParallel | Sequence[DistributedDataParallel],
@@ -70,6 +72,8 @@ class MegabufOptimizer:
         self.clip_grad = clip_grad
         self.grad_scaler = grad_scaler
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
+        first = next(iter(self.model_chunks[0].param_to_name), None)
+        self.device = first.device if first is not None else torch.device("cpu")
         self.keys = model_space_keys(self.model_chunks)
         self._hparams, self._group_of = resolve_param_groups(self.model_chunks, param_groups)
         self.domains: list[Domain] = []
@@ -121,10 +125,12 @@ class MegabufOptimizer:
                     self._release_grads()
                     return False, None, None
             parts = [NormPart(self._grads_of(d), d.norm_groups) for d in self.domains]
-            grad_norm = global_grad_norm(parts, self.collectives)
+            grad_norm = global_grad_norm(parts, self.collectives, device=self.device)
             if self.clip_grad > 0.0:
                 clip_grads_(grads, self.clip_grad, grad_norm)
-            num_zeros = count_zeros(parts, self.collectives) if self.log_num_zeros_in_grad else None
+            num_zeros = None
+            if self.log_num_zeros_in_grad:
+                num_zeros = count_zeros(parts, self.collectives, device=self.device)
             self._before_update()
             with torch.profiler.record_function("megabuf::inner_step"):
                 for domain in self.domains:
@@ -144,10 +150,10 @@ class MegabufOptimizer:
         if self.grad_scaler is None:
             return False
         with torch.profiler.record_function("megabuf::unscale_and_check"):
-            found_inf = torch.zeros(1, dtype=torch.float32)
+            found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
             if grads:
                 torch._amp_foreach_non_finite_check_and_unscale_(
-                    grads, found_inf, self.grad_scaler.inv_scale
+                    grads, found_inf, self.grad_scaler.inv_scale.to(self.device)
                 )
             for group in (self.process_groups.dp, self.process_groups.pp):
                 if dist.get_world_size(group) > 1:
@@ -205,5 +211,3 @@ class MegabufOptimizer:
 
     def memory_report(self) -> OptimizerMemoryReport:
         return memory_report(self, sharded=self.sharded)
-
-    sharded = False

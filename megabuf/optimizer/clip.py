@@ -42,19 +42,32 @@ def _sum_over(value: Tensor, groups: Sequence[ProcessGroup], collectives: Collec
             collectives.all_reduce(value, group, async_op=False)
 
 
-def _local_sq_sum(grads: Sequence[Tensor]) -> Tensor:
+def _device_of(parts: Sequence[NormPart], device: torch.device | None) -> torch.device:
+    """Where the reductions run: NCCL needs CUDA tensors even on a rank that owns no grads."""
+    if device is not None:
+        return device
+    for part in parts:
+        for grad in part.grads:
+            return grad.device
+    return torch.device("cpu")
+
+
+def _local_sq_sum(grads: Sequence[Tensor], device: torch.device) -> Tensor:
     if not grads:
-        return torch.zeros(1, dtype=torch.float32)
+        return torch.zeros(1, dtype=torch.float32, device=device)
     norms = torch._foreach_norm(list(grads), 2)
     return torch.stack([n.float() for n in norms]).pow(2).sum().reshape(1)
 
 
-def global_grad_norm(parts: Sequence[NormPart], collectives: Collectives) -> float:
+def global_grad_norm(
+    parts: Sequence[NormPart], collectives: Collectives, *, device: torch.device | None = None
+) -> float:
     """L2 norm of every grad of the model over all ranks; see [Note: global grad norm]."""
     with torch.profiler.record_function("megabuf::grad_norm"):
-        total = torch.zeros(1, dtype=torch.float32)
+        device = _device_of(parts, device)
+        total = torch.zeros(1, dtype=torch.float32, device=device)
         for part in parts:
-            sq = _local_sq_sum(part.grads)
+            sq = _local_sq_sum(part.grads, device)
             _sum_over(sq, part.groups, collectives)
             total += sq
         return float(total.sqrt().item())
@@ -69,13 +82,16 @@ def clip_grads_(grads: Sequence[Tensor], max_norm: float, total_norm: float) -> 
     return min(coef, 1.0)
 
 
-def count_zeros(parts: Sequence[NormPart], collectives: Collectives) -> int:
+def count_zeros(
+    parts: Sequence[NormPart], collectives: Collectives, *, device: torch.device | None = None
+) -> int:
     """Number of zero grad elements over the whole model (same ownership rules as the norm)."""
-    total = 0
+    device = _device_of(parts, device)
+    total = torch.zeros(1, dtype=torch.float64, device=device)
     for part in parts:
-        zeros = torch.zeros(1, dtype=torch.float64)
+        zeros = torch.zeros(1, dtype=torch.float64, device=device)
         for grad in part.grads:
-            zeros += grad.numel() - torch.count_nonzero(grad).item()
+            zeros += grad.numel() - torch.count_nonzero(grad)
         _sum_over(zeros, part.groups, collectives)
-        total += int(zeros.item())
-    return total
+        total += zeros
+    return int(total.item())

@@ -94,4 +94,3 @@ class DistributedOptimizer(MegabufOptimizer):
             cfg = chunk.ddp_config
             if cfg.overlap_param_gather and not cfg.align_param_gather:
                 chunk.start_param_sync(force_dispatch=True)
-
