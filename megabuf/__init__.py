@@ -6,6 +6,7 @@ from megabuf.checkpoint import load_checkpoint, save_checkpoint
 from megabuf.collectives import Collectives, CommStats
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.ddp import DistributedDataParallel
+from megabuf.finalize import check_scaling_invariant, finalize_model_grads
 from megabuf.layout import BufferLayout, compute_layout
 from megabuf.optimizer import (
     ConstantGradScaler,
@@ -17,6 +18,15 @@ from megabuf.optimizer import (
     OptimizerConfig,
     OptimizerMemoryReport,
     build_optimizer,
+)
+from megabuf.pipeline import (
+    ScheduleHooks,
+    default_schedule_hooks,
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving,
+    get_forward_backward_func,
+    wrap_model_chunks,
 )
 from megabuf.process_groups import ProcessGroups, init_distributed
 from megabuf.replicas import is_expert_parallel, mark_expert_parallel
@@ -39,14 +49,23 @@ __all__ = [
     "OptimizerMemoryReport",
     "ParamSyncState",
     "ProcessGroups",
+    "ScheduleHooks",
     "_ParamAndGradBucket",
     "_ParamAndGradBuffer",
     "build_optimizer",
+    "check_scaling_invariant",
     "compute_layout",
+    "default_schedule_hooks",
+    "finalize_model_grads",
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_with_interleaving",
+    "forward_backward_pipelining_without_interleaving",
+    "get_forward_backward_func",
     "init_distributed",
     "is_expert_parallel",
     "load_checkpoint",
     "mark_expert_parallel",
     "partition_buckets",
     "save_checkpoint",
+    "wrap_model_chunks",
 ]
