@@ -78,9 +78,14 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _peak_load(row: dict[str, Any]) -> float | None:
+    loads = [v for v in row.get("loadavg_1min") or [] if v is not None]
+    return max(loads) if loads else None
+
+
 def _cells(row: dict[str, Any], tolerance: float) -> list[str]:
     if row.get("status") != "ok":
-        return [row["model"], row["system"]] + ["-"] * 9 + [str(row.get("status"))]
+        return [row["model"], row["system"]] + ["-"] * 10 + [str(row.get("status"))]
     measured = row.get("bytes_per_step")
     sent = _num(measured / MB, ".2f") if measured is not None else "-"
     overlap = row.get("overlap") or {}
@@ -92,13 +97,14 @@ def _cells(row: dict[str, Any], tolerance: float) -> list[str]:
         f"{row['samples_per_s']:.1f}", f"{row['peak_rss_bytes'] / MiB:.0f}",
         f"{row['optimizer_state_nbytes'] / MiB:.1f}", sent,
         f"{row['theoretical_bytes_per_step'] / MB:.2f}",
-        _num(overlap.get("median_exposed_ms"), ".1f"), check,
+        _num(overlap.get("median_exposed_ms"), ".1f"), _num(_peak_load(row), ".1f"),
+        check,
     ]  # fmt: skip
 
 
 HEADER = [
     "model", "system", "step ms", "x DDP", "x floor", "samples/s", "peak RSS MiB",
-    "opt state MiB", "sent MB/step", "theory MB/step", "exposed comm ms", "check",
+    "opt state MiB", "sent MB/step", "theory MB/step", "exposed comm ms", "load", "check",
 ]  # fmt: skip
 PHASE_HEADER = ["model", "system", "forward ms", "backward ms", "grad sync ms", "optimizer ms"]
 

@@ -11,6 +11,7 @@ an upper bound.
 from __future__ import annotations
 
 import gc
+import os
 import resource
 import statistics
 import sys
@@ -54,6 +55,10 @@ class Job:
     trace_steps: int
     progress: str  # prefix of the progress line rank 0 prints (empty: silent)
     reset_peak: bool  # not isolated: see [Note: peak RSS per rank]
+
+
+def _load() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 def reset_peak_rss() -> None:
@@ -178,6 +183,7 @@ def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
     result: dict[str, Any] = {"model": job.model, "system": job.system, "rank": dist.get_rank(),
                               "batch_per_rank": job.batch_per_rank}  # fmt: skip
     gc.collect()
+    load_at_start = _load()
     if job.reset_peak:
         reset_peak_rss()
     try:
@@ -191,6 +197,7 @@ def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
     phases = _timed_steps(job, engine, x, y)
     result.update(_summary(job, engine, phases))
     result["peak_rss_bytes"] = peak_rss_bytes()
+    result["loadavg_1min"] = [load_at_start, _load()]  # > world size: other work on the machine
     result["trace"] = _trace(job, engine, x, y)
     result["status"] = "ok"
     del engine
