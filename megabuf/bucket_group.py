@@ -174,11 +174,29 @@ class BucketGroup:
                 "across syncs. Use no_sync() for gradient accumulation"
             )
         groups = self.chain.groups if self.chain is not None else [self]
+        if any(g.reduction_gain != 1.0 for g in groups):
+            raise RuntimeError(
+                f"megabuf: backward after finish_grad_sync() without zero_grad_buffer() (rank "
+                f"{dist.get_rank()}, {self._name(param)}): this bucket group's reduction does not "
+                "map already-reduced grads to themselves (expert-parallel params are scaled by "
+                "1/dp_size but summed over expt_dp only), so accumulating across syncs would be "
+                "wrong. Use no_sync() for gradient accumulation"
+            )
         for group in groups:
             if group.grad_state is GradSyncState.SYNCED:
                 group._clear_readiness()
         if self.chain is not None:
             self.chain.reset()
+
+    @property
+    def reduction_gain(self) -> float:
+        """What one reduction multiplies grads that are equal on every rank by: dense buckets 1
+        (1/dp summed over dp); expert buckets 1/ep_size (1/dp summed over expt_dp only)."""
+        bucket = self.buckets[0]
+        gain = bucket.gradient_scaling_factor
+        if not self.ddp_config.average_in_collective:
+            gain *= self.collective_group_size
+        return gain
 
     def start_grad_sync(self) -> None:
         """Scale and dispatch every bucket's reduction (async when overlapping)."""

@@ -1,0 +1,64 @@
+"""A backward after finish_grad_sync() without zero_grad_buffer() accumulates on top exactly for
+dense buffers, and raises (never a silent wrong result) where the reduction is not the identity on
+already-reduced grads: expert-parallel buffers."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import megabuf
+
+
+def accumulate_case(average: bool, expert: bool) -> float | str:
+    """World 2, ep 2: `tail` is expert-parallel (reduced over expt_dp of size 1, scaled by 1/dp)
+    and deliberately identical on both ranks, so its expected grad is the local grad / 2."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    if expert:
+        megabuf.mark_expert_parallel(net[2].parameters())
+    ref = copy.deepcopy(net)
+    pgs = megabuf.ProcessGroups.build(ep_size=2)
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size=1, average_in_collective=average
+    )
+    model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    expected: dict[str, torch.Tensor] = {}
+    for step in range(2):
+        x = torch.randn(4 * world, 6, generator=torch.Generator().manual_seed(step))
+        local = x[rank * 4 : (rank + 1) * 4]
+        try:
+            model(local).square().mean().backward()
+        except RuntimeError as exc:
+            return str(exc)
+        model.finish_grad_sync()  # no zero_grad_buffer between the two iterations
+        ref.zero_grad()
+        ref(x).square().mean().backward()  # dense: global-batch grad
+        ref_local = copy.deepcopy(ref)
+        ref_local.zero_grad()
+        ref_local(local).square().mean().backward()
+        for name, p in ref.named_parameters():
+            is_expert = expert and name.startswith("2.")
+            g = ref_local.get_parameter(name).grad / world if is_expert else p.grad
+            expected[name] = expected.get(name, torch.zeros_like(g)) + g
+    return max(
+        (p.main_grad - expected[name]).abs().max().item()
+        for name, p in model.module.named_parameters()
+    )
+
+
+def all_modes() -> list[float | str]:
+    return [accumulate_case(avg, expert) for expert in (False, True) for avg in (False, True)]
+
+
+def test_accumulating_after_sync_is_exact_for_dense_and_raises_for_expert(pools: Any) -> None:
+    for dense_sum, dense_avg, expert_sum, expert_avg in pools(2).run(all_modes):
+        assert dense_sum <= 1e-6 and dense_avg <= 1e-6, (dense_sum, dense_avg)
+        for msg in (expert_sum, expert_avg):
+            assert isinstance(msg, str) and "without zero_grad_buffer" in msg, msg
+            assert "'2.weight'" in msg or "2.weight" in msg or "2.bias" in msg, msg
