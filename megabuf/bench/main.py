@@ -48,6 +48,7 @@ def make_jobs(opts: BenchOptions, refs: dict[str, Reference], progress: Progress
                 steps=opts.steps, reference=None if system == FLOOR else refs[model],
                 trace_dir=opts.trace_dir, trace_steps=opts.trace_steps,
                 progress=progress.prefix(len(jobs), label), reset_peak=not opts.isolate,
+                megabuf_overrides=dict(opts.megabuf_overrides),
             ))  # fmt: skip
     return jobs
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Every system trains with torch AdamW (or its sharded equivalent) with these settings. eps is
 # 1e-6 rather than 1e-8 so that the one-step check is not dominated by elements whose grad is at
@@ -51,6 +51,8 @@ class BenchOptions:
     trace_dir: str | None
     """Write Chrome traces (torch.profiler) and PNG timelines here."""
     trace_steps: int = 3
+    megabuf_overrides: dict[str, object] = field(default_factory=dict)
+    """DistributedDataParallelConfig fields set for every megabuf system (e.g. bucket_size)."""
 
 
 def _parse_models(text: str) -> dict[str, int]:
@@ -94,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="bench-results.jsonl", help="JSON lines output")
     p.add_argument("--trace", metavar="DIR", help="write Chrome traces and PNG timelines to DIR")
+    p.add_argument(
+        "--megabuf-bucket-size",
+        type=int,
+        metavar="NUMEL",
+        help="bucket size (elements) for the megabuf systems (default: megabuf's)",
+    )
     return p
 
 
@@ -111,4 +119,6 @@ def parse_options(argv: Sequence[str]) -> BenchOptions:
         models=dict(models), systems=_parse_systems(args.systems), world_size=args.world_size,
         warmup=warmup, steps=steps, isolate=not (quick or args.no_isolate), out=args.out,
         trace_dir=args.trace, trace_steps=2 if quick else 3,
+        megabuf_overrides={} if args.megabuf_bucket_size is None
+        else {"bucket_size": args.megabuf_bucket_size},
     )  # fmt: skip

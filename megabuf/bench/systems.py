@@ -174,23 +174,25 @@ def _with_distributed_optimizer(
     )  # fmt: skip
 
 
-def build_megabuf_ar_overlap(module: nn.Module, pgs: ProcessGroups) -> Engine:
-    return _megabuf(module, pgs, DistributedDataParallelConfig(overlap_grad_reduce=True))
+MEGABUF_CONFIGS: dict[str, dict[str, Any]] = {
+    "megabuf_ar_overlap": {"overlap_grad_reduce": True},
+    "megabuf_ar_sync": {},
+    "megabuf_distopt_overlap": {
+        "use_distributed_optimizer": True,
+        "overlap_grad_reduce": True,
+        "overlap_param_gather": True,
+    },
+    "megabuf_distopt_sync": {"use_distributed_optimizer": True},
+}
+"""DistributedDataParallelConfig fields of each megabuf system (the rest are defaults)."""
 
 
-def build_megabuf_ar_sync(module: nn.Module, pgs: ProcessGroups) -> Engine:
-    return _megabuf(module, pgs, DistributedDataParallelConfig(overlap_grad_reduce=False))
-
-
-def build_megabuf_distopt_overlap(module: nn.Module, pgs: ProcessGroups) -> Engine:
-    config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True
-    )
-    return _megabuf(module, pgs, config)
-
-
-def build_megabuf_distopt_sync(module: nn.Module, pgs: ProcessGroups) -> Engine:
-    return _megabuf(module, pgs, DistributedDataParallelConfig(use_distributed_optimizer=True))
+def build_megabuf(
+    name: str, module: nn.Module, pgs: ProcessGroups, overrides: dict[str, Any] | None = None
+) -> Engine:
+    """megabuf system `name` (see MEGABUF_CONFIGS), with config fields overridden if given."""
+    values = {**MEGABUF_CONFIGS[name], **(overrides or {})}
+    return _megabuf(module, pgs, DistributedDataParallelConfig(**values))
 
 
 BUILDERS: dict[str, Callable[[nn.Module, ProcessGroups], Engine]] = {
@@ -200,11 +202,8 @@ BUILDERS: dict[str, Callable[[nn.Module, ProcessGroups], Engine]] = {
     "fsdp2_reshard": build_fsdp2_reshard,
     "fsdp2_no_reshard": build_fsdp2_no_reshard,
     "zero_ddp": build_zero_ddp,
-    "megabuf_ar_overlap": build_megabuf_ar_overlap,
-    "megabuf_ar_sync": build_megabuf_ar_sync,
-    "megabuf_distopt_overlap": build_megabuf_distopt_overlap,
-    "megabuf_distopt_sync": build_megabuf_distopt_sync,
 }
+"""Builders of the peers; megabuf systems are built by `build_megabuf`."""
 
 
 def full_params(engine: Engine) -> Iterator[tuple[str, Tensor]]:

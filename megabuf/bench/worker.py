@@ -16,7 +16,7 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,8 +27,10 @@ import megabuf
 from megabuf.bench.reference import Reference, max_error, rank_batch
 from megabuf.bench.systems import (
     BUILDERS,
+    MEGABUF_CONFIGS,
     Engine,
     NotAvailable,
+    build_megabuf,
     full_params,
     optimizer_state_nbytes,
 )
@@ -55,6 +57,7 @@ class Job:
     trace_steps: int
     progress: str  # prefix of the progress line rank 0 prints (empty: silent)
     reset_peak: bool  # not isolated: see [Note: peak RSS per rank]
+    megabuf_overrides: dict[str, Any] = field(default_factory=dict)  # config fields
 
 
 def _load() -> float | None:
@@ -187,7 +190,11 @@ def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
     if job.reset_peak:
         reset_peak_rss()
     try:
-        engine = BUILDERS[job.system](build_model(job.model, seed=0), pgs)
+        module = build_model(job.model, seed=0)
+        if job.system in MEGABUF_CONFIGS:
+            engine = build_megabuf(job.system, module, pgs, job.megabuf_overrides)
+        else:
+            engine = BUILDERS[job.system](module, pgs)
     except NotAvailable as exc:
         return {**result, "status": "n/a (not available)", "reason": str(exc)}
     x, y = rank_batch(job.model, job.batch_per_rank, pgs.dp_rank)
