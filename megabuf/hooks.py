@@ -10,21 +10,23 @@ alone does not clear gradients: call `model.zero_grad_buffer()` (or `model.zero_
 [Note: lazy param gather]
 With overlap_param_gather, params are stale after the optimizer step until their bucket group's
 all-gather finishes, and a forward pre-hook must finish it before anything reads them. Which
-module reads a param is learned, not assumed: the first forward with the hooks installed gathers
-everything up front and records the order in which modules run. Afterwards each param is
-guarded by the first module that ran among those owning it, or, if none ran (a parent read it
-through `F.linear`, an `nn.ParameterList`...), by its nearest ancestor that ran. The forward
-order of bucket groups learned the same way drives prefetching, so a forward order different
-from registration order costs overlap, never correctness.
+module reads a param is learned, not assumed from ownership: the first forward with the hooks
+installed gathers everything up front and, under a TorchFunctionMode, records which module was
+running when a torch function first received each param. Afterwards each bucket group is
+finished by the pre-hook of its first reader, whoever owns the param (a parent reading a child's
+weight through `F.linear`, an `nn.ParameterList`, a sibling's weight); groups never read in
+forward are finished at the root. The read order of the groups drives prefetching, so a forward
+order different from registration order costs overlap, never correctness.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from megabuf.bucket_group import BucketGroup
@@ -62,6 +64,37 @@ def register_grad_hooks(
     return handles
 
 
+class _ReadRecorder(TorchFunctionMode):
+    """Learning pass only: notes, for each watched param, the module running when a torch
+    function first receives it."""
+
+    def __init__(self, watched: dict[nn.Parameter, BucketGroup], stack: list[nn.Module]) -> None:
+        super().__init__()
+        self.watched = watched
+        self.stack = stack
+        self.first_reader: dict[nn.Parameter, nn.Module] = {}  # insertion order = read order
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        for arg in _leaves((args, kwargs)):
+            if isinstance(arg, nn.Parameter) and arg in self.watched:
+                self.first_reader.setdefault(arg, self.stack[-1])
+        return func(*args, **kwargs)
+
+
+def _leaves(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _leaves(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _leaves(item)
+    else:
+        yield obj
+
+
 class ParamGatherHooks:
     """Forward pre-hooks that finish param all-gathers just in time; see [Note: lazy param
     gather]."""
@@ -71,7 +104,8 @@ class ParamGatherHooks:
         self.param_to_group = param_to_group
         self.plan: dict[nn.Module, list[BucketGroup]] | None = None  # None until learned
         self.forward_order: list[BucketGroup] = []
-        self._seen: dict[nn.Module, None] = {}  # modules in first-run order (learning pass)
+        self._stack: list[nn.Module] = []  # modules running (learning pass)
+        self._recorder: _ReadRecorder | None = None
         self._handles: list[RemovableHandle] = []
 
     @property
@@ -81,9 +115,13 @@ class ParamGatherHooks:
     def enable(self) -> None:
         if self._handles:
             return
+        if self.plan is not None:  # steady state: hooks only where a gather must finish
+            for mod in self.plan:
+                self._handles.append(mod.register_forward_pre_hook(self._pre_hook))
+            return
         for mod in self.module.modules():
-            self._handles.append(mod.register_forward_pre_hook(self._pre_hook))
-        self._handles.append(self.module.register_forward_hook(self._root_post_hook))
+            self._handles.append(mod.register_forward_pre_hook(self._learn_pre_hook))
+            self._handles.append(mod.register_forward_hook(self._learn_post_hook, always_call=True))
 
     def disable(self) -> None:
         for handle in self._handles:
@@ -91,22 +129,29 @@ class ParamGatherHooks:
         self._handles = []
 
     def _pre_hook(self, mod: nn.Module, args: Any) -> None:
-        if self.plan is None:
-            if mod is self.module:
-                self._seen = {}
-                for group in dict.fromkeys(self.param_to_group.values()):
-                    group.finish_param_sync(skip_next_bucket_dispatch=True)
-            self._seen.setdefault(mod, None)
-            return
-        for group in self.plan.get(mod, ()):
+        for group in self.plan.get(mod, ()) if self.plan is not None else ():
             group.finish_param_sync()
 
-    def _root_post_hook(self, mod: nn.Module, args: Any, output: Any) -> None:
-        if self.plan is None:
-            self.plan, self.forward_order = build_gather_plan(
-                self.module, list(self._seen), self.param_to_group
-            )
-            link_forward_order(self.forward_order)
+    def _learn_pre_hook(self, mod: nn.Module, args: Any) -> None:
+        if mod is self.module and not self._stack:
+            for group in dict.fromkeys(self.param_to_group.values()):  # correct, not overlapped
+                group.finish_param_sync(skip_next_bucket_dispatch=True)
+            self._recorder = _ReadRecorder(self.param_to_group, self._stack)
+            self._recorder.__enter__()
+        self._stack.append(mod)
+
+    def _learn_post_hook(self, mod: nn.Module, args: Any, output: Any) -> None:
+        self._stack.pop()
+        if mod is not self.module or self._stack or self._recorder is None:
+            return
+        recorder, self._recorder = self._recorder, None
+        recorder.__exit__(None, None, None)
+        self.plan, self.forward_order = build_gather_plan(
+            self.module, recorder.first_reader, self.param_to_group
+        )
+        link_forward_order(self.forward_order)
+        self.disable()
+        self.enable()
 
     def first_group(self) -> BucketGroup | None:
         """The group the next forward reads first (for force_dispatch)."""
@@ -115,34 +160,22 @@ class ParamGatherHooks:
 
 def build_gather_plan(
     root: nn.Module,
-    ran: list[nn.Module],
+    first_reader: dict[nn.Parameter, nn.Module],
     param_to_group: dict[nn.Parameter, BucketGroup],
 ) -> tuple[dict[nn.Module, list[BucketGroup]], list[BucketGroup]]:
-    """Map each module that ran to the groups it must finish; return groups in forward order."""
-    position = {mod: i for i, mod in enumerate(ran)}
-    parent: dict[nn.Module, nn.Module] = {}
-    for mod in root.modules():
-        for child in mod.children():
-            parent.setdefault(child, mod)
-    guard: dict[nn.Parameter, nn.Module] = {}
-    for mod in root.modules():
-        for param in mod.parameters(recurse=False):
-            if param not in param_to_group:
-                continue
-            reader = mod
-            while reader not in position and reader in parent:
-                reader = parent[reader]
-            best = guard.get(param)
-            if best is None or position.get(reader, 0) < position.get(best, 0):
-                guard[param] = reader
+    """Each group is finished by the module that first read any of its params (params never
+    read in forward: by the root). Returns the plan and the groups in forward read order."""
     plan: dict[nn.Module, list[BucketGroup]] = {}
-    for param, mod in guard.items():
-        groups = plan.setdefault(mod, [])
-        if param_to_group[param] not in groups:
-            groups.append(param_to_group[param])
     order: list[BucketGroup] = []
-    for mod in sorted(plan, key=lambda m: position.get(m, 0)):
-        order.extend(g for g in plan[mod] if g not in order)
+    for param, reader in first_reader.items():
+        group = param_to_group[param]
+        if group not in order:
+            order.append(group)
+            plan.setdefault(reader, []).append(group)
+    unread = [g for g in dict.fromkeys(param_to_group.values()) if g not in order]
+    if unread:
+        plan.setdefault(root, [])[0:0] = unread
+        order = unread + order
     return plan, order
 
 

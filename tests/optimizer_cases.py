@@ -83,8 +83,30 @@ class ParentReads(nn.Module):
         return self.out(h).float()
 
 
+class _Mixer(nn.Module):
+    def forward(self, h: torch.Tensor, other: nn.Linear) -> torch.Tensor:
+        return torch.tanh(F.linear(h, other.weight) + h)
+
+
+class SiblingReads(nn.Module):
+    """`mixer` reads `late`'s weight before `late`'s own forward runs: an ownership-based
+    gather plan would let it read the stale weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(DIM, DIM)
+        self.mixer = _Mixer()
+        self.late = nn.Linear(DIM, DIM)
+        self.out = nn.Linear(DIM, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x.to(self.out.weight.dtype)))
+        h = torch.tanh(self.late(self.mixer(h, self.late)))
+        return self.out(h).float()
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
-    "net": Net, "permuted": Permuted, "parent_reads": ParentReads,
+    "net": Net, "permuted": Permuted, "parent_reads": ParentReads, "sibling_reads": SiblingReads,
 }  # fmt: skip
 
 

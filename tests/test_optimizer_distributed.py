@@ -72,6 +72,11 @@ OVERLAP_CASES: dict[str, dict[str, Any]] = {
         "optimizer": "sgd",
         "ddp": OVERLAP,
     },
+    "overlap_sibling_reads_param_before_its_forward": {
+        "model": "sibling_reads",
+        "optimizer": "sgd",
+        "ddp": OVERLAP,
+    },
     "overlap_bf16": {
         "model": "permuted",
         "bf16": True,
