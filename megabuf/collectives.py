@@ -84,12 +84,26 @@ class PendingCollective:
             if self.output is None:
                 return
             if self.scratch is not None:
-                n = self.scratch.numel() // self.output.numel()
-                torch.sum(self.scratch.view(n, -1), dim=0, out=self.output)
+                _sum_chunks(self.scratch, self.output)
                 self.scratch = None
             if self.divide_by > 1:
                 self.output.div_(self.divide_by)
                 self.divide_by = 1
+
+
+def _sum_chunks(scratch: Tensor, output: Tensor) -> None:
+    """output = chunk 0 + chunk 1 + ... of `scratch` (in that fixed order: deterministic).
+
+    Elementwise adds, not `torch.sum(view(n, -1), dim=0)`: on CPU the reduction over the outer
+    dimension took twice as long (28 ms vs 14 ms for 2 x 17M fp32 here).
+    """
+    chunks = scratch.view(scratch.numel() // output.numel(), -1)
+    if chunks.shape[0] == 1:
+        output.copy_(chunks[0])
+        return
+    torch.add(chunks[0], chunks[1], out=output)
+    for chunk in chunks[2:]:
+        output.add_(chunk)
 
 
 def _nbytes(t: Tensor) -> int:
