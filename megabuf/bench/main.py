@@ -23,6 +23,7 @@ from megabuf.bench.report import (
     write_jsonl,
 )
 from megabuf.bench.worker import Job, run_jobs
+from megabuf.collectives import FALLBACK_STRATEGY, STRATEGIES
 from megabuf.testing.launch import spawn
 
 
@@ -93,6 +94,13 @@ def print_report(opts: BenchOptions, rows: list[dict[str, Any]], seconds: float)
         "ring-optimal bytes per rank (measured 'sent' only for megabuf, counted by its "
         f"collective layer); check = max |param - single-process step| (tolerance {CHECK_ATOL}). "
         f"Took {seconds:.0f} s. JSON lines: {opts.out}"
+    )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    strategy = STRATEGIES.get(backend, FALLBACK_STRATEGY)
+    print(
+        f"megabuf collectives on {backend}: reduce-scatter = {strategy.reduce_scatter}, "
+        f"all-gather = {strategy.all_gather} (see [Note: collective strategies]); ranks ran "
+        "with MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ = 1 GiB (megabuf.testing.spawn)"
     )
 
 
