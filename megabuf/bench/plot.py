@@ -6,8 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-COLORS = {"forward": "tab:blue", "backward": "tab:green", "grad_sync": "tab:red",
-          "optimizer": "tab:purple"}  # fmt: skip
+COLORS = {
+    "zero_grad": "tab:gray",
+    "forward": "tab:blue",
+    "backward": "tab:green",
+    "grad_sync": "tab:red",
+    "optimizer": "tab:purple",
+}
 
 
 def matplotlib_available() -> bool:

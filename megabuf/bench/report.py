@@ -11,6 +11,7 @@ from typing import Any, TextIO
 from megabuf.bench.options import BASELINE, FLOOR
 
 MiB = 1 << 20
+PHASES = ("zero_grad", "forward", "backward", "grad_sync", "optimizer")
 MB = 1e6
 
 
@@ -106,7 +107,8 @@ HEADER = [
     "model", "system", "step ms", "x DDP", "x floor", "samples/s", "peak RSS MiB",
     "opt state MiB", "sent MB/step", "theory MB/step", "exposed comm ms", "load", "check",
 ]  # fmt: skip
-PHASE_HEADER = ["model", "system", "forward ms", "backward ms", "grad sync ms", "optimizer ms"]
+PHASE_HEADER = ["model", "system", "zero_grad ms", "forward ms", "backward ms", "grad sync ms",
+                "optimizer ms"]  # fmt: skip
 
 
 def markdown_table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
@@ -127,9 +129,7 @@ def phase_table(rows: Sequence[dict[str, Any]]) -> str:
     for row in rows:
         if row.get("status") == "ok":
             p = row["phase_ms"]
-            lines.append([row["model"], row["system"]] + [
-                f"{p[k]:.1f}" for k in ("forward", "backward", "grad_sync", "optimizer")
-            ])  # fmt: skip
+            lines.append([row["model"], row["system"]] + [f"{p[k]:.1f}" for k in PHASES])
     return markdown_table(PHASE_HEADER, lines) if lines else ""
 
 

@@ -37,7 +37,7 @@ from megabuf.bench.systems import (
 from megabuf.overlap import analyze
 from megabuf.testing.models import build_model, loss_fn
 
-PHASES = ("forward", "backward", "grad_sync", "optimizer")
+PHASES = ("zero_grad", "forward", "backward", "grad_sync", "optimizer")
 # Chrome traces of the peers on the many-small model reach 100 MB per rank: trace megabuf, the
 # baseline and the floor only.
 TRACED_PREFIXES = ("megabuf_", "torch_ddp_gabv", "no_comm")
@@ -91,9 +91,11 @@ def _show(job: Job, text: str) -> None:
 
 def train_step(engine: Engine, x: Tensor, y: Tensor, loss: Any) -> list[float]:
     """One step of megabuf's contract; returns the perf_counter times at the start and at the
-    end of each phase (see PHASES): 5 values."""
+    end of each phase (see PHASES): 6 values."""
     t0 = time.perf_counter()
-    engine.zero_grad()
+    with torch.profiler.record_function("bench::zero_grad"):
+        engine.zero_grad()
+    t_zero = time.perf_counter()
     with torch.profiler.record_function("bench::forward"):
         value = loss(engine.model(x), y)
     t1 = time.perf_counter()
@@ -106,7 +108,7 @@ def train_step(engine: Engine, x: Tensor, y: Tensor, loss: Any) -> list[float]:
     with torch.profiler.record_function("bench::optimizer"):
         engine.optimizer.step()
         engine.after_step()
-    return [t0, t1, t2, t3, time.perf_counter()]
+    return [t0, t_zero, t1, t2, t3, time.perf_counter()]
 
 
 def _check(job: Job, engine: Engine) -> float | None:
