@@ -38,15 +38,19 @@ def global_batch(step: int, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return make_batch(GCFG, batch_size=n_rows, seed=500 + step)
 
 
-def reference_params(steps: int, n_rows: int) -> dict[str, torch.Tensor]:
+def reference_params(steps: int, n_rows: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Params after `steps` one-process SGD steps, and the global grad norm of each step (the
+    tied embedding is one param here, so it counts once)."""
     gpt = GPT(GCFG, seed=0)
     opt = make_sgd(gpt.parameters())
+    norms = []
     for step in range(steps):
         x, y = global_batch(step, n_rows)
         gpt_loss(gpt(x), y).backward()
+        norms.append(torch.stack([p.grad.norm() for p in gpt.parameters()]).norm().item())
         opt.step()
         opt.zero_grad()
-    return {n: p.detach().clone() for n, p in gpt.named_parameters()}
+    return {n: p.detach().clone() for n, p in gpt.named_parameters()}, norms
 
 
 class Recorder:
@@ -130,6 +134,7 @@ def pipeline_case(case: dict[str, Any]) -> dict[str, Any]:
     rec = Recorder(chunks, default_schedule_hooks(chunks))
     func = get_forward_backward_func(pp, n_chunks)
     steps = case.get("steps", 3)
+    norms: list[float] = []
     for step in range(steps):
         rec.events, rec.microbatch = [], [0] * n_chunks
         if distopt:
@@ -154,11 +159,14 @@ def pipeline_case(case: dict[str, Any]) -> dict[str, Any]:
             per_token_loss=case.get("per_token", False),
             **kwargs,
         )
-        if opt is not None:
+        if distopt:
+            norms.append(opt.step()[1])
+        elif opt is not None:
             opt.step()
     for chunk in chunks:
         chunk.publish_params()  # lazy gathers (overlap_param_gather) land before we read
-    return _report(chunks, reference_params(steps, n_rows), rec, pgs)
+    expected, ref_norms = reference_params(steps, n_rows)
+    return {**_report(chunks, expected, rec, pgs), "norms": norms, "ref_norms": ref_norms}
 
 
 def _report(

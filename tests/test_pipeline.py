@@ -30,6 +30,8 @@ CASES: dict[str, dict[str, Any]] = {
     "interleaved_distopt_align": {"pp": 2, "chunks": 2, "config": DISTOPT_ALIGN},
     "pp4_1f1b_overlap": {"pp": 4, "config": OVERLAP},
     "pp4_interleaved_overlap": {"pp": 4, "chunks": 2, "config": OVERLAP},  # has empty stages
+    # chunks without params still join every grad-norm reduction of the distributed optimizer
+    "pp4_interleaved_distopt_empty_chunks": {"pp": 4, "chunks": 2, "config": DISTOPT_OVERLAP},
 }
 
 
@@ -130,3 +132,16 @@ def test_later_stages_and_chunks_use_one_bucket_group(results: list[dict[str, An
             assert groups[0] > 2 and groups[1] == 1, groups
         else:
             assert groups == [1, 1], groups
+
+
+def test_distributed_optimizer_grad_norm_counts_tied_embedding_once(
+    results: list[dict[str, Any]],
+) -> None:
+    checked = 0
+    for name in CASES:
+        for rank, per_rank in enumerate(results):
+            res = per_rank[name]
+            for got, want in zip(res["norms"], res["ref_norms"], strict=False):
+                assert abs(got - want) <= 1e-5 * want, f"{name} rank {rank}: {got} vs {want}"
+                checked += 1
+    assert checked > 0

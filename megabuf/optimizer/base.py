@@ -82,7 +82,17 @@ class MegabufOptimizer:
             if mains is not None:
                 inner = self._make_inner(mains, optimizer_kwargs)
                 self.domains.append(Domain(kind, mains, inner, self._norm_groups(kind)))
+        self._norm_kinds = self._model_wide_kinds()
         self._copied_grads = False
+
+    def _model_wide_kinds(self) -> tuple[str, ...]:
+        """Kinds present on *any* rank. Every rank must join every norm reduction, even a
+        pipeline stage without expert params, or the stages that have them wait forever."""
+        mine = {d.kind for d in self.domains}
+        flags = torch.tensor([float("dense" in mine), float("expert" in mine)], device=self.device)
+        if dist.get_world_size() > 1:
+            self.collectives.all_reduce_max(flags, None)
+        return tuple(k for k, f in zip(("dense", "expert"), flags.tolist()) if f > 0)
 
     # ---- subclass hooks -----------------------------------------------------------------------
     def _build_main_params(self, kind: str) -> list[MainParam] | None:
@@ -124,7 +134,7 @@ class MegabufOptimizer:
                 if found_inf:
                     self._release_grads()
                     return False, None, None
-            parts = [NormPart(self._grads_of(d), d.norm_groups) for d in self.domains]
+            parts = self._norm_parts()
             grad_norm = global_grad_norm(parts, self.collectives, device=self.device)
             if self.clip_grad > 0.0:
                 clip_grads_(grads, self.clip_grad, grad_norm)
@@ -143,8 +153,26 @@ class MegabufOptimizer:
             return True, grad_norm, num_zeros
 
     @staticmethod
-    def _grads_of(domain: Domain) -> list[torch.Tensor]:
-        return [mp.main.grad for mp in domain.main_params if mp.main.grad is not None]
+    def _grads_of(domain: Domain, skip_shared: bool) -> list[torch.Tensor]:
+        return [
+            mp.main.grad
+            for mp in domain.main_params
+            if mp.main.grad is not None
+            and not (skip_shared and getattr(mp.model_param, "shared_embedding", False))
+        ]
+
+    def _norm_parts(self) -> list[NormPart]:
+        """One part per kind present anywhere in the model (empty where this rank has none).
+        A tied embedding has a copy on the first and the last pipeline stage holding the same
+        grad after finalize_model_grads: only the first stage's copy counts."""
+        skip_shared = self.process_groups.pp_rank != 0
+        by_kind = {d.kind: d for d in self.domains}
+        parts = []
+        for kind in self._norm_kinds:
+            domain = by_kind.get(kind)
+            grads = self._grads_of(domain, skip_shared) if domain is not None else []
+            parts.append(NormPart(grads, self._norm_groups(kind)))
+        return parts
 
     def _unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
         if self.grad_scaler is None:
