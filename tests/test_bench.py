@@ -78,7 +78,8 @@ def test_report_helpers() -> None:
     ok = {"status": "ok", "model": "m", "batch_per_rank": 4, "peak_rss_bytes": 2 << 20,
           "optimizer_state_nbytes": 1 << 20, "check_max_abs_error": 1e-7,
           "theoretical_bytes_per_step": 10**6, "phase_ms": {},
-          "loadavg_1min": [1.5, 2.0]}  # fmt: skip
+          "loadavg_1min": [1.5, 2.0], "cpu_s": 1.0, "wall_s": 1.0,
+          "machine_busy_s": 2.0 + (os.cpu_count() or 1) * 0.25}  # fmt: skip
     rows = [
         combine_ranks([{**ok, "system": "torch_ddp_gabv", "rank": r, "step_ms": 100.0 + r}
                        for r in range(2)]),
@@ -96,7 +97,7 @@ def test_report_helpers() -> None:
              for line in table.splitlines()[2:]}  # fmt: skip
     assert cells["megabuf_ar_overlap"][:6] == ["m", "megabuf_ar_overlap", "90.9", "0.90", "1.82",
                                                "88.0"]  # fmt: skip
-    assert cells["megabuf_ar_overlap"][8:] == ["1.00", "1.00", "-", "2.0", "ok 1.0e-07"]
+    assert cells["megabuf_ar_overlap"][8:] == ["1.00", "1.00", "-", "25", "ok 1.0e-07"]
     assert cells["torch_ddp_gabv"][8:10] == ["-", "1.00"]  # theoretical only
     assert cells["megabuf_distopt_sync"][-1] == "n/a (not available)"
 

@@ -53,10 +53,22 @@ def combine_ranks(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
         row[key] = max(r[key] for r in per_rank)
     errors = [r["check_max_abs_error"] for r in per_rank if r["check_max_abs_error"] is not None]
     row["check_max_abs_error"] = max(errors) if errors else None
+    row["other_cpu_share"] = _other_cpu_share(per_rank)
     traces = [r.get("trace") for r in per_rank]
     row["traces"] = [t["chrome_trace"] for t in traces if t]
     row["trace"] = traces if any(traces) else None  # per rank; for the PNG, not for JSON
     return row
+
+
+def _other_cpu_share(per_rank: Sequence[dict[str, Any]]) -> float | None:
+    """Share of the machine's CPU time that processes other than the ranks used while the ranks
+    ran their timed steps (rank 0's view of /proc/stat): > 0.05 means the timings are noisy."""
+    busy, wall = per_rank[0].get("machine_busy_s"), per_rank[0].get("wall_s")
+    cpus = os.cpu_count() or 1
+    if busy is None or not wall:
+        return None
+    ours = sum(r.get("cpu_s", 0.0) for r in per_rank)
+    return max(0.0, (busy - ours) / (wall * cpus))
 
 
 def add_ratios(rows: list[dict[str, Any]], world_size: int) -> None:
@@ -79,9 +91,8 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def _peak_load(row: dict[str, Any]) -> float | None:
-    loads = [v for v in row.get("loadavg_1min") or [] if v is not None]
-    return max(loads) if loads else None
+def _pct(share: float | None) -> float | None:
+    return None if share is None else 100.0 * share
 
 
 def _cells(row: dict[str, Any], tolerance: float) -> list[str]:
@@ -98,14 +109,15 @@ def _cells(row: dict[str, Any], tolerance: float) -> list[str]:
         f"{row['samples_per_s']:.1f}", f"{row['peak_rss_bytes'] / MiB:.0f}",
         f"{row['optimizer_state_nbytes'] / MiB:.1f}", sent,
         f"{row['theoretical_bytes_per_step'] / MB:.2f}",
-        _num(overlap.get("median_exposed_ms"), ".1f"), _num(_peak_load(row), ".1f"),
+        _num(overlap.get("median_exposed_ms"), ".1f"),
+        _num(_pct(row.get("other_cpu_share")), ".0f"),
         check,
     ]  # fmt: skip
 
 
 HEADER = [
     "model", "system", "step ms", "x DDP", "x floor", "samples/s", "peak RSS MiB",
-    "opt state MiB", "sent MB/step", "theory MB/step", "exposed comm ms", "load", "check",
+    "opt state MiB", "sent MB/step", "theory MB/step", "exposed comm ms", "other CPU %", "check",
 ]  # fmt: skip
 PHASE_HEADER = ["model", "system", "zero_grad ms", "forward ms", "backward ms", "grad sync ms",
                 "optimizer ms"]  # fmt: skip

@@ -117,7 +117,22 @@ def _check(job: Job, engine: Engine) -> float | None:
     return max_error(job.reference, full_params(engine))
 
 
-def _timed_steps(job: Job, engine: Engine, x: Tensor, y: Tensor) -> list[list[float]]:
+def system_busy_s() -> float | None:
+    """CPU seconds the whole machine spent busy since boot (/proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _timed_steps(
+    job: Job, engine: Engine, x: Tensor, y: Tensor, cpu: dict[str, Any]
+) -> list[list[float]]:
+    """Warm up, then time `job.steps` steps; fills `cpu` with this rank's CPU seconds, the
+    machine's busy CPU seconds and the wall seconds of the timed steps (see `combine_ranks`)."""
     loss = loss_fn(job.model)
     for i in range(job.warmup):
         _show(job, f"warm-up {i + 1}/{job.warmup}")
@@ -128,10 +143,15 @@ def _timed_steps(job: Job, engine: Engine, x: Tensor, y: Tensor) -> list[list[fl
         engine.ddp.enable_timeline()
     dist.barrier()
     phases = []
+    busy, process, wall = system_busy_s(), time.process_time(), time.perf_counter()
     for i in range(job.steps):
         _show(job, f"step {i + 1}/{job.steps}")
         times = train_step(engine, x, y, loss)
         phases.append([b - a for a, b in zip(times, times[1:])])
+    end_busy = system_busy_s()
+    cpu["cpu_s"] = time.process_time() - process
+    cpu["wall_s"] = time.perf_counter() - wall
+    cpu["machine_busy_s"] = None if busy is None or end_busy is None else end_busy - busy
     return phases
 
 
@@ -203,7 +223,9 @@ def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
     _show(job, "checking one step")
     train_step(engine, x, y, loss_fn(job.model))
     result["check_max_abs_error"] = _check(job, engine)
-    phases = _timed_steps(job, engine, x, y)
+    cpu: dict[str, Any] = {}
+    phases = _timed_steps(job, engine, x, y, cpu)
+    result.update(cpu)
     result.update(_summary(job, engine, phases))
     result["peak_rss_bytes"] = peak_rss_bytes()
     result["loadavg_1min"] = [load_at_start, _load()]  # > world size: other work on the machine
