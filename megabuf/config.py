@@ -10,12 +10,40 @@ import dataclasses
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
+
+T = TypeVar("T")
+
+
+def dataclass_from_dict(cls: type[T], values: dict[str, Any]) -> T:
+    """Build config dataclass `cls` from a mapping; unknown keys raise a ValueError listing the
+    valid fields (shared by every megabuf config)."""
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(
+            f"megabuf: unknown {cls.__name__} field(s) {unknown}; valid fields: {sorted(known)}"
+        )
+    return cls(**values)
+
+
+def dataclass_from_toml(
+    cls: type[T], path: str | Path, table: str, *, top_level_fallback: bool
+) -> T:
+    """Load `[table]` of a TOML file into `cls` (the whole file if the table is absent and
+    `top_level_fallback`, else the defaults); errors name the file and the table."""
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    section = data.get(table, data if top_level_fallback else {})
+    try:
+        return dataclass_from_dict(cls, dict(section))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"megabuf: bad [{table}] table in config file {path}: {exc}") from exc
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,25 +120,12 @@ class DistributedDataParallelConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DistributedDataParallelConfig:
         """Build from a mapping; unknown keys raise a ValueError listing the valid fields."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"megabuf: unknown DistributedDataParallelConfig field(s) {unknown}; "
-                f"valid fields: {sorted(known)}"
-            )
-        return cls(**values)
+        return dataclass_from_dict(cls, values)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> DistributedDataParallelConfig:
         """Load a TOML file; keys may sit at top level or under a `[ddp]` table."""
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-        section = data.get("ddp", data)
-        try:
-            return cls.from_dict(dict(section))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"megabuf: bad config file {path}: {exc}") from exc
+        return dataclass_from_toml(cls, path, "ddp", top_level_fallback=True)
 
     def replace(self, **changes: Any) -> DistributedDataParallelConfig:
         """A copy with some fields changed (validated again)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -81,7 +81,9 @@ class DistributedDataParallel(nn.Module):
         )
         self._wire_groups()
         self._mismatched_params = [
-            p for _, p in trainable if p.main_grad.dtype != p.dtype  # type: ignore[attr-defined]
+            p
+            for _, p in trainable
+            if p.main_grad.dtype != p.dtype  # type: ignore[attr-defined]
         ]
         self._grad_hook_handles = register_grad_hooks(
             [p for _, p in trainable], self.param_to_bucket_group
@@ -314,6 +316,23 @@ class DistributedDataParallel(nn.Module):
             )
         self.publish_params()
         return self.module.load_state_dict(state_dict, strict=strict)
+
+
+def as_model_chunks(
+    model_chunks: DistributedDataParallel | Sequence[DistributedDataParallel], user: str
+) -> list[DistributedDataParallel]:
+    """One chunk or a list of chunks, each a megabuf DistributedDataParallel; `user` names the
+    caller in the error."""
+    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    if not chunks:
+        raise ValueError(f"megabuf: {user} got no model chunks")
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, DistributedDataParallel):
+            raise ValueError(
+                f"megabuf: {user}: model chunk {i} is a {type(chunk).__name__}, not a "
+                "megabuf.DistributedDataParallel; wrap every chunk before training"
+            )
+    return chunks
 
 
 class _BufferList(list):  # type: ignore[type-arg]

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megabuf.buffer import _ParamAndGradBuffer
-from megabuf.ddp import DistributedDataParallel
+from megabuf.ddp import DistributedDataParallel, as_model_chunks
 
 
 def finalize_model_grads(
@@ -46,7 +46,7 @@ def finalize_model_grads(
     With pipelining only the last stage's value counts (it is broadcast over `pp`); pass a tensor
     on every rank or on none.
     """
-    chunks = _check_chunks(model_chunks)
+    chunks = as_model_chunks(model_chunks, "finalize_model_grads()")
     with torch.profiler.record_function("megabuf::finalize_model_grads"):
         for chunk in chunks:
             check_scaling_invariant(chunk)
@@ -54,19 +54,6 @@ def finalize_model_grads(
         allreduce_embedding_grads(chunks)
         if num_tokens is not None:
             scale_by_num_tokens(chunks, num_tokens)
-
-
-def _check_chunks(model_chunks: Sequence[DistributedDataParallel]) -> list[DistributedDataParallel]:
-    chunks = list(model_chunks)
-    if not chunks:
-        raise ValueError("megabuf: finalize_model_grads() got no model chunks")
-    for i, chunk in enumerate(chunks):
-        if not isinstance(chunk, DistributedDataParallel):
-            raise ValueError(
-                f"megabuf: finalize_model_grads() model chunk {i} is a {type(chunk).__name__}, "
-                "not a megabuf.DistributedDataParallel; wrap every chunk before training"
-            )
-    return chunks
 
 
 def check_scaling_invariant(model: DistributedDataParallel) -> None:

@@ -7,17 +7,13 @@ contradictions are rejected at construction with a ValueError naming the fields 
 from __future__ import annotations
 
 import dataclasses
-import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from megabuf.config import dataclass_from_dict, dataclass_from_toml
 
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
 
@@ -118,24 +114,12 @@ class OptimizerConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> OptimizerConfig:
         """Build from a mapping; unknown keys raise a ValueError listing the valid fields."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"megabuf: unknown OptimizerConfig field(s) {unknown}; "
-                f"valid fields: {sorted(known)}"
-            )
-        return cls(**values)
+        return dataclass_from_dict(cls, values)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> OptimizerConfig:
         """Load the `[optimizer]` table of a TOML file (defaults if the table is absent)."""
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-        try:
-            return cls.from_dict(dict(data.get("optimizer", {})))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"megabuf: bad [optimizer] table in {path}: {exc}") from exc
+        return dataclass_from_toml(cls, path, "optimizer", top_level_fallback=False)
 
     def replace(self, **changes: Any) -> OptimizerConfig:
         """A copy with some fields changed (validated again)."""

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megabuf.buffer import _ParamAndGradBuffer
-from megabuf.ddp import DistributedDataParallel
+from megabuf.ddp import DistributedDataParallel, as_model_chunks
 from megabuf.replicas import is_expert_parallel
 
 ParamGroupsArg = Iterable[nn.Parameter] | Iterable[dict[str, Any]] | None
@@ -25,16 +25,7 @@ ParamGroupsArg = Iterable[nn.Parameter] | Iterable[dict[str, Any]] | None
 def as_chunks(
     model_chunks: DistributedDataParallel | Sequence[DistributedDataParallel],
 ) -> list[DistributedDataParallel]:
-    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
-    if not chunks:
-        raise ValueError("megabuf: the optimizer needs at least one model chunk")
-    for i, chunk in enumerate(chunks):
-        if not isinstance(chunk, DistributedDataParallel):
-            raise ValueError(
-                f"megabuf: model chunk {i} is a {type(chunk).__name__}; wrap it in "
-                "megabuf.DistributedDataParallel first (the optimizer reads its buffers)"
-            )
-    return chunks
+    return as_model_chunks(model_chunks, "the optimizer")
 
 
 def grad_buffers(chunk: DistributedDataParallel, expert: bool) -> list[_ParamAndGradBuffer]:
