@@ -65,7 +65,31 @@ def run_all(opts: BenchOptions, jobs: list[Job], progress: Progress) -> list[dic
         progress.show(i, f"{job.model} {job.system}")
         per_rank = spawn(run_jobs, opts.world_size, [job])
         rows.append(combine_ranks([r[0] for r in per_rank]))
+    retry_noisy(opts, jobs, rows, progress)
     return rows
+
+
+def _noise(row: dict[str, Any]) -> float:
+    share = row.get("other_cpu_share")
+    return 0.0 if share is None else float(share)
+
+
+def retry_noisy(
+    opts: BenchOptions, jobs: list[Job], rows: list[dict[str, Any]], progress: Progress
+) -> None:
+    """Run again the jobs during which other processes used more than `opts.noisy_share` of the
+    CPU, keeping the quieter result, while the time budget lasts."""
+    for attempt in range(1, opts.retries + 1):
+        noisy = [i for i, r in enumerate(rows) if _noise(r) > opts.noisy_share]
+        for i in noisy:
+            if time.perf_counter() - opts.started_at > opts.retry_budget_s:
+                return
+            progress.show(i, f"{jobs[i].model} {jobs[i].system} (again: noisy)")
+            per_rank = spawn(run_jobs, opts.world_size, [jobs[i]])
+            row = combine_ranks([r[0] for r in per_rank])
+            row["attempts"] = attempt + 1
+            if _noise(row) < _noise(rows[i]):
+                rows[i] = row
 
 
 def write_plots(opts: BenchOptions, rows: list[dict[str, Any]]) -> None:
@@ -106,7 +130,7 @@ def print_report(opts: BenchOptions, rows: list[dict[str, Any]], seconds: float)
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_options(sys.argv[1:] if argv is None else argv)
-    start = time.perf_counter()
+    start = opts.started_at
     if opts.trace_dir:
         os.makedirs(opts.trace_dir, exist_ok=True)
     refs = {m: compute_reference(m, b, opts.world_size) for m, b in opts.models.items()}

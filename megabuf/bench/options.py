@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -51,6 +52,13 @@ class BenchOptions:
     trace_dir: str | None
     """Write Chrome traces (torch.profiler) and PNG timelines here."""
     trace_steps: int = 3
+    retries: int = 0
+    """How often a noisy job (see `noisy_share`) may be run again (isolated runs only)."""
+    noisy_share: float = 0.10
+    """A job is noisy when other processes used more than this share of the machine's CPU."""
+    retry_budget_s: float = 480.0
+    """No retry starts after this many seconds since the start (keeps `make bench` < 10 min)."""
+    started_at: float = field(default_factory=time.perf_counter)
     megabuf_overrides: dict[str, object] = field(default_factory=dict)
     """DistributedDataParallelConfig fields set for every megabuf system (e.g. bucket_size)."""
 
@@ -97,6 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results.jsonl", help="JSON lines output")
     p.add_argument("--trace", metavar="DIR", help="write Chrome traces and PNG timelines to DIR")
     p.add_argument(
+        "--retries",
+        type=int,
+        default=None,
+        help="re-run jobs disturbed by other processes up to N times (default 1)",
+    )
+    p.add_argument(
+        "--retry-budget",
+        type=float,
+        default=480.0,
+        metavar="SECONDS",
+        help="start no retry after this many seconds (default 480)",
+    )
+    p.add_argument(
         "--megabuf-bucket-size",
         type=int,
         metavar="NUMEL",
@@ -119,6 +140,8 @@ def parse_options(argv: Sequence[str]) -> BenchOptions:
         models=dict(models), systems=_parse_systems(args.systems), world_size=args.world_size,
         warmup=warmup, steps=steps, isolate=not (quick or args.no_isolate), out=args.out,
         trace_dir=args.trace, trace_steps=2 if quick else 3,
+        retries=args.retries if args.retries is not None else (0 if quick else 1),
+        retry_budget_s=args.retry_budget,
         megabuf_overrides={} if args.megabuf_bucket_size is None
         else {"bucket_size": args.megabuf_bucket_size},
     )  # fmt: skip
