@@ -60,13 +60,28 @@ def run_all(opts: BenchOptions, jobs: list[Job], progress: Progress) -> list[dic
         progress.show(0, f"{len(jobs)} jobs in one launch")
         per_rank = spawn(run_jobs, opts.world_size, jobs)
         return [combine_ranks([r[i] for r in per_rank]) for i in range(len(jobs))]
-    rows = []
-    for i, job in enumerate(jobs):
-        progress.show(i, f"{job.model} {job.system}")
-        per_rank = spawn(run_jobs, opts.world_size, [job])
-        rows.append(combine_ranks([r[0] for r in per_rank]))
+    runs: list[list[dict[str, Any]]] = [[] for _ in jobs]
+    for repeat in range(opts.repeat):  # whole passes, so slow drifts hit every system alike
+        for i, job in enumerate(jobs):
+            again = f" (pass {repeat + 1}/{opts.repeat})" if opts.repeat > 1 else ""
+            progress.show(i, f"{job.model} {job.system}{again}")
+            per_rank = spawn(run_jobs, opts.world_size, [job])
+            runs[i].append(combine_ranks([r[0] for r in per_rank]))
+    rows = [median_run(r) for r in runs]
     retry_noisy(opts, jobs, rows, progress)
     return rows
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median step time (all its fields stay consistent), with every run's
+    step time and the spread (max - min) / 2 relative to the median."""
+    ok = sorted((r for r in runs if r.get("status") == "ok"), key=lambda r: r["step_ms"])
+    if len(ok) < 2:
+        return ok[0] if ok else runs[0]
+    row = dict(ok[(len(ok) - 1) // 2])
+    row["step_ms_runs"] = [r["step_ms"] for r in runs if r.get("status") == "ok"]
+    row["step_ms_spread"] = (ok[-1]["step_ms"] - ok[0]["step_ms"]) / 2 / row["step_ms"]
+    return row
 
 
 def _noise(row: dict[str, Any]) -> float:
@@ -79,7 +94,7 @@ def retry_noisy(
 ) -> None:
     """Run again the jobs during which other processes used more than `opts.noisy_share` of the
     CPU, keeping the quieter result, while the time budget lasts."""
-    for attempt in range(1, opts.retries + 1):
+    for attempt in range(1, opts.retries + 1 if opts.repeat == 1 else 1):
         noisy = [i for i, r in enumerate(rows) if _noise(r) > opts.noisy_share]
         for i in noisy:
             if time.perf_counter() - opts.started_at > opts.retry_budget_s:

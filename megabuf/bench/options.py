@@ -52,6 +52,8 @@ class BenchOptions:
     trace_dir: str | None
     """Write Chrome traces (torch.profiler) and PNG timelines here."""
     trace_steps: int = 3
+    repeat: int = 1
+    """Passes over every (model, system) pair; the table shows the median pass of each."""
     retries: int = 0
     """How often a noisy job (see `noisy_share`) may be run again (isolated runs only)."""
     noisy_share: float = 0.10
@@ -105,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results.jsonl", help="JSON lines output")
     p.add_argument("--trace", metavar="DIR", help="write Chrome traces and PNG timelines to DIR")
     p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="passes over all jobs; report each job's median pass (default 1)",
+    )
+    p.add_argument(
         "--retries",
         type=int,
         default=None,
@@ -141,7 +149,7 @@ def parse_options(argv: Sequence[str]) -> BenchOptions:
         warmup=warmup, steps=steps, isolate=not (quick or args.no_isolate), out=args.out,
         trace_dir=args.trace, trace_steps=2 if quick else 3,
         retries=args.retries if args.retries is not None else (0 if quick else 1),
-        retry_budget_s=args.retry_budget,
+        retry_budget_s=args.retry_budget, repeat=max(1, args.repeat),
         megabuf_overrides={} if args.megabuf_bucket_size is None
         else {"bucket_size": args.megabuf_bucket_size},
     )  # fmt: skip

@@ -91,6 +91,11 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _step_cell(row: dict[str, Any]) -> str:
+    spread = row.get("step_ms_spread")
+    return f"{row['step_ms']:.1f}" + ("" if spread is None else f" ±{100 * spread:.0f}%")
+
+
 def _pct(share: float | None) -> float | None:
     return None if share is None else 100.0 * share
 
@@ -104,7 +109,7 @@ def _cells(row: dict[str, Any], tolerance: float) -> list[str]:
     err = row.get("check_max_abs_error")
     check = "n/a" if err is None else ("ok " if err <= tolerance else "FAIL ") + f"{err:.1e}"
     return [
-        row["model"], row["system"], f"{row['step_ms']:.1f}",
+        row["model"], row["system"], _step_cell(row),
         _num(row.get("ratio_to_ddp"), ".2f"), _num(row.get("ratio_to_floor"), ".2f"),
         f"{row['samples_per_s']:.1f}", f"{row['peak_rss_bytes'] / MiB:.0f}",
         f"{row['optimizer_state_nbytes'] / MiB:.1f}", sent,
