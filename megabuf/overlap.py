@@ -13,8 +13,10 @@ markers a benchmark adds) are ignored. Everything here is pure arithmetic on tho
 - overlap window = "backward_end" - first "dispatch" (0 if nothing was dispatched before
   backward ended): how long communication was outstanding while backward still computed. It is
   an upper bound of the hidden communication time (a collective may finish early inside it).
-- chain wait = "dispatch" - "ready" per group: time a ready group waited for an earlier group in
-  the dispatch chain (see [Note: dispatch order] in bucket_group.py).
+- dispatch delay = "dispatch" - "ready" per group: "dispatch" is recorded once the collectives
+  were issued, so this is the dispatch cost on the backward thread (scaling the bucket by
+  1/dp_size, issuing the collectives) plus any wait for an earlier group in the dispatch chain
+  (see [Note: dispatch order] in bucket_group.py).
 A step is the events from its first "ready"/"dispatch" (or its "backward_end") up to the last
 "finish" before the next step's "ready" or "backward_end".
 """
@@ -41,7 +43,7 @@ class GroupTimes:
     finish_s: float
 
     @property
-    def chain_wait_s(self) -> float:
+    def dispatch_delay_s(self) -> float:
         return 0.0 if self.ready_s is None else max(0.0, self.dispatch_s - self.ready_s)
 
 
@@ -66,8 +68,8 @@ class StepOverlap:
         return sum(1 for g in self.groups if g.dispatch_s < 0.0)
 
     @property
-    def chain_wait_s(self) -> float:
-        return sum(g.chain_wait_s for g in self.groups)
+    def dispatch_delay_s(self) -> float:
+        return sum(g.dispatch_delay_s for g in self.groups)
 
 
 def split_steps(events: Sequence[Event]) -> list[list[Event]]:
@@ -127,8 +129,8 @@ class OverlapReport:
         return self._median([s.overlap_window_s for s in self.steps])
 
     @property
-    def median_chain_wait_s(self) -> float:
-        return self._median([s.chain_wait_s for s in self.steps])
+    def median_dispatch_delay_s(self) -> float:
+        return self._median([s.dispatch_delay_s for s in self.steps])
 
     def to_dict(self) -> dict[str, float | int]:
         groups = len(self.steps[-1].groups) if self.steps else 0
@@ -138,7 +140,7 @@ class OverlapReport:
             "bucket_groups": groups,
             "median_exposed_ms": 1e3 * self.median_exposed_s,
             "median_overlap_window_ms": 1e3 * self.median_overlap_window_s,
-            "median_chain_wait_ms": 1e3 * self.median_chain_wait_s,
+            "median_dispatch_delay_ms": 1e3 * self.median_dispatch_delay_s,
             "median_dispatched_before_backward_end": early,
         }
 
@@ -153,7 +155,8 @@ class OverlapReport:
             f"  communication outstanding during backward: {d['median_overlap_window_ms']:.2f} ms",
             f"  groups dispatched before backward ended: "
             f"{d['median_dispatched_before_backward_end']:g}/{d['bucket_groups']}",
-            f"  waiting in the dispatch chain: {d['median_chain_wait_ms']:.2f} ms",
+            f"  ready -> dispatched (scaling, issuing, chain wait): "
+            f"{d['median_dispatch_delay_ms']:.2f} ms",
             "  group  ready_ms  dispatch_ms  finish_ms   (last step, relative to backward end)",
         ]
         for g in self.steps[-1].groups:

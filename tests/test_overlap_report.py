@@ -14,7 +14,7 @@ def overlapped_step(t0: float) -> list[tuple[int, str, float]]:
         (0, "ready", t0 + 2.0),
         (0, "dispatch", t0 + 2.0),
         (1, "ready", t0 + 6.0),
-        (1, "dispatch", t0 + 7.0),  # waited 1.0 in the dispatch chain
+        (1, "dispatch", t0 + 7.0),  # 1.0 between ready and dispatched
         (-1, "backward_end", t0 + 10.0),
         (0, "finish", t0 + 10.5),
         (1, "finish", t0 + 13.0),
@@ -39,7 +39,7 @@ def test_overlapped_step_figures() -> None:
     assert step.exposed_s == pytest.approx(3.0)
     assert step.overlap_window_s == pytest.approx(8.0)
     assert step.dispatched_before_backward_end == 2
-    assert step.chain_wait_s == pytest.approx(1.0)
+    assert step.dispatch_delay_s == pytest.approx(1.0)
     assert step.groups[1].dispatch_s == pytest.approx(-3.0)
     assert step.groups[1].finish_s == pytest.approx(3.0)
 
@@ -50,7 +50,7 @@ def test_sync_step_exposes_everything() -> None:
     assert step.overlap_window_s == 0.0
     assert step.dispatched_before_backward_end == 0
     assert all(g.ready_s is None for g in step.groups)
-    assert step.chain_wait_s == 0.0
+    assert step.dispatch_delay_s == 0.0
 
 
 def test_split_and_median_over_mixed_steps() -> None:
