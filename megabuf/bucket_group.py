@@ -129,6 +129,20 @@ class BucketGroup:
             )
         self._clear_readiness()
         self.is_last_microbatch = True
+        # 1 = main_grad holds stale values (see [Note: grad accumulation into main_grad])
+        self.fresh = bytearray(b"\x01" * len(self.params_list))
+
+    def index_of(self, param: torch.nn.Parameter) -> int:
+        """Position of `param` in `params_list` (identity, not tensor equality)."""
+        return self._index[param]
+
+    def zero_unwritten_grads(self) -> None:
+        """Zero the main_grad of params that got no grad since zero_grad_buffer()."""
+        i = self.fresh.find(1)
+        while i != -1:
+            self.params_list[i].main_grad.zero_()  # type: ignore[attr-defined]
+            self.fresh[i] = 0
+            i = self.fresh.find(1, i + 1)
 
     def _clear_readiness(self) -> None:
         self._ready = bytearray(len(self.params_list))
@@ -201,6 +215,7 @@ class BucketGroup:
     def start_grad_sync(self) -> None:
         """Scale and dispatch every bucket's reduction (async when overlapping)."""
         self._expect(GradSyncState.IDLE)
+        self.zero_unwritten_grads()
         if self.ddp_config.check_for_nan_in_grad:
             self.check_grads_finite()
         async_op = self.ddp_config.overlap_grad_reduce

@@ -80,6 +80,11 @@ class DistributedDataParallel(nn.Module):
             self.expert_parallel_buffers, single, collectives=self.collectives
         )
         self._wire_groups()
+        self._linked_params = [
+            p
+            for _, p in trainable
+            if p.main_grad.dtype == p.dtype  # type: ignore[attr-defined]
+        ]
         self._mismatched_params = [
             p
             for _, p in trainable
@@ -242,11 +247,12 @@ class DistributedDataParallel(nn.Module):
         self._exposed_grad_copies = list(self._mismatched_params)
 
     def zero_grad_buffer(self) -> None:
-        """Zero every grad buffer and reset the bucket groups for the next iteration."""
+        """Start a new iteration's grads: lazily, see [Note: grad accumulation into main_grad]
+        (no pass over the buffer; each param's first grad overwrites its main_grad)."""
         for group in self.all_bucket_groups:
             group.reset()
-        for buf in self._all_buffers:
-            buf.reset()
+        for param in self._linked_params:
+            param.grad = None
         for chain in self._chains:
             chain.reset()
         for param in self._exposed_grad_copies:

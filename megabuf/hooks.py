@@ -1,11 +1,15 @@
 """Autograd and module hooks: grads into `main_grad` (backward), params gathered in time (forward).
 
 [Note: grad accumulation into main_grad]
-When param and grad dtypes match, `param.grad` *is* the `main_grad` view from construction on, so
-autograd accumulates in place into the buffer and the hook does nothing but mark the param ready
-(no copy, no allocation). If `param.grad` is something else (dtypes differ, or a user set it to
-None) the hook adds it into `main_grad` and re-links (or drops) it. Hence `optimizer.zero_grad()`
-alone does not clear gradients: call `model.zero_grad_buffer()` (or `model.zero_grad()`).
+`zero_grad_buffer()` does not memset the buffer: it marks every param "fresh" and unlinks
+`param.grad`. The first grad of a fresh param is *copied* into its `main_grad` (one pass, where
+zero-then-add would be three), later ones are added; the hook then links `param.grad` to the
+`main_grad` view (same dtype) so further backwards accumulate in place through autograd, with no
+copy at all. A param that got no grad is still fresh when its bucket group is reduced, and its
+`main_grad` is zeroed then (`BucketGroup.zero_unwritten_grads`). So `main_grad` holds stale values
+between `zero_grad_buffer()` and the param's first grad: read grads after `finish_grad_sync()`.
+`optimizer.zero_grad()` alone does not clear gradients: call `model.zero_grad_buffer()` (or
+`model.zero_grad()`).
 
 [Note: lazy param gather]
 With overlap_param_gather, params are stale after the optimizer step until their bucket group's
@@ -33,17 +37,20 @@ from megabuf.bucket_group import BucketGroup
 
 
 def make_grad_hook(
-    main_grad: torch.Tensor, group: BucketGroup, link: bool
+    main_grad: torch.Tensor, group: BucketGroup, index: int, link: bool
 ) -> Callable[[nn.Parameter], None]:
     """The post-accumulate-grad hook of one param; see [Note: grad accumulation into main_grad]."""
     register = group.register_grad_ready
 
     def hook(param: nn.Parameter) -> None:
         grad = param.grad
-        if grad is not main_grad:
-            if grad is not None:
+        if grad is not None and grad is not main_grad:
+            if group.fresh[index]:
+                main_grad.copy_(grad)  # first grad since zero_grad_buffer(): overwrite
+            else:
                 main_grad.add_(grad)
             param.grad = main_grad if link else None
+        group.fresh[index] = 0
         register(param)
 
     return hook
@@ -57,9 +64,9 @@ def register_grad_hooks(
     for param in params:
         main_grad = param.main_grad  # type: ignore[attr-defined]
         link = main_grad.dtype == param.dtype
-        if link:
-            param.grad = main_grad
-        hook = make_grad_hook(main_grad, param_to_group[param], link)
+        param.grad = None  # linked to main_grad by the hook at the param's first grad
+        group = param_to_group[param]
+        hook = make_grad_hook(main_grad, group, group.index_of(param), link)
         handles.append(param.register_post_accumulate_grad_hook(hook))
     return handles
 

@@ -108,9 +108,9 @@ def rank_value_case(case: dict[str, Any]) -> dict[str, list[float]]:
     """Every grad element := global rank + 1; return the distinct values after finalize (only
     this rank's shards with the distributed optimizer)."""
     model = build(case)
-    for group in model.all_bucket_groups:
-        for p in group.params_list:
-            p.main_grad.fill_(dist.get_rank() + 1.0)
+    params = [p for group in model.all_bucket_groups for p in group.params_list]
+    # a real backward whose grads are exactly rank + 1 everywhere (through the hooks)
+    torch.stack([(p * (dist.get_rank() + 1.0)).sum() for p in params]).sum().backward()
     finalize_model_grads([model])
     seen: dict[str, set[float]] = {"dense": set(), "expert": set()}
     for kind, bufs in (("dense", model.buffers), ("expert", model.expert_parallel_buffers)):

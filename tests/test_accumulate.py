@@ -62,3 +62,44 @@ def test_accumulating_after_sync_is_exact_for_dense_and_raises_for_expert(pools:
         for msg in (expert_sum, expert_avg):
             assert isinstance(msg, str) and "without zero_grad_buffer" in msg, msg
             assert "'2.weight'" in msg or "2.weight" in msg or "2.bias" in msg, msg
+
+
+class _TwoPaths(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h) if use_b else h
+
+
+def lazy_zero_case() -> dict[str, Any]:
+    """zero_grad_buffer() is lazy: a param that gets no grad in the next iteration must read
+    zero (and have grad None, as in plain PyTorch), never last iteration's value."""
+    torch.manual_seed(0)
+    net = _TwoPaths()
+    ref = copy.deepcopy(net)
+    model = megabuf.DistributedDataParallel(net)  # synchronous, one bucket
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x, True).sum().backward()
+    model.finish_grad_sync()
+    model.zero_grad_buffer()
+    model(x, False).square().sum().backward()
+    model.finish_grad_sync()
+    ref(x, False).square().sum().backward()
+    ref_grad = ref.a.weight.grad.clone()
+    dist.all_reduce(ref_grad)
+    return {
+        "b_main_grad_max": net.b.weight.main_grad.abs().max().item(),
+        "b_grad_is_none": net.b.weight.grad is None,
+        "a_error": (net.a.weight.grad - ref_grad / dist.get_world_size()).abs().max().item(),
+        "a_linked": net.a.weight.grad is net.a.weight.main_grad,
+    }
+
+
+def test_lazy_zeroing_never_leaks_last_iterations_grads(pools: Any) -> None:
+    for res in pools(2).run(lazy_zero_case):
+        assert res["b_main_grad_max"] == 0.0 and res["b_grad_is_none"], res
+        assert res["a_error"] <= 1e-6 and res["a_linked"], res
