@@ -213,7 +213,8 @@ class BucketGroup:
         return gain
 
     def start_grad_sync(self) -> None:
-        """Scale and dispatch every bucket's reduction (async when overlapping)."""
+        """Dispatch every bucket's reduction (async when overlapping), scaled by the bucket's
+        gradient_scaling_factor: before an all-reduce, after a reduce-scatter (shard only)."""
         self._expect(GradSyncState.IDLE)
         self.zero_unwritten_grads()
         if self.ddp_config.check_for_nan_in_grad:
@@ -222,17 +223,20 @@ class BucketGroup:
         average = self.ddp_config.average_in_collective
         pending = []
         for bucket in self.buckets:
-            if bucket.gradient_scaling_factor != 1.0:
-                bucket.grad_data.mul_(bucket.gradient_scaling_factor)
             if self.ddp_config.use_distributed_optimizer:
+                # Scale after the reduce-scatter: only the shard, 1/dp of the elements.
                 shard = self._local_shard(bucket, bucket.grad_data)
                 if bucket.scratch is None and self._needs_scratch():
                     bucket.scratch = torch.empty_like(bucket.grad_data)
                 work = self.collectives.reduce_scatter(
                     shard, bucket.grad_data, self.collective_group,
                     average=average, async_op=async_op, scratch=bucket.scratch,
+                    scale=bucket.gradient_scaling_factor,
                 )  # fmt: skip
             else:
+                # Pre-scale as torch DDP does, so results match it bit for bit.
+                if bucket.gradient_scaling_factor != 1.0:
+                    bucket.grad_data.mul_(bucket.gradient_scaling_factor)
                 work = self.collectives.all_reduce(
                     bucket.grad_data, self.collective_group, average=average, async_op=async_op
                 )

@@ -75,6 +75,7 @@ class PendingCollective:
     output: Tensor | None = None  # where the result lands
     scratch: Tensor | None = None  # all-to-all landing zone, summed into `output` on wait
     divide_by: int = 1  # AVG emulated by SUM then division
+    scale: float = 1.0  # multiply the result (e.g. grad scaling of a reduce-scatter's shard only)
 
     def wait(self) -> None:
         with torch.profiler.record_function(f"megabuf::wait_{self.op}"):
@@ -89,6 +90,9 @@ class PendingCollective:
             if self.divide_by > 1:
                 self.output.div_(self.divide_by)
                 self.divide_by = 1
+            if self.scale != 1.0:
+                self.output.mul_(self.scale)
+                self.scale = 1.0
 
 
 def _sum_chunks(scratch: Tensor, output: Tensor) -> None:
@@ -142,11 +146,13 @@ class Collectives:
         average: bool = False,
         async_op: bool = True,
         scratch: Tensor | None = None,
+        scale: float = 1.0,
     ) -> PendingCollective:
-        """output (this rank's 1/size chunk of `input`) = sum over ranks of that chunk.
+        """output (this rank's 1/size chunk of `input`) = scale * sum over ranks of that chunk.
 
         `scratch` (same shape as input) is required by the all-to-all strategy; callers keep it
-        so steady-state steps allocate nothing.
+        so steady-state steps allocate nothing. `scale` is applied to the output only: 1/size of
+        the work of scaling the input.
         """
         size = dist.get_world_size(group)
         if input.numel() != output.numel() * size:
@@ -162,13 +168,13 @@ class Collectives:
                     scratch = torch.empty_like(input)
                 work = dist.all_to_all_single(scratch, input, group=group, async_op=async_op)
                 return self._pending(
-                    "reduce_scatter", work, output, scratch, size if average else 1
+                    "reduce_scatter", work, output, scratch, size if average else 1, scale
                 )
             avg_native = average and strategy.has_avg
             op = dist.ReduceOp.AVG if avg_native else dist.ReduceOp.SUM
             work = dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
         divide = size if average and not avg_native else 1
-        return self._pending("reduce_scatter", work, output, None, divide)
+        return self._pending("reduce_scatter", work, output, None, divide, scale)
 
     def all_gather(
         self, output: Tensor, input: Tensor, group: Group, *, async_op: bool = True, tag: int = 0
@@ -281,9 +287,15 @@ class Collectives:
 
     @staticmethod
     def _pending(
-        op: str, work: Any, output: Tensor | None, scratch: Tensor | None, divide: int
+        op: str,
+        work: Any,
+        output: Tensor | None,
+        scratch: Tensor | None,
+        divide: int,
+        scale: float = 1.0,
     ) -> PendingCollective:
-        pending = PendingCollective(op, [work] if work is not None else [], output, scratch, divide)
+        handles = [work] if work is not None else []
+        pending = PendingCollective(op, handles, output, scratch, divide, scale)
         if work is None:  # synchronous call: finish the epilogue now
             pending.wait()
         return pending
