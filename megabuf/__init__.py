@@ -2,7 +2,7 @@
 
 from megabuf.bucket_group import BucketGroup, GradSyncState, ParamSyncState, partition_buckets
 from megabuf.buffer import _ParamAndGradBucket, _ParamAndGradBuffer
-from megabuf.checkpoint import load_checkpoint, save_checkpoint
+from megabuf.checkpoint import consolidated_optimizer_state, load_checkpoint, save_checkpoint
 from megabuf.collectives import Collectives, CommStats
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.ddp import DistributedDataParallel
@@ -63,6 +63,7 @@ __all__ = [
     "get_forward_backward_func",
     "init_distributed",
     "is_expert_parallel",
+    "consolidated_optimizer_state",
     "load_checkpoint",
     "mark_expert_parallel",
     "partition_buckets",

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.base import MegabufOptimizer
+from megabuf.optimizer.model_space import assemble_range
 from megabuf.optimizer.param_groups import as_chunks, scope_prefix
 from megabuf.replicas import is_expert_parallel
 
@@ -103,6 +104,27 @@ def load_checkpoint(
                 raise ValueError(f"megabuf: checkpoint {root} was saved without an optimizer")
             pieces = [p for f in files for p in loaded[f]["optimizer"] if p["key"] in needed_opt]
             optimizer.load_state_dict({"common": common, "pieces": pieces})
+
+
+def consolidated_optimizer_state(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """Offline, no process group needed: every param's main param (`"main"`) and optimizer
+    state, reassembled from all ranks' pieces into param-shaped tensors, keyed by the
+    checkpoint's param keys. For inspection, export, or conversion to another framework."""
+    root = Path(path)
+    meta = _read_metadata(root)
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for entry in meta["files"]:
+        for piece in torch.load(root / entry["file"], weights_only=True)["optimizer"]:
+            by_key.setdefault(piece["key"], []).append(piece)
+    out: dict[str, dict[str, Any]] = {}
+    for key, pieces in by_key.items():
+        numel, shape = pieces[0]["numel"], pieces[0]["shape"]
+        state = assemble_range(key, 0, numel, pieces)
+        out[key] = {
+            name: v.view(shape) if isinstance(v, Tensor) and v.numel() == numel else v
+            for name, v in state.items()
+        }
+    return out
 
 
 # ---- model state ------------------------------------------------------------------------------

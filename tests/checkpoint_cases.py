@@ -59,11 +59,16 @@ def save_then_continue(root: str) -> dict[str, Any]:
         megabuf.save_checkpoint(path, model, opt)  # replaced below: tests the swap
         _train(model, opt, range(1, SAVE_AFTER))
         megabuf.save_checkpoint(path, model, opt)
+        at_save = final_params(model)
         _train(model, opt, range(SAVE_AFTER, TOTAL_STEPS))
         resumed_model, resumed_opt = _fresh(case)
         megabuf.load_checkpoint(path, resumed_model, resumed_opt)
         _train(resumed_model, resumed_opt, range(SAVE_AFTER, TOTAL_STEPS))
-        out[name] = {"uninterrupted": final_params(model), "same_dp": final_params(resumed_model)}
+        out[name] = {
+            "uninterrupted": final_params(model),
+            "same_dp": final_params(resumed_model),
+            "at_save": at_save,
+        }
     out["leftovers"] = sorted(f for f in os.listdir(root) if f.endswith((".tmp", ".old")))
     return out
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 from checkpoint_cases import VARIANTS, resume, save_then_continue
 
+import megabuf
+
 FP32_ATOL = 1e-6
 BF16_ULPS = 2 * 2.0**-8  # two bf16 ulps at the largest param magnitude (see optimizer tests)
 
@@ -64,3 +66,16 @@ def test_resume_at_other_dp_and_bucket_size(
     assert "torch.bfloat16" in errors["other_dtype"] and "embed.weight" in errors["other_dtype"]
     assert "optimizer class torch.optim.adam.Adam was saved" in errors["other_optimizer"]
     assert "no metadata.json" in errors["not_a_checkpoint"]
+
+
+def test_consolidated_state_is_param_shaped_in_model_space(saved: Any) -> None:
+    """Offline, from the dp=4 files: every param's main param and Adam moments, reassembled into
+    param-shaped tensors; the fp32 main params equal the params at save time."""
+    root, per_rank = saved
+    state = megabuf.consolidated_optimizer_state(root / "fp32_adam")
+    at_save = per_rank[0]["fp32_adam"]["at_save"]
+    assert set(state) == set(at_save)
+    for key, entry in state.items():
+        assert torch.equal(entry["main"], at_save[key]), key
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert entry[moment].shape == at_save[key].shape, (key, moment)

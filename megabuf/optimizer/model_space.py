@@ -123,28 +123,31 @@ def _unflatten(mp: MainParam, value: Any) -> Any:
 
 def assemble(mp: MainParam, pieces: list[dict[str, Any]]) -> dict[str, Any]:
     """Values of every state entry over [param_start, param_end) from overlapping saved pieces."""
+    return assemble_range(mp.key, mp.param_start, mp.param_end, pieces)
+
+
+def assemble_range(key: str, start: int, end: int, pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every state entry of param `key` over flat elements [start, end), from saved pieces."""
     out: dict[str, Any] = {}
     covered: dict[str, int] = {}
     for piece in pieces:
-        lo, hi = max(piece["start"], mp.param_start), min(piece["end"], mp.param_end)
+        lo, hi = max(piece["start"], start), min(piece["end"], end)
         if lo >= hi:
             continue
         width = piece["end"] - piece["start"]
         for name, value in piece["state"].items():
             if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == width:
-                dst = out.setdefault(name, torch.empty(mp.numel, dtype=value.dtype))
-                dst[lo - mp.param_start : hi - mp.param_start] = value[
-                    lo - piece["start"] : hi - piece["start"]
-                ]
+                dst = out.setdefault(name, torch.empty(end - start, dtype=value.dtype))
+                dst[lo - start : hi - start] = value[lo - piece["start"] : hi - piece["start"]]
                 covered[name] = covered.get(name, 0) + hi - lo
             else:
                 out.setdefault(name, value)
-    short = {name: n for name, n in covered.items() if n != mp.numel}
+    short = {name: n for name, n in covered.items() if n != end - start}
     if MAIN not in covered or short:
         raise ValueError(
-            f"megabuf: checkpoint does not cover elements [{mp.param_start}, {mp.param_end}) of "
-            f"{mp.key!r}: covered {short or {MAIN: covered.get(MAIN, 0)}} of {mp.numel}; "
-            "pieces overlap or are missing (was the checkpoint written completely?)"
+            f"megabuf: checkpoint does not cover elements [{start}, {end}) of {key!r}: covered "
+            f"{short or {MAIN: covered.get(MAIN, 0)}} of {end - start}; pieces overlap or are "
+            "missing (was the checkpoint written completely?)"
         )
     return out
 
