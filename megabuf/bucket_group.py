@@ -155,12 +155,16 @@ class BucketGroup:
         return self._num_ready == len(self.params_list)
 
     def register_grad_ready(self, param: torch.nn.Parameter) -> None:
-        """Called from the backward hook of `param`. O(1), allocation-free in steady state."""
+        """Mark `param`'s grad as complete for this iteration."""
+        self.register_grad_ready_at(self._index[param], param)
+
+    def register_grad_ready_at(self, i: int, param: torch.nn.Parameter) -> None:
+        """The backward hook's entry (it knows `i`, the param's position in `params_list`).
+        O(1), allocation-free in steady state."""
         if self.grad_state is not GradSyncState.IDLE:
             self._on_grad_outside_idle(param)
         if not self.ddp_config.overlap_grad_reduce or not self.is_last_microbatch:
             return  # synchronous reduction, or inside no_sync(): accumulate only
-        i = self._index[param]
         if not self._ready[i]:
             self._ready[i] = 1
             self._num_ready += 1
@@ -251,8 +255,8 @@ class BucketGroup:
         if self.grad_state is GradSyncState.SYNCED:
             return
         if self.grad_state is GradSyncState.IDLE:
-            if self.ddp_config.overlap_grad_reduce and self.is_last_microbatch:
-                self._raise_not_ready()
+            if self.ddp_config.overlap_grad_reduce:
+                raise_missing_grads([self])
             self.start_grad_sync()
         work = self._grad_work
         if work is None:
@@ -264,17 +268,11 @@ class BucketGroup:
         if self.timeline is not None:
             self.timeline.record(self.group_id, "finish")
 
-    def _raise_not_ready(self) -> None:
-        missing = [self._name(p) for i, p in enumerate(self.params_list) if not self._ready[i]]
-        shown = ", ".join(missing[:10]) + (
-            f" and {len(missing) - 10} more" if len(missing) > 10 else ""
-        )
-        raise RuntimeError(
-            f"megabuf: finish_grad_sync() on rank {dist.get_rank()}: bucket group {self.group_id} "
-            f"never became ready; {len(missing)} trainable param(s) got no gradient this "
-            f"iteration: {shown}. Freeze them (requires_grad=False), make the forward use them, "
-            "or turn off overlap_grad_reduce"
-        )
+    def missing_grad_params(self) -> list[str]:
+        """Names of params not yet ready, if this group is waiting for grads to dispatch."""
+        if self.grad_state is not GradSyncState.IDLE or not self.is_last_microbatch:
+            return []
+        return [self._name(p) for i, p in enumerate(self.params_list) if not self._ready[i]]
 
     def check_grads_finite(self) -> None:
         """Raise on every rank if any rank's bucket holds NaN/Inf (one small MAX all-reduce, so
@@ -348,6 +346,21 @@ class BucketGroup:
 
     def _name(self, param: torch.nn.Parameter) -> str:
         return self.param_to_name.get(param, f"<param of shape {tuple(param.shape)}>")
+
+
+def raise_missing_grads(groups: Sequence[BucketGroup]) -> None:
+    """With overlap_grad_reduce, a group dispatches only when every param got a grad: name the
+    params that did not, so finish_grad_sync() raises instead of waiting forever."""
+    missing = [name for group in groups for name in group.missing_grad_params()]
+    if not missing:
+        return
+    more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+    shown = ", ".join(missing[:10]) + more
+    raise RuntimeError(
+        f"megabuf: finish_grad_sync() on rank {dist.get_rank()}: {len(missing)} trainable "
+        f"param(s) got no gradient this iteration, so their buckets were never reduced: {shown}."
+        " Freeze them (requires_grad=False), use them in forward, or turn off overlap_grad_reduce"
+    )
 
 
 def _finite(t: torch.Tensor) -> bool:

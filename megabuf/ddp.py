@@ -11,7 +11,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megabuf.bucket_group import BucketGroup, DispatchChain, Timeline, partition_buckets
+from megabuf.bucket_group import (
+    BucketGroup,
+    DispatchChain,
+    Timeline,
+    partition_buckets,
+    raise_missing_grads,
+)
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig
@@ -204,7 +210,7 @@ class DistributedDataParallel(nn.Module):
         if self.timeline is not None:
             self.timeline.record(BACKWARD_END_GROUP_ID, "backward_end")
         if self.ddp_config.overlap_grad_reduce:
-            self._raise_if_grads_missing()
+            raise_missing_grads(self.all_bucket_groups)
         for chain in self._chains:
             for group in chain.groups:
                 group.finish_grad_sync()
@@ -221,23 +227,6 @@ class DistributedDataParallel(nn.Module):
         for group in self.all_bucket_groups:
             group.timeline = timeline
         return timeline
-
-    def _raise_if_grads_missing(self) -> None:
-        missing = [
-            self.param_to_name[p]
-            for g in self.all_bucket_groups
-            if g.is_last_microbatch and g.grad_state.name == "IDLE" and not g.all_ready
-            for i, p in enumerate(g.params_list)
-            if not g._ready[i]
-        ]
-        if missing:
-            shown = ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else "")
-            raise RuntimeError(
-                f"megabuf: finish_grad_sync() on rank {dist.get_rank()}: {len(missing)} "
-                f"trainable param(s) got no gradient this iteration, so their buckets were "
-                f"never reduced: {shown}. Freeze them (requires_grad=False), use them in "
-                "forward, or turn off overlap_grad_reduce"
-            )
 
     def _expose_mismatched_grads(self) -> None:
         """bf16/fp16 params with fp32 main_grad: torch optimizers need a grad of the param's

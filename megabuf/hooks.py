@@ -40,7 +40,7 @@ def make_grad_hook(
     main_grad: torch.Tensor, group: BucketGroup, index: int, link: bool
 ) -> Callable[[nn.Parameter], None]:
     """The post-accumulate-grad hook of one param; see [Note: grad accumulation into main_grad]."""
-    register = group.register_grad_ready
+    register = group.register_grad_ready_at
 
     def hook(param: nn.Parameter) -> None:
         grad = param.grad
@@ -51,7 +51,7 @@ def make_grad_hook(
                 main_grad.add_(grad)
             param.grad = main_grad if link else None
         group.fresh[index] = 0
-        register(param)
+        register(index, param)
 
     return hook
 

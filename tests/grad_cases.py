@@ -106,12 +106,13 @@ class _null:
         return None
 
 
-def grad_case(case: dict[str, Any]) -> dict[str, Any]:
-    """Max |megabuf grad - reference grad| per param (full grads, or shards with distopt)."""
-    net, ref = build(case)
-    expected = reference_grads(ref, case)
-    model = run_ddp(net, case)
-    names = model.param_to_name
+def grad_errors(
+    model: megabuf.DistributedDataParallel,
+    names: dict[Any, str],
+    expected: dict[str, torch.Tensor],
+) -> dict[str, float]:
+    """Max |megabuf grad - expected[names[param]]| per param: whole main_grads, or with the
+    distributed optimizer only the pieces of this rank's shards (the reduced part)."""
     errors: dict[str, float] = {}
     if model.ddp_config.use_distributed_optimizer:
         for buf in model.buffers + model.expert_parallel_buffers:
@@ -124,6 +125,16 @@ def grad_case(case: dict[str, Any]) -> dict[str, Any]:
     else:
         for param, name in names.items():
             errors[name] = (param.main_grad.float() - expected[name].float()).abs().max().item()
+    return errors
+
+
+def grad_case(case: dict[str, Any]) -> dict[str, Any]:
+    """Max |megabuf grad - reference grad| per param (full grads, or shards with distopt)."""
+    net, ref = build(case)
+    expected = reference_grads(ref, case)
+    model = run_ddp(net, case)
+    names = model.param_to_name
+    errors = grad_errors(model, names, expected)
     # param.grad must be the main_grad view itself (no copy) when dtypes match
     linked = all(p.grad is p.main_grad for p in names if p.dtype == p.main_grad.dtype)
     frozen = list(net.frozen.parameters()) if case.get("frozen") else []

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from grad_cases import grad_errors
 
 import megabuf
 from megabuf.finalize import finalize_model_grads
@@ -73,19 +74,7 @@ def compare(model: megabuf.DistributedDataParallel, expected: dict[str, torch.Te
     ep_rank = dist.get_rank(model.process_groups.ep)
     n_local = CFG.num_experts // dist.get_world_size(model.process_groups.ep)
     names = {p: reference_name(n, ep_rank, n_local) for p, n in model.param_to_name.items()}
-    errors: dict[str, float] = {}
-    if model.ddp_config.use_distributed_optimizer:
-        for buf in model.buffers + model.expert_parallel_buffers:
-            for piece in shard_pieces(buf.layout, buf.dp_rank, buf.dp_size):
-                param = buf.params[piece.param_id]
-                got = buf.grad_data[piece.buffer_start : piece.buffer_start + piece.numel]
-                want = expected[names[param]].flatten()[piece.param_start : piece.param_end]
-                err = (got - want).abs().max().item()
-                errors[names[param]] = max(errors.get(names[param], 0.0), err)
-    else:
-        for param, name in names.items():
-            errors[name] = (param.main_grad - expected[name]).abs().max().item()
-    return errors
+    return grad_errors(model, names, expected)
 
 
 def grads_case(case: dict[str, Any]) -> dict[str, Any]:

@@ -66,6 +66,7 @@ class MegabufOptimizer:
         **optimizer_kwargs: Any,
     ) -> None:
         self.model_chunks = as_chunks(model_chunks)
+        self._check_chunks(self.model_chunks)
         self.collectives = self.model_chunks[0].collectives
         self.process_groups = self.model_chunks[0].process_groups
         self.optimizer_cls = optimizer_cls
@@ -95,6 +96,9 @@ class MegabufOptimizer:
         return tuple(k for k, f in zip(("dense", "expert"), flags.tolist()) if f > 0)
 
     # ---- subclass hooks -----------------------------------------------------------------------
+    def _check_chunks(self, chunks: Sequence[DistributedDataParallel]) -> None:
+        """Reject model chunks this optimizer cannot step (before anything is built)."""
+
     def _build_main_params(self, kind: str) -> list[MainParam] | None:
         """This rank's main params of `kind`, or None if the model has no such params."""
         raise NotImplementedError

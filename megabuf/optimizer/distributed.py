@@ -17,16 +17,14 @@ outside forward (evaluation, checkpoints) must call `model.publish_params()` fir
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
 
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.base import MegabufOptimizer
-from megabuf.optimizer.grad_scaler import GradScaler
 from megabuf.optimizer.main_params import MainParam, sharded_main_params
-from megabuf.optimizer.param_groups import ParamGroupsArg, as_chunks, grad_buffers
+from megabuf.optimizer.param_groups import grad_buffers
 
 
 class DistributedOptimizer(MegabufOptimizer):
@@ -39,29 +37,14 @@ class DistributedOptimizer(MegabufOptimizer):
 
     sharded = True
 
-    def __init__(
-        self,
-        model_chunks: DistributedDataParallel | Sequence[DistributedDataParallel],
-        optimizer_cls: type[torch.optim.Optimizer],
-        param_groups: ParamGroupsArg = None,
-        *,
-        clip_grad: float = 0.0,
-        grad_scaler: GradScaler | None = None,
-        log_num_zeros_in_grad: bool = False,
-        **optimizer_kwargs: Any,
-    ) -> None:
-        for i, chunk in enumerate(as_chunks(model_chunks)):
+    def _check_chunks(self, chunks: Sequence[DistributedDataParallel]) -> None:
+        for i, chunk in enumerate(chunks):
             if not chunk.ddp_config.use_distributed_optimizer:
                 raise ValueError(
                     f"megabuf: DistributedOptimizer got model chunk {i} built without "
                     "DistributedDataParallelConfig(use_distributed_optimizer=True); rebuild it "
                     "with that flag, or use MixedPrecisionOptimizer / FP32Optimizer"
                 )
-        super().__init__(
-            model_chunks, optimizer_cls, param_groups,
-            clip_grad=clip_grad, grad_scaler=grad_scaler,
-            log_num_zeros_in_grad=log_num_zeros_in_grad, **optimizer_kwargs,
-        )  # fmt: skip
 
     def _build_main_params(self, kind: str) -> list[MainParam] | None:
         buffers = [

@@ -61,22 +61,28 @@ class _AllToAll(torch.autograd.Function):
     ) -> Tensor:
         ctx.splits = (output_splits, input_splits)
         ctx.group, ctx.collectives = group, collectives
-        out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        collectives.all_to_all(
-            out, x.contiguous(), group, output_split_sizes=output_splits,
-            input_split_sizes=input_splits, async_op=False,
-        )  # fmt: skip
-        return out
+        return _exchange_rows(x, output_splits, input_splits, group, collectives)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        output_splits, input_splits = ctx.splits
-        grad_in = grad.new_empty((sum(input_splits), *grad.shape[1:]))
-        ctx.collectives.all_to_all(
-            grad_in, grad.contiguous(), ctx.group, output_split_sizes=input_splits,
-            input_split_sizes=output_splits, async_op=False,
-        )  # fmt: skip
+        output_splits, input_splits = ctx.splits  # reversed: grads go back where rows came from
+        grad_in = _exchange_rows(grad, input_splits, output_splits, ctx.group, ctx.collectives)
         return grad_in, None, None, None, None
+
+
+def _exchange_rows(
+    x: Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: ProcessGroup,
+    collectives: Collectives,
+) -> Tensor:
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    collectives.all_to_all(
+        out, x.contiguous(), group, output_split_sizes=output_splits,
+        input_split_sizes=input_splits, async_op=False,
+    )  # fmt: skip
+    return out
 
 
 def all_to_all_rows(
