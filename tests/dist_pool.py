@@ -7,6 +7,12 @@ per world size per test session, not once per case.
 
 If any rank raises, `run` raises with that rank's traceback. If a case does not finish within
 `timeout_s` (a hang: mismatched collectives), the pool is torn down and restarted on next use.
+
+A sweep of cases runs in one `run` with `run_each` on the rank side: each case starts from the
+same RNG seeds, and a case that raises becomes a `CaseFailure` (its traceback) while the other
+cases still run. The test side turns one case's per-rank results back into values with
+`case_result`, which fails that case's test with the rank's traceback. (A case that raises on some
+ranks only leaves its peers in a collective: gloo's timeout or `timeout_s` then ends the sweep.)
 """
 
 from __future__ import annotations
@@ -14,9 +20,12 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import random
 import socket
+import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -49,7 +58,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, inbox: Any, out
         fn, args = job
         try:
             outbox.put((rank, True, fn(*args)))
-        except BaseException:  # noqa: BLE001 - report everything to the parent
+        except BaseException:  # report everything to the parent
             outbox.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
 
@@ -109,3 +118,43 @@ class DistPool:
                 p.kill()
             p.join(timeout=5)
         self._procs = []
+
+
+@dataclass(frozen=True)
+class CaseFailure:
+    """What `run_each` returns for a case that raised on this rank."""
+
+    traceback: str
+
+
+def reset_rng(seed: int = 0) -> None:
+    """Every case starts from the same global RNG state, whatever ran before it in this worker."""
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed)
+
+
+def run_each(cases: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
+    """Rank side of a sweep: `{name: (fn, *args)}` -> `{name: fn(*args) or a CaseFailure}`."""
+    out: dict[str, Any] = {}
+    for name, (fn, *args) in cases.items():
+        reset_rng()
+        try:
+            out[name] = fn(*args)
+        except Exception:  # one case's error must not hide the others'
+            out[name] = CaseFailure(traceback.format_exc())
+    return out
+
+
+def case_result(per_rank: list[dict[str, Any]], name: str) -> list[Any]:
+    """Test side: one case's results in rank order; fails the test if the case raised anywhere."""
+    failed = [r for r, results in enumerate(per_rank) if isinstance(results[name], CaseFailure)]
+    if failed:
+        import pytest
+
+        detail = per_rank[failed[0]][name].traceback
+        pytest.fail(f"case {name} raised on ranks {failed}; rank {failed[0]}:\n{detail}", False)
+    return [results[name] for results in per_rank]

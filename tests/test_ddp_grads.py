@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from dist_pool import case_result, run_each
 from grad_cases import grad_case
 
 FP32_ATOL = 1e-6
@@ -57,24 +58,37 @@ BF16_CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def run_cases(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {name: grad_case(case) for name, case in cases.items()}
+ALL_CASES = {**CASES, **BF16_CASES}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_grads_match_single_process_reference(pools: Any, world_size: int) -> None:
-    results = pools(world_size).run(run_cases, {**CASES, **BF16_CASES})
-    for rank, per_case in enumerate(results):
-        for name, res in per_case.items():
-            tol = BF16_RTOL * res["scale"] if name in BF16_CASES else FP32_ATOL
-            worst = max(res["errors"].items(), key=lambda kv: kv[1], default=("-", 0.0))
-            assert worst[1] <= tol, f"{name} rank {rank}: {worst[0]} off by {worst[1]:.3g}"
-            assert res["linked"], f"{name}: param.grad is not the main_grad view"
-            assert res["frozen_ok"], f"{name}: frozen params got a buffer or a grad"
-    for name in CASES.keys() | BF16_CASES.keys():  # the shards of all ranks cover every param
-        checked = set().union(*(per_case[name]["errors"] for per_case in results))
-        assert checked == set(results[0][name]["all_params"]), name
-    mixed = results[0]["mixed_fp32_bf16_fp32_grads"]
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda ws: f"dp{ws}")
+def results(request: Any, pools: Any) -> list[dict[str, Any]]:
+    cases = {name: (grad_case, case) for name, case in ALL_CASES.items()}
+    return pools(request.param).run(run_each, cases)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", ALL_CASES)
+def test_grads_match_single_process_reference(results: Any, name: str) -> None:
+    per_rank = case_result(results, name)
+    for rank, res in enumerate(per_rank):
+        tol = BF16_RTOL * res["scale"] if name in BF16_CASES else FP32_ATOL
+        worst = max(res["errors"].items(), key=lambda kv: kv[1], default=("-", 0.0))
+        assert worst[1] <= tol, f"{name} rank {rank}: {worst[0]} off by {worst[1]:.3g}"
+        assert res["linked"], f"{name}: param.grad is not the main_grad view"
+        assert res["frozen_ok"], f"{name}: frozen params got a buffer or a grad"
+    # the shards of all ranks cover every param
+    checked = set().union(*(res["errors"] for res in per_rank))
+    assert checked == set(per_rank[0]["all_params"]), name
+
+
+def test_mixed_dtypes_get_two_buffers(results: Any) -> None:
+    mixed = case_result(results, "mixed_fp32_bf16_fp32_grads")[0]
     assert mixed["n_buffers"] == 2  # (fp32, fp32) and (bf16, fp32)
-    assert results[0]["overlap_param_per_bucket"]["n_groups"] > 5
-    assert results[0]["disable_bucketing"]["n_groups"] == 1
+
+
+def test_one_param_per_bucket_gives_many_bucket_groups(results: Any) -> None:
+    assert case_result(results, "overlap_param_per_bucket")[0]["n_groups"] > 5
+
+
+def test_disable_bucketing_gives_one_bucket_group(results: Any) -> None:
+    assert case_result(results, "disable_bucketing")[0]["n_groups"] == 1
