@@ -163,8 +163,3 @@ def global_grad_norm(model: megabuf.DistributedDataParallel) -> float:
             model.collectives.all_reduce(sq, group, async_op=False)
         total += sq
     return math.sqrt(float(total.item()))
-
-
-def run_all(cases: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    kinds = {"grads": grads_case, "rank_value": rank_value_case, "norm": norm_case}
-    return {name: kinds[kind](case) for name, (kind, case) in cases.items()}
