@@ -190,7 +190,3 @@ def _report(
         "pp_rank": pgs.pp_rank,
         "n_groups": [len(c.bucket_groups) for c in chunks],
     }
-
-
-def run_all(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return {name: pipeline_case(case) for name, case in cases.items()}

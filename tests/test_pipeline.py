@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from pipeline_cases import run_all
+from dist_pool import case_result, run_each
+from pipeline_cases import pipeline_case
 
 ATOL = 1e-6
 OVERLAP = {"overlap_grad_reduce": True, "bucket_size": 200}
@@ -35,78 +36,80 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+PIPELINED = [name for name, case in CASES.items() if case["pp"] > 1]
+DISTRIBUTED_OPTIMIZER = [
+    name for name, case in CASES.items() if case.get("config", {}).get("use_distributed_optimizer")
+]
+
+
 @pytest.fixture(scope="module")
 def results(pools: Any) -> list[dict[str, Any]]:
-    return pools(4).run(run_all, CASES)  # type: ignore[no-any-return]
+    cases = {name: (pipeline_case, case) for name, case in CASES.items()}
+    return pools(4).run(run_each, cases)  # type: ignore[no-any-return]
 
 
-def test_params_match_single_process_after_3_steps(results: list[dict[str, Any]]) -> None:
-    for rank, per_case in enumerate(results):
-        for name in CASES:
-            errors = per_case[name]["errors"]
-            worst = max(errors.items(), key=lambda kv: kv[1], default=("-", 0.0))
-            assert worst[1] <= ATOL, f"{name} rank {rank}: {worst[0]} off by {worst[1]:.3g}"
-    for name, case in CASES.items():  # together the ranks hold every param of the GPT
-        held = set().union(*(per_case[name]["errors"] for per_case in results))
-        assert "blocks.3.fc_out.bias" in held and "tok_emb.weight" in held, name
-        assert ("lm_head.weight" in held) == (case["pp"] > 1), name
+@pytest.mark.parametrize("name", CASES)
+def test_params_match_single_process_after_3_steps(results: Any, name: str) -> None:
+    per_rank = case_result(results, name)
+    for rank, res in enumerate(per_rank):
+        worst = max(res["errors"].items(), key=lambda kv: kv[1], default=("-", 0.0))
+        assert worst[1] <= ATOL, f"{name} rank {rank}: {worst[0]} off by {worst[1]:.3g}"
+    # together the ranks hold every param of the GPT
+    held = set().union(*(res["errors"] for res in per_rank))
+    assert "blocks.3.fc_out.bias" in held and "tok_emb.weight" in held, name
+    assert ("lm_head.weight" in held) == (CASES[name]["pp"] > 1), name
 
 
-def test_tied_embeddings_identical_across_first_and_last_stage(
-    results: list[dict[str, Any]],
-) -> None:
-    for name, case in CASES.items():
-        if case["pp"] == 1:
-            continue
-        first = [r[name]["tied"]["tok_emb.weight"] for r in results if r[name]["pp_rank"] == 0]
-        last_stage = case["pp"] - 1
-        last = [
-            r[name]["tied"]["lm_head.weight"] for r in results if r[name]["pp_rank"] == last_stage
-        ]
-        assert first and last, name
-        for a in first:
-            for b in last:
-                assert torch.equal(a, b), name
+@pytest.mark.parametrize("name", PIPELINED)
+def test_tied_embeddings_identical_across_first_and_last_stage(results: Any, name: str) -> None:
+    per_rank = case_result(results, name)
+    first = [r["tied"]["tok_emb.weight"] for r in per_rank if r["pp_rank"] == 0]
+    last_stage = CASES[name]["pp"] - 1
+    last = [r["tied"]["lm_head.weight"] for r in per_rank if r["pp_rank"] == last_stage]
+    assert first and last, name
+    for a in first:
+        for b in last:
+            assert torch.equal(a, b), name
 
 
 def _index(events: list[tuple[Any, ...]], event: tuple[Any, ...]) -> int:
     return events.index(event)
 
 
-def test_1f1b_hook_order(results: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("name", ["1f1b_sync", "1f1b_overlap", "pp4_1f1b_overlap"])
+def test_1f1b_hook_order(results: Any, name: str) -> None:
     m_last = 3
-    for name in ("1f1b_sync", "1f1b_overlap", "pp4_1f1b_overlap"):
-        overlap = "overlap" in name
-        for rank, per_case in enumerate(results):
-            ev, stage = per_case[name]["events"], per_case[name]["pp_rank"]
-            assert ev[0] == ("no_sync_enter", 0) and ev[-1] == ("finalize",), (name, ev)
-            assert ev.count(("no_sync_enter", 0)) == ev.count(("no_sync_exit", 0)) == 1
-            exit_at, last_b = _index(ev, ("no_sync_exit", 0)), _index(ev, ("B", 0, m_last))
-            backwards = [i for i, e in enumerate(ev) if e[0] == "B"]
-            if overlap and stage > 0:  # reduction launched by grad_sync_func after cool-down
-                assert exit_at > backwards[-1], (name, rank, ev)
-            else:  # sync back on right before the last backward only
-                assert backwards[-2] < exit_at < last_b, (name, rank, ev)
+    overlap = "overlap" in name
+    for rank, res in enumerate(case_result(results, name)):
+        ev, stage = res["events"], res["pp_rank"]
+        assert ev[0] == ("no_sync_enter", 0) and ev[-1] == ("finalize",), (name, ev)
+        assert ev.count(("no_sync_enter", 0)) == ev.count(("no_sync_exit", 0)) == 1
+        exit_at, last_b = _index(ev, ("no_sync_exit", 0)), _index(ev, ("B", 0, m_last))
+        backwards = [i for i, e in enumerate(ev) if e[0] == "B"]
+        if overlap and stage > 0:  # reduction launched by grad_sync_func after cool-down
+            assert exit_at > backwards[-1], (name, rank, ev)
+        else:  # sync back on right before the last backward only
+            assert backwards[-2] < exit_at < last_b, (name, rank, ev)
+        if overlap:
+            assert ev.count(("grad_sync", 0)) == 1 and _index(ev, ("grad_sync", 0)) > last_b
+        else:
+            assert ("grad_sync", 0) not in ev
+
+
+@pytest.mark.parametrize(("name", "m_last"), [("interleaved_overlap", 5), ("interleaved_sync", 3)])
+def test_interleaved_hook_order(results: Any, name: str, m_last: int) -> None:
+    overlap = "overlap" in name
+    for rank, res in enumerate(case_result(results, name)):
+        ev = res["events"]
+        assert ev[:2] == [("no_sync_enter", 0), ("no_sync_enter", 1)], (name, ev)
+        assert ev[-1] == ("finalize",) and ("F", 0, 0) in ev
+        for chunk in (0, 1):
+            last_b = _index(ev, ("B", chunk, m_last))
+            in_no_sync = _no_sync_depth(ev[:last_b]) > 0
+            assert in_no_sync == overlap, (name, rank, chunk, ev)  # hooks vs grad_sync_func
             if overlap:
-                assert ev.count(("grad_sync", 0)) == 1 and _index(ev, ("grad_sync", 0)) > last_b
-            else:
-                assert ("grad_sync", 0) not in ev
-
-
-def test_interleaved_hook_order(results: list[dict[str, Any]]) -> None:
-    for name, m_last in (("interleaved_overlap", 5), ("interleaved_sync", 3)):
-        overlap = "overlap" in name
-        for rank, per_case in enumerate(results):
-            ev = per_case[name]["events"]
-            assert ev[:2] == [("no_sync_enter", 0), ("no_sync_enter", 1)], (name, ev)
-            assert ev[-1] == ("finalize",) and ("F", 0, 0) in ev
-            for chunk in (0, 1):
-                last_b = _index(ev, ("B", chunk, m_last))
-                in_no_sync = _no_sync_depth(ev[:last_b]) > 0
-                assert in_no_sync == overlap, (name, rank, chunk, ev)  # hooks vs grad_sync_func
-                if overlap:
-                    assert ev.count(("grad_sync", chunk)) == 1
-                    assert _index(ev, ("grad_sync", chunk)) > last_b, (name, rank, ev)
+                assert ev.count(("grad_sync", chunk)) == 1
+                assert _index(ev, ("grad_sync", chunk)) > last_b, (name, rank, ev)
 
 
 def _no_sync_depth(events: list[tuple[Any, ...]]) -> int:
@@ -117,16 +120,15 @@ def _no_sync_depth(events: list[tuple[Any, ...]]) -> int:
     )
 
 
-def test_interleaved_align_dispatches_param_sync_first(results: list[dict[str, Any]]) -> None:
-    for per_case in results:
-        ev = per_case["interleaved_distopt_align"]["events"]
+def test_interleaved_align_dispatches_param_sync_first(results: Any) -> None:
+    for res in case_result(results, "interleaved_distopt_align"):
+        ev = res["events"]
         first_f = _index(ev, ("F", 0, 0))
         assert ("param_sync", 0) in ev[:first_f] and ("param_sync", 1) in ev[:first_f], ev
 
 
-def test_later_stages_and_chunks_use_one_bucket_group(results: list[dict[str, Any]]) -> None:
-    for per_case in results:
-        res = per_case["interleaved_overlap"]
+def test_later_stages_and_chunks_use_one_bucket_group(results: Any) -> None:
+    for res in case_result(results, "interleaved_overlap"):
         groups = res["n_groups"]
         if res["pp_rank"] == 0:
             assert groups[0] > 2 and groups[1] == 1, groups
@@ -134,14 +136,13 @@ def test_later_stages_and_chunks_use_one_bucket_group(results: list[dict[str, An
             assert groups == [1, 1], groups
 
 
+@pytest.mark.parametrize("name", DISTRIBUTED_OPTIMIZER)
 def test_distributed_optimizer_grad_norm_counts_tied_embedding_once(
-    results: list[dict[str, Any]],
+    results: Any, name: str
 ) -> None:
     checked = 0
-    for name in CASES:
-        for rank, per_rank in enumerate(results):
-            res = per_rank[name]
-            for got, want in zip(res["norms"], res["ref_norms"], strict=False):
-                assert abs(got - want) <= 1e-5 * want, f"{name} rank {rank}: {got} vs {want}"
-                checked += 1
+    for rank, res in enumerate(case_result(results, name)):
+        for got, want in zip(res["norms"], res["ref_norms"], strict=True):
+            assert abs(got - want) <= 1e-5 * want, f"{name} rank {rank}: {got} vs {want}"
+            checked += 1
     assert checked > 0
