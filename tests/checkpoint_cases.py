@@ -48,42 +48,41 @@ def _train(model: Any, opt: Any, steps: range) -> None:
             raise RuntimeError(f"step {step} was skipped")
 
 
-def save_then_continue(root: str) -> dict[str, Any]:
+def save_then_continue(root: str, name: str) -> dict[str, Any]:
     """At the saving dp size: save after SAVE_AFTER steps (overwriting an earlier save to the same
     path), continue to TOTAL_STEPS; also resume from the file at the same dp size."""
-    out: dict[str, Any] = {}
-    for name, case in VARIANTS.items():
-        path = os.path.join(root, name)
-        model, opt = _fresh(case)
-        _train(model, opt, range(1))
-        megabuf.save_checkpoint(path, model, opt)  # replaced below: tests the swap
-        _train(model, opt, range(1, SAVE_AFTER))
-        megabuf.save_checkpoint(path, model, opt)
-        at_save = final_params(model)
-        _train(model, opt, range(SAVE_AFTER, TOTAL_STEPS))
-        resumed_model, resumed_opt = _fresh(case)
-        megabuf.load_checkpoint(path, resumed_model, resumed_opt)
-        _train(resumed_model, resumed_opt, range(SAVE_AFTER, TOTAL_STEPS))
-        out[name] = {
-            "uninterrupted": final_params(model),
-            "same_dp": final_params(resumed_model),
-            "at_save": at_save,
-        }
-    out["leftovers"] = sorted(f for f in os.listdir(root) if f.endswith((".tmp", ".old")))
-    return out
+    case = VARIANTS[name]
+    path = os.path.join(root, name)
+    model, opt = _fresh(case)
+    _train(model, opt, range(1))
+    megabuf.save_checkpoint(path, model, opt)  # replaced below: tests the swap
+    _train(model, opt, range(1, SAVE_AFTER))
+    megabuf.save_checkpoint(path, model, opt)
+    at_save = final_params(model)
+    _train(model, opt, range(SAVE_AFTER, TOTAL_STEPS))
+    resumed_model, resumed_opt = _fresh(case)
+    megabuf.load_checkpoint(path, resumed_model, resumed_opt)
+    _train(resumed_model, resumed_opt, range(SAVE_AFTER, TOTAL_STEPS))
+    return {
+        "uninterrupted": final_params(model),
+        "same_dp": final_params(resumed_model),
+        "at_save": at_save,
+    }
 
 
-def resume(root: str, bucket_size: int | None) -> dict[str, Any]:
+def leftovers(root: str) -> list[str]:
+    """Temporary files the saves left behind (none expected)."""
+    return sorted(f for f in os.listdir(root) if f.endswith((".tmp", ".old")))
+
+
+def resume(root: str, name: str, bucket_size: int | None) -> dict[str, torch.Tensor]:
     """At another dp size and bucket size: load and run the remaining steps."""
-    out: dict[str, Any] = {}
-    for name, case in VARIANTS.items():
-        case = {**case, "ddp": {**case["ddp"], "bucket_size": bucket_size}}
-        model, opt = _fresh(case)
-        megabuf.load_checkpoint(os.path.join(root, name), model, opt)
-        _train(model, opt, range(SAVE_AFTER, TOTAL_STEPS))
-        out[name] = final_params(model)
-    out["errors"] = _mismatch_errors(root)
-    return out
+    case = VARIANTS[name]
+    case = {**case, "ddp": {**case["ddp"], "bucket_size": bucket_size}}
+    model, opt = _fresh(case)
+    megabuf.load_checkpoint(os.path.join(root, name), model, opt)
+    _train(model, opt, range(SAVE_AFTER, TOTAL_STEPS))
+    return final_params(model)
 
 
 def _fresh(case: dict[str, Any]) -> tuple[megabuf.DistributedDataParallel, Any]:
@@ -91,21 +90,22 @@ def _fresh(case: dict[str, Any]) -> tuple[megabuf.DistributedDataParallel, Any]:
     return model, build_opt(model, case)
 
 
-def _mismatch_errors(root: str) -> dict[str, str]:
-    """Loading into something that does not fit must say what does not match."""
-    fp32 = VARIANTS["fp32_adam"]
-    attempts = {
-        "other_model": ({**fp32, "model": "permuted"}, "fp32_adam"),
-        "other_dtype": (VARIANTS["bf16_adamw"], "fp32_adam"),
-        "other_optimizer": ({**fp32, "optimizer": "sgd"}, "fp32_adam"),
-        "not_a_checkpoint": (fp32, "does_not_exist"),
-    }
-    messages = {}
-    for label, (case, name) in attempts.items():
-        model, opt = _fresh(case)
-        try:
-            megabuf.load_checkpoint(os.path.join(root, name), model, opt)
-            messages[label] = "no error"
-        except ValueError as exc:
-            messages[label] = str(exc)
-    return messages
+FP32 = VARIANTS["fp32_adam"]
+# Loading into something that does not fit must say what does not match: (case, saved variant)
+MISMATCHES: dict[str, tuple[dict[str, Any], str]] = {
+    "other_model": ({**FP32, "model": "permuted"}, "fp32_adam"),
+    "other_dtype": (VARIANTS["bf16_adamw"], "fp32_adam"),
+    "other_optimizer": ({**FP32, "optimizer": "sgd"}, "fp32_adam"),
+    "not_a_checkpoint": (FP32, "does_not_exist"),
+}
+
+
+def mismatch_error(root: str, label: str) -> str:
+    """The ValueError's message when loading into something that does not fit."""
+    case, name = MISMATCHES[label]
+    model, opt = _fresh(case)
+    try:
+        megabuf.load_checkpoint(os.path.join(root, name), model, opt)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"

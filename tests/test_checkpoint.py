@@ -8,7 +8,15 @@ from typing import Any
 
 import pytest
 import torch
-from checkpoint_cases import VARIANTS, resume, save_then_continue
+from checkpoint_cases import (
+    MISMATCHES,
+    VARIANTS,
+    leftovers,
+    mismatch_error,
+    resume,
+    save_then_continue,
+)
+from dist_pool import case_result, run_each
 
 import megabuf
 
@@ -19,7 +27,24 @@ BF16_ULPS = 2 * 2.0**-8  # two bf16 ulps at the largest param magnitude (see opt
 @pytest.fixture(scope="module")
 def saved(pools: Any, tmp_path_factory: Any) -> tuple[Path, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("ckpt")
-    return root, pools(4).run(save_then_continue, str(root))
+    cases: dict[str, tuple[Any, ...]] = {
+        name: (save_then_continue, str(root), name) for name in VARIANTS
+    }
+    cases["leftovers"] = (leftovers, str(root))  # after every save
+    return root, pools(4).run(run_each, cases)
+
+
+@pytest.fixture(scope="module", params=[(2, 37), (1, None)], ids=["dp2-bucket37", "dp1-one_bucket"])
+def resumed(request: Any, saved: Any, pools: Any) -> tuple[int, list[dict[str, Any]]]:
+    """Saved at dp=4 (bucket sizes 100 / 60), loaded at dp=2 (bucket size 37) and dp=1 (one
+    bucket), 5 more steps; and loads into models that do not fit the checkpoint."""
+    root, _ = saved
+    world_size, bucket_size = request.param
+    cases: dict[str, tuple[Any, ...]] = {
+        name: (resume, str(root), name, bucket_size) for name in VARIANTS
+    }
+    cases |= {label: (mismatch_error, str(root), label) for label in MISMATCHES}
+    return world_size, pools(world_size).run(run_each, cases)
 
 
 def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[str, float]:
@@ -33,47 +58,59 @@ def _tolerance(name: str, params: dict[str, torch.Tensor]) -> float:
     return BF16_ULPS * max(p.abs().max().item() for p in params.values())
 
 
-def test_resume_at_same_dp_is_bitwise(saved: Any) -> None:
+@pytest.mark.parametrize("name", VARIANTS)
+def test_resume_at_same_dp_is_bitwise(saved: Any, name: str) -> None:
     """Everything the step depends on is in the checkpoint: resuming at dp=4 with the same
-    layout reproduces the uninterrupted run bit for bit; the save left no temporary files."""
+    layout reproduces the uninterrupted run bit for bit."""
+    _, per_rank = saved
+    for rank, res in enumerate(case_result(per_rank, name)):
+        want, got = res["uninterrupted"], res["same_dp"]
+        assert all(torch.equal(got[n], want[n]) for n in want), (rank, name)
+
+
+def test_save_leaves_one_file_per_rank_and_no_temporary_files(saved: Any) -> None:
     root, per_rank = saved
-    for rank, res in enumerate(per_rank):
-        for name in VARIANTS:
-            want, got = res[name]["uninterrupted"], res[name]["same_dp"]
-            assert all(torch.equal(got[n], want[n]) for n in want), (rank, name)
-    assert per_rank[0]["leftovers"] == []
+    case_result(per_rank, "fp32_adam")
+    assert case_result(per_rank, "leftovers")[0] == []
     assert sorted(p.name for p in (root / "fp32_adam").iterdir()) == [
         "common.pt", "metadata.json", "rank00000.pt", "rank00001.pt", "rank00002.pt",
         "rank00003.pt",
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("world_size", "bucket_size"), [(2, 37), (1, None)])
-def test_resume_at_other_dp_and_bucket_size(
-    saved: Any, pools: Any, world_size: int, bucket_size: int | None
-) -> None:
-    """Saved at dp=4 (bucket sizes 100 / 60), loaded at dp=2 (bucket size 37) and dp=1 (one
-    bucket), 5 more steps: params equal the uninterrupted dp=4 run."""
-    root, per_rank = saved
-    results = pools(world_size).run(resume, str(root), bucket_size)
-    for rank, res in enumerate(results):
-        for name in VARIANTS:
-            want = per_rank[0][name]["uninterrupted"]
-            worst = _worst(res[name], want)
-            assert worst[1] <= _tolerance(name, want), (world_size, rank, name, worst)
-    errors = results[0]["errors"]
-    assert "missing entries" in errors["other_model"] and "a.weight" in errors["other_model"]
-    assert "torch.bfloat16" in errors["other_dtype"] and "embed.weight" in errors["other_dtype"]
-    assert "optimizer class torch.optim.adam.Adam was saved" in errors["other_optimizer"]
-    assert "no metadata.json" in errors["not_a_checkpoint"]
+@pytest.mark.parametrize("name", VARIANTS)
+def test_resume_at_other_dp_and_bucket_size(saved: Any, resumed: Any, name: str) -> None:
+    """Params after loading at another dp size and bucket size and 5 more steps equal the
+    uninterrupted dp=4 run."""
+    want = case_result(saved[1], name)[0]["uninterrupted"]
+    world_size, per_rank = resumed
+    for rank, got in enumerate(case_result(per_rank, name)):
+        worst = _worst(got, want)
+        assert worst[1] <= _tolerance(name, want), (world_size, rank, name, worst)
+
+
+MISMATCH_MESSAGES = {
+    "other_model": ["missing entries", "a.weight"],
+    "other_dtype": ["torch.bfloat16", "embed.weight"],
+    "other_optimizer": ["optimizer class torch.optim.adam.Adam was saved"],
+    "not_a_checkpoint": ["no metadata.json"],
+}
+
+
+@pytest.mark.parametrize("label", MISMATCHES)
+def test_loading_into_a_mismatch_says_what_does_not_match(resumed: Any, label: str) -> None:
+    _, per_rank = resumed
+    message = case_result(per_rank, label)[0]
+    for part in MISMATCH_MESSAGES[label]:
+        assert part in message, (label, message)
 
 
 def test_consolidated_state_is_param_shaped_in_model_space(saved: Any) -> None:
     """Offline, from the dp=4 files: every param's main param and Adam moments, reassembled into
     param-shaped tensors; the fp32 main params equal the params at save time."""
     root, per_rank = saved
+    at_save = case_result(per_rank, "fp32_adam")[0]["at_save"]
     state = megabuf.consolidated_optimizer_state(root / "fp32_adam")
-    at_save = per_rank[0]["fp32_adam"]["at_save"]
     assert set(state) == set(at_save)
     for key, entry in state.items():
         assert torch.equal(entry["main"], at_save[key]), key
