@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
+from dist_pool import case_result, run_each
 from torch import nn
 
 import megabuf
@@ -57,31 +60,55 @@ def _megabuf_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> float:
     return loss.item()
 
 
-def train_all() -> dict[str, Any]:
+@functools.cache
+def _references() -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(initial model, after one-process training, after torch DDP training), once per worker:
+    every case compares against the same two runs."""
     base = build_model(MODEL, seed=0)
     ref = copy.deepcopy(base)
     _train(ref, list(ref.parameters()), _single_step)
-    out: dict[str, Any] = {}
     tdp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     _train(tdp, list(tdp.parameters()), _torch_ddp_step)
-    for name, flags in {"sync": {}, "overlap": {"overlap_grad_reduce": True}}.items():
-        cfg = megabuf.DistributedDataParallelConfig(**flags)
-        mb = megabuf.DistributedDataParallel(copy.deepcopy(base), cfg)
-        assert len(mb.bucket_groups) == (4 if flags else 1)  # default caps at 1/4 of the buffer
-        _train(mb, list(mb.parameters()), _megabuf_step)
-        out[f"megabuf_{name}_vs_ref"] = _max_diff(mb.module, ref)
-        out[f"megabuf_{name}_vs_torch_ddp"] = _max_diff(mb.module, tdp.module)
-    out["torch_ddp_vs_ref"] = _max_diff(tdp.module, ref)
-    out["moved"] = _max_diff(ref, base)
-    return out
+    return base, ref, tdp.module
+
+
+def torch_ddp_case() -> dict[str, float]:
+    base, ref, tdp = _references()
+    return {"torch_ddp_vs_ref": _max_diff(tdp, ref), "moved": _max_diff(ref, base)}
+
+
+def megabuf_case(name: str, flags: dict[str, Any]) -> dict[str, float]:
+    base, ref, tdp = _references()
+    cfg = megabuf.DistributedDataParallelConfig(**flags)
+    mb = megabuf.DistributedDataParallel(copy.deepcopy(base), cfg)
+    assert len(mb.bucket_groups) == (4 if flags else 1)  # default caps at 1/4 of the buffer
+    _train(mb, list(mb.parameters()), _megabuf_step)
+    return {
+        f"megabuf_{name}_vs_ref": _max_diff(mb.module, ref),
+        f"megabuf_{name}_vs_torch_ddp": _max_diff(mb.module, tdp),
+        "moved": _max_diff(ref, base),
+    }
 
 
 def _max_diff(a: nn.Module, b: nn.Module) -> float:
     return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
 
 
-def test_twenty_adamw_steps_match_torch_ddp_and_single_process(pools: Any) -> None:
-    for rank, res in enumerate(pools(2).run(train_all)):
+CASES: dict[str, tuple[Any, ...]] = {
+    "torch_ddp": (torch_ddp_case,),
+    "megabuf_sync": (megabuf_case, "sync", {}),
+    "megabuf_overlap": (megabuf_case, "overlap", {"overlap_grad_reduce": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def results(pools: Any) -> list[dict[str, Any]]:
+    return pools(2).run(run_each, CASES)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_twenty_adamw_steps_match_torch_ddp_and_single_process(results: Any, name: str) -> None:
+    for rank, res in enumerate(case_result(results, name)):
         assert res["moved"] > 1e-2, "training did not change the params; the test proves nothing"
         for key, diff in res.items():
             if key.endswith("vs_torch_ddp"):  # same reduction (gloo ring, 1/dp pre-scale)
