@@ -42,27 +42,24 @@ def _step(model: megabuf.DistributedDataParallel, sharded: bool) -> None:
         model.start_param_sync()
 
 
-def count_bytes(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per config: bytes and calls per op over STEPS steps, and overlap figures."""
-    out = {}
-    for name, values in configs.items():
-        config = megabuf.DistributedDataParallelConfig(**values)
-        model = megabuf.DistributedDataParallel(KnownNet(), config)
-        model.collectives.stats.reset()  # drop the start-up broadcasts
-        timeline = model.enable_timeline()
-        for _ in range(STEPS):
-            _step(model, config.use_distributed_optimizer)
-        stats = model.collectives.stats
-        report = analyze(timeline.events)
-        out[name] = {
-            "bytes": dict(stats.bytes_sent),
-            "calls": dict(stats.calls),
-            "steps": len(report.steps),
-            "groups": [len(s.groups) for s in report.steps],
-            "early": [s.dispatched_before_backward_end for s in report.steps],
-            "exposed": [s.exposed_s for s in report.steps],
-        }
-    return out
+def count_bytes(values: dict[str, Any]) -> dict[str, Any]:
+    """One config: bytes and calls per op over STEPS steps, and overlap figures."""
+    config = megabuf.DistributedDataParallelConfig(**values)
+    model = megabuf.DistributedDataParallel(KnownNet(), config)
+    model.collectives.stats.reset()  # drop the start-up broadcasts
+    timeline = model.enable_timeline()
+    for _ in range(STEPS):
+        _step(model, config.use_distributed_optimizer)
+    stats = model.collectives.stats
+    report = analyze(timeline.events)
+    return {
+        "bytes": dict(stats.bytes_sent),
+        "calls": dict(stats.calls),
+        "steps": len(report.steps),
+        "groups": [len(s.groups) for s in report.steps],
+        "early": [s.dispatched_before_backward_end for s in report.steps],
+        "exposed": [s.exposed_s for s in report.steps],
+    }
 
 
 def ddp_layouts(model_name: str, configs: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from bench_cases import STEPS, count_bytes
+from dist_pool import case_result, run_each
 
 from megabuf.bench.options import parse_options
 from megabuf.bench.report import Progress, add_ratios, combine_ranks, results_table
@@ -36,37 +37,52 @@ def ring(nbytes: int, dp: int, halves: int) -> int:
     return halves * (dp - 1) * nbytes // dp
 
 
-@pytest.mark.parametrize("dp", [2, 4])
-def test_bytes_sent_match_the_ring_formulas(pools: Any, dp: int) -> None:
-    for rank, res in enumerate(pools(dp).run(count_bytes, CONFIGS)):
-        per_step = {n: {op: b // STEPS for op, b in r["bytes"].items()} for n, r in res.items()}
-        assert per_step["ar_sync"] == {"all_reduce": ring(UNPADDED, dp, 2)}, rank
-        assert per_step["ar_overlap"] == {"all_reduce": ring(UNPADDED, dp, 2)}, rank
-        assert res["ar_sync"]["calls"] == {"all_reduce": STEPS}
-        assert res["ar_overlap"]["calls"] == {"all_reduce": 2 * STEPS}
-        for name in ("distopt", "distopt_overlap"):
-            assert per_step[name] == {
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda dp: f"dp{dp}")
+def counted(request: Any, pools: Any) -> tuple[int, list[dict[str, Any]]]:
+    cases = {name: (count_bytes, values) for name, values in CONFIGS.items()}
+    return request.param, pools(request.param).run(run_each, cases)
+
+
+# by hand: 206 fp32 elements all-reduced at dp=2 = 824 B; shards of 64 + 128
+BY_HAND = {(2, "ar_sync"): ("all_reduce", 824), (2, "distopt"): ("reduce_scatter", 768)}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_bytes_sent_match_the_ring_formulas(counted: Any, name: str) -> None:
+    dp, per_rank = counted
+    for rank, res in enumerate(case_result(per_rank, name)):
+        per_step = {op: b // STEPS for op, b in res["bytes"].items()}
+        if name.startswith("ar_"):
+            assert per_step == {"all_reduce": ring(UNPADDED, dp, 2)}, rank
+            assert res["calls"] == {"all_reduce": STEPS * (2 if name == "ar_overlap" else 1)}
+        else:
+            assert per_step == {
                 "reduce_scatter": ring(PADDED, dp, 1),
                 "all_gather": ring(PADDED, dp, 1),
             }, (name, rank)
-            assert res[name]["calls"] == {"reduce_scatter": 2 * STEPS, "all_gather": 2 * STEPS}
+            assert res["calls"] == {"reduce_scatter": 2 * STEPS, "all_gather": 2 * STEPS}
             # the same split in two; more than the unpadded all-reduce by exactly the padding
             padding = ring(PADDED - UNPADDED, dp, 2)
-            assert sum(per_step[name].values()) == ring(UNPADDED, dp, 2) + padding
-    if dp == 2:  # by hand: 206 fp32 elements all-reduced at dp=2 = 824 B; shards of 64 + 128
-        assert per_step["ar_sync"]["all_reduce"] == 824
-        assert per_step["distopt"]["reduce_scatter"] == 768
+            assert sum(per_step.values()) == ring(UNPADDED, dp, 2) + padding
+        if (dp, name) in BY_HAND:
+            op, nbytes = BY_HAND[dp, name]
+            assert per_step[op] == nbytes, (name, rank)
 
 
-def test_timeline_of_a_real_ddp(pools: Any) -> None:
-    res = pools(2).run(count_bytes, CONFIGS)[0]
-    for name, groups in (("ar_sync", 1), ("ar_overlap", 2), ("distopt_overlap", 2)):
-        assert res[name]["steps"] == STEPS, name
-        assert res[name]["groups"] == [groups] * STEPS, name
-        assert all(e >= 0.0 for e in res[name]["exposed"]), name
-    assert res["ar_overlap"]["early"] == [2] * STEPS  # dispatched while backward ran
-    assert res["distopt_overlap"]["early"] == [2] * STEPS
-    assert res["ar_sync"]["early"] == [0] * STEPS  # everything after backward: all exposed
+@pytest.mark.parametrize(
+    ("name", "groups", "early"),
+    [
+        ("ar_sync", 1, 0),  # everything after backward: all exposed
+        ("ar_overlap", 2, 2),  # dispatched while backward ran
+        ("distopt_overlap", 2, 2),
+    ],
+)
+def test_timeline_of_a_real_ddp(counted: Any, name: str, groups: int, early: int) -> None:
+    for res in case_result(counted[1], name):
+        assert res["steps"] == STEPS, name
+        assert res["groups"] == [groups] * STEPS, name
+        assert all(e >= 0.0 for e in res["exposed"]), name
+        assert res["early"] == [early] * STEPS, name
 
 
 def test_report_helpers() -> None:
