@@ -4,10 +4,19 @@ dynamic loss scaling, exact per-rank byte counts and error messages."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from optimizer_cases import run_cases
+from dist_pool import case_result, run_each
+from optimizer_cases import (
+    MISUSES,
+    equality_case,
+    memory_case,
+    misuse_error,
+    overlap_case,
+    scaler_case,
+)
 
 FP32_ATOL = 1e-6
 # bf16 params (fp32 main params and grads): megabuf's local bf16 backward on a slice of the batch
@@ -101,20 +110,26 @@ MEMORY_CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def all_cases() -> dict[str, tuple[str, dict[str, Any]]]:
-    cases: dict[str, tuple[str, dict[str, Any]]] = {}
-    cases.update({n: ("equal", c) for n, c in EQUAL.items()})
-    cases.update({n: ("overlap", c) for n, c in OVERLAP_CASES.items()})
-    cases.update({n: ("scaler", c) for n, c in SCALER_CASES.items()})
-    cases.update({n: ("scaler", c) for n, c in FP16_CASES.items()})
-    cases.update({n: ("memory", c) for n, c in MEMORY_CASES.items()})
-    cases["errors"] = ("errors", {})
+KINDS: list[tuple[Callable[[dict[str, Any]], Any], dict[str, dict[str, Any]]]] = [
+    (equality_case, EQUAL),
+    (overlap_case, OVERLAP_CASES),
+    (scaler_case, SCALER_CASES),
+    (scaler_case, FP16_CASES),
+    (memory_case, MEMORY_CASES),
+]
+
+
+def all_cases() -> dict[str, tuple[Any, ...]]:
+    cases: dict[str, tuple[Any, ...]] = {}
+    for fn, group in KINDS:
+        cases.update({name: (fn, case) for name, case in group.items()})
+    cases.update({label: (misuse_error, label) for label in MISUSES})
     return cases
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4])
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda ws: f"dp{ws}")
 def results(request: Any, pools: Any) -> tuple[int, list[dict[str, Any]]]:
-    return request.param, pools(request.param).run(run_cases, all_cases())
+    return request.param, pools(request.param).run(run_each, all_cases())
 
 
 def _tolerance(case: dict[str, Any], res: dict[str, Any]) -> float:
@@ -125,107 +140,123 @@ def _worst(errors: dict[str, float]) -> tuple[str, float]:
     return max(errors.items(), key=lambda kv: kv[1])
 
 
-def test_params_match_single_process_torch_optimizer(results: Any) -> None:
+@pytest.mark.parametrize("name", EQUAL)
+def test_params_match_single_process_torch_optimizer(results: Any, name: str) -> None:
     """Adam/AdamW/SGD-momentum, fp32 and bf16, two param groups with different lr/wd, with and
     without clipping: params after 3 steps equal torch's on the global batch."""
     world_size, per_rank = results
-    for rank, res in enumerate(per_rank):
-        for name, case in EQUAL.items():
-            worst = _worst(res[name]["errors"])
-            tol = _tolerance(case, res[name])
-            assert worst[1] <= tol, f"dp={world_size} rank {rank} {name}: {worst} > {tol:.3g}"
+    case = EQUAL[name]
+    for rank, res in enumerate(case_result(per_rank, name)):
+        worst = _worst(res["errors"])
+        tol = _tolerance(case, res)
+        assert worst[1] <= tol, f"dp={world_size} rank {rank} {name}: {worst} > {tol:.3g}"
 
 
-def test_grad_norm_and_zero_count_match_torch(results: Any) -> None:
+@pytest.mark.parametrize("name", EQUAL)
+def test_grad_norm_and_zero_count_match_torch(results: Any, name: str) -> None:
     """The returned global grad norm equals clip_grad_norm_'s on the reference; num_zeros equals
     the reference's count of zero grad elements (the `dead` param, counted once over ranks)."""
     world_size, per_rank = results
-    for res in per_rank:
-        for name, case in EQUAL.items():
-            rtol = 1e-2 if case.get("bf16") else NORM_RTOL
-            for got, want in res[name]["norms"]:
-                assert got == pytest.approx(want, rel=rtol), (world_size, name)
-            if not case.get("bf16"):
-                assert all(got == want for got, want in res[name]["zeros"]), (world_size, name)
+    case = EQUAL[name]
+    for res in case_result(per_rank, name):
+        rtol = 1e-2 if case.get("bf16") else NORM_RTOL
+        for got, want in res["norms"]:
+            assert got == pytest.approx(want, rel=rtol), (world_size, name)
+        if not case.get("bf16"):
+            assert all(got == want for got, want in res["zeros"]), (world_size, name)
 
 
-def test_dense_and_expert_params_step_under_one_norm(results: Any) -> None:
+@pytest.mark.parametrize(
+    ("name", "domains"),
+    [
+        ("distopt_dense_and_expert_clip", ["dense", "expert"]),
+        ("mixed_dense_and_expert_clip", ["dense", "expert"]),
+        ("distopt_adam_fp32", ["dense"]),
+    ],
+)
+def test_dense_and_expert_params_step_under_one_norm(
+    results: Any, name: str, domains: list[str]
+) -> None:
     """Params marked expert-parallel get their own inner optimizer; the clipped result still
     equals torch's clip_grad_norm_ over all params (checked in the two tests above)."""
     _, per_rank = results
-    for name in ("distopt_dense_and_expert_clip", "mixed_dense_and_expert_clip"):
-        assert per_rank[0][name]["domains"] == ["dense", "expert"], name
-    assert per_rank[0]["distopt_adam_fp32"]["domains"] == ["dense"]
+    assert case_result(per_rank, name)[0]["domains"] == domains, name
 
 
-def test_overlap_param_gather_is_bitwise_equal_and_lazy(results: Any) -> None:
+@pytest.mark.parametrize("name", OVERLAP_CASES)
+def test_overlap_param_gather_is_bitwise_equal_and_lazy(results: Any, name: str) -> None:
     """overlap_param_gather on/off give bitwise equal params after 4 steps, also when the forward
     order is a permutation of registration order and when a parent reads a child's param
     directly (F.linear, ParameterList); with it on, params stay stale until the next forward."""
     world_size, per_rank = results
-    for rank, res in enumerate(per_rank):
-        for name, case in OVERLAP_CASES.items():
-            out = res[name]
-            assert out["bitwise"], f"dp={world_size} rank {rank} {name}: on != off"
-            assert out["lazy"], f"{name}: params were gathered eagerly with overlap_param_gather"
-            worst = _worst(out["errors"])
-            tol = BF16_ULPS * 2 if case.get("bf16") else FP32_ATOL
-            assert worst[1] <= tol, f"dp={world_size} {name} vs reference: {worst}"
+    case = OVERLAP_CASES[name]
+    for rank, out in enumerate(case_result(per_rank, name)):
+        assert out["bitwise"], f"dp={world_size} rank {rank} {name}: on != off"
+        assert out["lazy"], f"{name}: params were gathered eagerly with overlap_param_gather"
+        worst = _worst(out["errors"])
+        tol = BF16_ULPS * 2 if case.get("bf16") else FP32_ATOL
+        assert worst[1] <= tol, f"dp={world_size} {name} vs reference: {worst}"
 
 
-def test_dynamic_loss_scaling_skips_inf_steps_and_recovers(results: Any) -> None:
+@pytest.mark.parametrize("name", SCALER_CASES)
+def test_dynamic_loss_scaling_skips_inf_steps_and_recovers(results: Any, name: str) -> None:
     """An inf in one rank's own grad shard skips the step on every rank; the scale halves, then
     grows again after `growth_interval` good steps; params equal a reference without that step."""
     world_size, per_rank = results
-    for res in per_rank:
-        for name in SCALER_CASES:
-            out = res[name]
-            assert out["oks"] == [True, True, False, True, True, True], (world_size, name)
-            assert out["scales"] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0, 2048.0], name
-            assert _worst(out["errors"])[1] <= FP32_ATOL, (world_size, name, out["errors"])
+    for out in case_result(per_rank, name):
+        assert out["oks"] == [True, True, False, True, True, True], (world_size, name)
+        assert out["scales"] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0, 2048.0], name
+        assert _worst(out["errors"])[1] <= FP32_ATOL, (world_size, name, out["errors"])
 
 
-def test_fp16_overflow_backs_off_until_steps_succeed(results: Any) -> None:
+@pytest.mark.parametrize("name", FP16_CASES)
+def test_fp16_overflow_backs_off_until_steps_succeed(results: Any, name: str) -> None:
     """fp16 params with a too-large initial scale: the first steps overflow in fp16 and are skipped
     on every rank, the scale halves each time, then training proceeds and matches a torch
     mixed-precision reference that took the same steps (2 fp16 ulps)."""
     world_size, per_rank = results
-    for res in per_rank:
-        for name in FP16_CASES:
-            out = res[name]
-            assert not out["oks"][0] and all(out["oks"][-3:]), (world_size, name, out["oks"])
-            assert out["scales"][-1] < FP16_SCALER["initial_scale"]
-            assert out["oks"] == per_rank[0][name]["oks"]  # every rank skipped the same steps
-            worst = _worst(out["errors"])
-            assert worst[1] <= FP16_ULPS * out["scale"], (world_size, name, worst)
+    outs = case_result(per_rank, name)
+    for out in outs:
+        assert not out["oks"][0] and all(out["oks"][-3:]), (world_size, name, out["oks"])
+        assert out["scales"][-1] < FP16_SCALER["initial_scale"]
+        assert out["oks"] == outs[0]["oks"]  # every rank skipped the same steps
+        worst = _worst(out["errors"])
+        assert worst[1] <= FP16_ULPS * out["scale"], (world_size, name, worst)
 
 
-def test_per_rank_optimizer_bytes_are_exact(results: Any) -> None:
+@pytest.mark.parametrize("name", MEMORY_CASES)
+def test_per_rank_optimizer_bytes_are_exact(results: Any, name: str) -> None:
     """Adam: 8 state bytes per owned element (+ 4 for an fp32 main copy of bf16 params, 0 for fp32
     params whose buffer is stepped in place); owned + padding = 1/dp of the padded buffers; the
     ranks' state adds up to exactly the unsharded torch optimizer's state."""
     world_size, per_rank = results
-    for name in MEMORY_CASES:
-        reports = [res[name]["report"] for res in per_rank]
-        first = per_rank[0][name]
-        main_bytes_per_elem = 4 if name == "memory_bf16" else 0
-        for rep in reports:
-            assert rep.state_nbytes == 8 * rep.owned_numel, (name, rep)
-            assert rep.main_param_nbytes == main_bytes_per_elem * rep.owned_numel, (name, rep)
-            assert rep.shard_numel == first["numel_padded"] // world_size, (name, rep)
-            assert rep.owned_numel + rep.padding_numel == rep.shard_numel
-            assert rep.optimizer_nbytes <= (8 + main_bytes_per_elem + 4) * rep.shard_numel
-        assert sum(r.owned_numel for r in reports) == first["numel_unpadded"], name
-        assert sum(r.state_nbytes for r in reports) == first["ref_state_nbytes"], name
-        padding = first["numel_padded"] - first["numel_unpadded"]
-        assert sum(r.padding_numel for r in reports) == padding, name
+    outs = case_result(per_rank, name)
+    reports = [res["report"] for res in outs]
+    first = outs[0]
+    main_bytes_per_elem = 4 if name == "memory_bf16" else 0
+    for rep in reports:
+        assert rep.state_nbytes == 8 * rep.owned_numel, (name, rep)
+        assert rep.main_param_nbytes == main_bytes_per_elem * rep.owned_numel, (name, rep)
+        assert rep.shard_numel == first["numel_padded"] // world_size, (name, rep)
+        assert rep.owned_numel + rep.padding_numel == rep.shard_numel
+        assert rep.optimizer_nbytes <= (8 + main_bytes_per_elem + 4) * rep.shard_numel
+    assert sum(r.owned_numel for r in reports) == first["numel_unpadded"], name
+    assert sum(r.state_nbytes for r in reports) == first["ref_state_nbytes"], name
+    padding = first["numel_padded"] - first["numel_unpadded"]
+    assert sum(r.padding_numel for r in reports) == padding, name
 
 
-def test_misuse_raises_clear_errors(results: Any) -> None:
+MISUSE_MESSAGES = {
+    "distopt_on_plain_ddp": ["use_distributed_optimizer=True"],
+    "mixed_on_distopt": ["DistributedOptimizer"],
+    "param_in_no_group": ["in no param group", "embed.weight"],
+    "fp32_optimizer_bf16": ["FP32Optimizer needs fp32 params"],
+}
+
+
+@pytest.mark.parametrize("label", MISUSES)
+def test_misuse_raises_clear_errors(results: Any, label: str) -> None:
     _, per_rank = results
-    messages = per_rank[0]["errors"]
-    assert "use_distributed_optimizer=True" in messages["distopt_on_plain_ddp"]
-    assert "DistributedOptimizer" in messages["mixed_on_distopt"]
-    assert "in no param group" in messages["param_in_no_group"]
-    assert "embed.weight" in messages["param_in_no_group"]
-    assert "FP32Optimizer needs fp32 params" in messages["fp32_optimizer_bf16"]
+    for rank, message in enumerate(case_result(per_rank, label)):
+        for part in MISUSE_MESSAGES[label]:
+            assert part in message, (label, rank, message)
