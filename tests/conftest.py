@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from dist_pool import DistPool  # noqa: E402
+from dist_pool import DistPool
 
 _POOLS: dict[tuple[int, str], DistPool] = {}
 

@@ -29,7 +29,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "use_distributed_optimizer": True,
         "overlap_grad_reduce": True,
         "bucket_size": 100,
-    },  # fmt: skip
+    },
 }
 
 

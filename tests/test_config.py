@@ -56,7 +56,7 @@ def test_shipped_configs_load(name: str) -> None:
 def test_bad_toml_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[ddp]\noverlap_param_gather = true\n")
-    with pytest.raises(ValueError, match="bad.toml"):
+    with pytest.raises(ValueError, match=r"bad\.toml"):
         DistributedDataParallelConfig.from_toml(path)
 
 

@@ -70,7 +70,7 @@ def test_split_and_median_over_mixed_steps() -> None:
 
 
 def test_incomplete_last_step_is_dropped_and_bad_steps_raise() -> None:
-    events = sync_step(0.0) + [(0, "ready", 9.0), (0, "dispatch", 9.0)]  # backward still running
+    events = [*sync_step(0.0), (0, "ready", 9.0), (0, "dispatch", 9.0)]  # backward still running
     assert len(analyze(events).steps) == 1
     with pytest.raises(ValueError, match="no \\['finish'\\] event"):
         analyze_step([(-1, "backward_end", 1.0), (0, "dispatch", 1.5)])
