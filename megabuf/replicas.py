@@ -1,4 +1,5 @@
-"""Checks that every data-parallel rank holds the same model, and the expert-parallel marker."""
+"""Checks that every data-parallel rank holds the same model; the param markers megabuf reads
+(expert-parallel, shared embedding) and the planner's `ParamSpec`s built from them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megabuf.collectives import Collectives
+from megabuf.plan import ParamSpec
 
 
 def is_expert_parallel(param: nn.Parameter) -> bool:
@@ -21,6 +23,21 @@ def mark_expert_parallel(params: Iterable[nn.Parameter]) -> None:
     """Mark params (e.g. `expert.parameters()`) as expert-parallel; call before wrapping."""
     for param in params:
         param.allreduce = False  # type: ignore[attr-defined]
+
+
+def param_specs(trainable: Sequence[tuple[str, nn.Parameter]]) -> tuple[ParamSpec, ...]:
+    """The planner's view of trainable params (registration order): numel, dtype, and the two
+    markers megabuf reads, `allreduce is False` (expert) and `shared_embedding` (own bucket)."""
+    return tuple(
+        ParamSpec(
+            name,
+            p.numel(),
+            p.dtype,
+            expert=is_expert_parallel(p),
+            own_bucket=bool(getattr(p, "shared_embedding", False)),
+        )
+        for name, p in trainable
+    )
 
 
 def check_devices(named: Sequence[tuple[str, nn.Parameter]]) -> None:

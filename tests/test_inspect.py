@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 from bench_cases import KnownNet, ddp_layouts
+from torch import nn
 
 from megabuf.cli import main
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.inspect import format_inspection, inspect_model, load_model
+from megabuf.inspect import format_inspection, inspect_model, inspection_to_dict, load_model
+from megabuf.replicas import mark_expert_parallel
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "sync": {},
@@ -90,3 +92,31 @@ def test_cli_reports_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown model" in capsys.readouterr().err
     assert main(["inspect", "gpt_tiny", "--set", "bogus=1"]) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def _moe_toy() -> nn.Module:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    mark_expert_parallel(model[1].parameters())
+    return model
+
+
+@pytest.mark.parametrize(
+    "ep_size, chains",
+    [
+        pytest.param(1, [" chain 0 (dense + expert, over dp): 3 groups"], id="shared-dp-one-chain"),
+        pytest.param(
+            2,
+            [" chain 0 (dense, over dp): 2 groups", " chain 1 (expert, over expt_dp): 1 group"],
+            id="own-expt-dp-two-chains",
+        ),
+    ],
+)
+def test_report_shows_dispatch_chains(ep_size: int, chains: list[str]) -> None:
+    cfg = DistributedDataParallelConfig(bucket_size=50)
+    info = inspect_model(_moe_toy(), cfg, 2, ep_size=ep_size)
+    lines = format_inspection(info).splitlines()
+    assert [line for line in lines if line.startswith(" chain")] == chains
+    data = inspection_to_dict(info)
+    assert data["chains"] == [list(c) for c in info.plan.chains]
+    assert len(info.plan.chains) == len(chains)
+    assert {g["chain_id"] for g in data["groups"]} == set(range(len(chains)))
