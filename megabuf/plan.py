@@ -139,7 +139,10 @@ def build_plan(
     )  # fmt: skip
     members = _group_members(buffers, disable_bucketing)
     chains = _chains(members, buffers, merge=expert_shares_dp_group)
-    groups = tuple(_group_plan(gid, expert, m, chains) for gid, (expert, m) in enumerate(members))
+    place = {gid: (c, pos) for c, ids in enumerate(chains) for pos, gid in enumerate(ids)}
+    groups = tuple(
+        GroupPlan(gid, expert, pairs, *place[gid]) for gid, (expert, pairs) in enumerate(members)
+    )
     return Plan(bucket_size, buffers, groups, chains)
 
 
@@ -232,14 +235,3 @@ def _chains(
         if ids:
             chains.append(tuple(sorted(ids, key=backward_key)))
     return tuple(chains)
-
-
-def _group_plan(
-    group_id: int,
-    expert: bool,
-    members: tuple[tuple[int, int], ...],
-    chains: Sequence[tuple[int, ...]],
-) -> GroupPlan:
-    chain_id = next(c for c, ids in enumerate(chains) if group_id in ids)
-    position = chains[chain_id].index(group_id)
-    return GroupPlan(group_id, expert, members, chain_id, position)
