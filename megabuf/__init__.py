@@ -1,6 +1,6 @@
 """megabuf: Megatron-style contiguous param-and-grad buffers for data-parallel PyTorch training."""
 
-from megabuf.bucket_group import BucketGroup, GradSyncState, ParamSyncState, partition_buckets
+from megabuf.bucket_group import BucketGroup, GradSyncState, ParamSyncState
 from megabuf.buffer import _ParamAndGradBucket, _ParamAndGradBuffer
 from megabuf.checkpoint import consolidated_optimizer_state, load_checkpoint, save_checkpoint
 from megabuf.collectives import Collectives, CommStats
@@ -66,7 +66,6 @@ __all__ = [
     "consolidated_optimizer_state",
     "load_checkpoint",
     "mark_expert_parallel",
-    "partition_buckets",
     "save_checkpoint",
     "wrap_model_chunks",
 ]

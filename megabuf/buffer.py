@@ -121,10 +121,6 @@ class _ParamAndGradBuffer:
     def scale_gradients(self, factor: float) -> None:
         self.grad_data.mul_(factor)
 
-    def reset(self) -> None:
-        """Zero the grad buffer (param grads are views, so they are zeroed too)."""
-        self.grad_data.zero_()
-
     def shard_range(self, bucket_id: int) -> tuple[int, int]:
         """Buffer range [start, end) of this rank's shard of bucket `bucket_id`."""
         return self.layout.buckets[bucket_id].shard_range(self.dp_rank, self.dp_size)
