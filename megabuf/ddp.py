@@ -32,13 +32,14 @@ from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.hooks import ParamGatherHooks, register_grad_hooks
-from megabuf.layout import default_bucket_size
+from megabuf.plan import GroupPlan, Plan, build_plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.replicas import (
     ParamStructure,
     check_devices,
     check_replicas_match,
     is_expert_parallel,
+    param_specs,
 )
 
 logger = logging.getLogger(__name__)
@@ -82,24 +83,24 @@ class DistributedDataParallel(nn.Module):
         trainable = [(n, p) for n, p in named if p.requires_grad]
         self.param_to_name = {p: n for n, p in trainable}
         self._registration_index = {p: i for i, (_, p) in enumerate(trainable)}
-        dense = [p for _, p in trainable if not is_expert_parallel(p)]
-        expert = [p for _, p in trainable if is_expert_parallel(p)]
-        bucket_size = self._resolve_bucket_size(dense, expert)
-        dense_scale, expert_scale = self._scaling_factors()
+        params = [p for _, p in trainable]
+        self.plan: Plan = build_plan(
+            param_specs(trainable),
+            self.ddp_config,
+            dp_size=pgs.dp_size,
+            expt_dp_size=dist.get_world_size(pgs.expt_dp),
+            expert_shares_dp_group=pgs.expt_dp is pgs.dp,
+            disable_bucketing=self.disable_bucketing,
+        )
+        self._all_buffers: list[_ParamAndGradBuffer] = self._make_buffers(params)  # plan order
+        expert = [planned.expert for planned in self.plan.buffers]
         # Megatron's attribute name. It would shadow nn.Module.buffers(), so the list is also
         # callable: `model.buffers` is the grad buffers, `model.buffers()` the module buffers.
         self.buffers = _BufferList(  # type: ignore[method-assign,assignment]
-            self._make_buffers(dense, pgs.dp, bucket_size, dense_scale), self
+            [b for b, e in zip(self._all_buffers, expert) if not e], self
         )
-        self.expert_parallel_buffers = self._make_buffers(
-            expert, pgs.expt_dp, bucket_size, expert_scale
-        )
-        self._all_buffers: list[_ParamAndGradBuffer] = [
-            *self.buffers,  # type: ignore[misc]
-            *self.expert_parallel_buffers,
-        ]
+        self.expert_parallel_buffers = [b for b, e in zip(self._all_buffers, expert) if e]
         self._wire_groups()
-        params = [p for _, p in trainable]
         self._linked_params = [p for p in params if p.main_grad.dtype == p.dtype]  # type: ignore[attr-defined]
         self._mismatched_params = [p for p in params if p.main_grad.dtype != p.dtype]  # type: ignore[attr-defined]
         self._grad_hook_handles = register_grad_hooks(params, self.param_to_bucket_group)
@@ -111,22 +112,6 @@ class DistributedDataParallel(nn.Module):
         for buf in self._all_buffers:
             logger.debug("megabuf: %s", buf.describe())
 
-    def _resolve_bucket_size(
-        self, dense: list[nn.Parameter], expert: list[nn.Parameter]
-    ) -> int | None:
-        cfg = self.ddp_config
-        if self.disable_bucketing:
-            return None
-        if cfg.bucket_size is not None:
-            return cfg.bucket_size
-        if not cfg.overlap_grad_reduce:
-            return None
-        largest = 0
-        for params in (dense, expert):
-            for key in {_dtype_key(p, cfg) for p in params}:
-                largest = max(largest, sum(p.numel() for p in params if _dtype_key(p, cfg) == key))
-        return default_bucket_size(self.process_groups.dp_size, largest)
-
     def _scaling_factors(self) -> tuple[float, float]:
         """Every grad ends up averaged over the dense dp group: expert grads already hold the
         contributions of the ep ranks (token all-to-all), so they too are scaled by 1/dp_size
@@ -136,74 +121,60 @@ class DistributedDataParallel(nn.Module):
             return 1.0, dist.get_world_size(self.process_groups.expt_dp) / dp_size
         return 1.0 / dp_size, 1.0 / dp_size
 
-    def _make_buffers(
-        self, params: list[nn.Parameter], group: Any, bucket_size: int | None, scale: float
-    ) -> list[_ParamAndGradBuffer]:
-        by_key: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
-        for p in params:
-            by_key.setdefault(_dtype_key(p, self.ddp_config), []).append(p)
-        return [
-            _ParamAndGradBuffer(
-                self.ddp_config,
-                param_dtype,
-                grad_dtype,
-                ps,
-                group,
-                bucket_size,
-                self.param_to_name,
-                scale,
-                dp_size=dist.get_world_size(group),
-                dp_rank=dist.get_rank(group),
+    def _make_buffers(self, params: Sequence[nn.Parameter]) -> list[_ParamAndGradBuffer]:
+        """One buffer per planned buffer, in plan order (dense first, then expert); `params` are
+        the trainable params the plan's param ids index."""
+        pgs = self.process_groups
+        dense_scale, expert_scale = self._scaling_factors()
+        buffers = []
+        for planned in self.plan.buffers:
+            group = pgs.expt_dp if planned.expert else pgs.dp
+            buffers.append(
+                _ParamAndGradBuffer(
+                    self.ddp_config,
+                    planned.param_dtype,
+                    planned.grad_dtype,
+                    [params[i] for i in planned.param_ids],
+                    group,
+                    planned.layout,
+                    self.param_to_name,
+                    expert_scale if planned.expert else dense_scale,
+                    dp_size=planned.dp_size,
+                    dp_rank=dist.get_rank(group),
+                )
             )
-            for (param_dtype, grad_dtype), ps in by_key.items()
-        ]
+        return buffers
 
     def _wire_groups(self) -> None:
-        """Bucket groups (one per bucket, or one per kind with disable_bucketing) and their
-        dispatch chains: dense and expert share one when they reduce over the same group."""
-        pgs = self.process_groups
-        dense_chain = DispatchChain()
-        expert_chain = dense_chain if pgs.expt_dp is pgs.dp else DispatchChain()
-        self.bucket_groups = self._make_groups(self.buffers, pgs.dp, dense_chain, 0)  # type: ignore[arg-type]
-        self.expert_parallel_bucket_groups = self._make_groups(
-            self.expert_parallel_buffers, pgs.expt_dp, expert_chain, len(self.bucket_groups)
-        )
-        self.timeline: Timeline | None = None
-        self.param_to_bucket_group = {p: g for g in self.all_bucket_groups for p in g.params_list}
-
-        # Expected backward order: groups holding the last-registered params come first.
-        def backward_rank(g: BucketGroup) -> int:
-            return -max(self._registration_index[p] for p in g.params_list)
-
-        self._chains: list[DispatchChain] = []
-        for chain in (dense_chain, expert_chain):
-            groups = [g for g in self.all_bucket_groups if g.chain is chain]
-            if groups and chain not in self._chains:
-                chain.set_order(sorted(groups, key=backward_rank))
-                self._chains.append(chain)
-
-    def _make_groups(
-        self, buffers: Sequence[_ParamAndGradBuffer], group: Any, chain: DispatchChain, first: int
-    ) -> list[BucketGroup]:
-        if not buffers:
-            return []
-        buckets = [b for buf in buffers for b in buf.buckets]
-        sets = [buckets] if self.disable_bucketing else [[b] for b in buckets]
-        return [
-            BucketGroup(
-                bucket_set,
-                self.ddp_config,
-                group,
-                self.collectives,
-                group_id=first + i,
-                dp_rank=dist.get_rank(group),
-                dp_size=dist.get_world_size(group),
-                rank=self.rank,
-                param_to_name=self.param_to_name,
-                chain=chain,
-            )
-            for i, bucket_set in enumerate(sets)
+        """The planned bucket groups and dispatch chains ([Note: one chain per communicator])."""
+        chains = [DispatchChain() for _ in self.plan.chains]
+        groups = [
+            self._make_group(planned, chains[planned.chain_id]) for planned in self.plan.groups
         ]
+        for chain, group_ids in zip(chains, self.plan.chains, strict=True):
+            chain.set_order([groups[i] for i in group_ids])
+        self._chains: list[DispatchChain] = chains
+        self.bucket_groups = [g for g, p in zip(groups, self.plan.groups) if not p.expert]
+        self.expert_parallel_bucket_groups = [
+            g for g, p in zip(groups, self.plan.groups) if p.expert
+        ]
+        self.timeline: Timeline | None = None
+        self.param_to_bucket_group = {p: g for g in groups for p in g.params_list}
+
+    def _make_group(self, planned: GroupPlan, chain: DispatchChain) -> BucketGroup:
+        group = self.process_groups.expt_dp if planned.expert else self.process_groups.dp
+        return BucketGroup(
+            [self._all_buffers[b].buckets[k] for b, k in planned.members],
+            self.ddp_config,
+            group,
+            self.collectives,
+            group_id=planned.group_id,
+            dp_rank=dist.get_rank(group),
+            dp_size=dist.get_world_size(group),
+            rank=self.rank,
+            param_to_name=self.param_to_name,
+            chain=chain,
+        )
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -434,12 +405,6 @@ class _BufferList(list):  # type: ignore[type-arg]
 
     def __call__(self, recurse: bool = True) -> Iterator[torch.Tensor]:
         return nn.Module.buffers(self._owner, recurse)
-
-
-def _dtype_key(
-    p: nn.Parameter, cfg: DistributedDataParallelConfig
-) -> tuple[torch.dtype, torch.dtype]:
-    return p.dtype, torch.float32 if cfg.grad_reduce_in_fp32 else p.dtype
 
 
 def _unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

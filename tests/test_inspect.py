@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from bench_cases import KnownNet, ddp_layouts
+from plan_cases import ddp_vs_inspect
 from torch import nn
 
 from megabuf.cli import main
@@ -120,3 +121,32 @@ def test_report_shows_dispatch_chains(ep_size: int, chains: list[str]) -> None:
     assert data["chains"] == [list(c) for c in info.plan.chains]
     assert len(info.plan.chains) == len(chains)
     assert {g["chain_id"] for g in data["groups"]} == set(range(len(chains)))
+
+
+SMALL_OVERLAP = {"overlap_grad_reduce": True, "bucket_size": 200}
+DISTOPT_OVERLAP = {"use_distributed_optimizer": True, "overlap_grad_reduce": True}
+PLAN_CASES: dict[str, dict[str, Any]] = {
+    "ep1_sync": {"ep": 1},
+    "ep1_overlap_small_buckets": {"ep": 1, "config": SMALL_OVERLAP},
+    "ep1_bf16_experts_fp32_grads": {
+        "ep": 1,
+        "bf16_experts": True,
+        "config": {"grad_reduce_in_fp32": True, "bucket_size": 300},
+    },
+    "ep1_disable_bucketing": {"ep": 1, "disable_bucketing": True},
+    "ep2_distopt_overlap": {"ep": 2, "config": DISTOPT_OVERLAP},
+    "ep2_bf16_experts_small_buckets": {"ep": 2, "bf16_experts": True, "config": SMALL_OVERLAP},
+    "ep2_disable_bucketing": {"ep": 2, "disable_bucketing": True},
+}
+
+
+def test_ddp_builds_the_plan_inspect_prints(pools: Any) -> None:
+    per_rank = pools(2).run(ddp_vs_inspect, PLAN_CASES)
+    for rank, results in enumerate(per_rank):
+        for name, got in results.items():
+            assert got["ddp"] == got["inspect"], (rank, name)
+            assert got["same_plan"], (rank, name)
+    ep1 = per_rank[0]["ep1_overlap_small_buckets"]["ddp"]
+    assert len(ep1["chains"]) == 1 and any(e for _, e, _ in ep1["groups"])  # merged chain
+    ep2 = per_rank[0]["ep2_bf16_experts_small_buckets"]["ddp"]
+    assert len(ep2["chains"]) == 2 and len({b[1] for b in ep2["buffers"]}) == 2

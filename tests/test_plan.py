@@ -168,3 +168,36 @@ def test_bad_arguments_name_the_problem(kwargs: dict[str, Any], match: str) -> N
 def test_empty_param_is_named() -> None:
     with pytest.raises(ValueError, match=r"\['b'\] have no elements"):
         plan([dense("a", 3), dense("b", 0)])
+
+
+def _buffer_with_layout(params: list[torch.nn.Parameter], layout_numels: list[int]) -> Any:
+    from megabuf.buffer import _ParamAndGradBuffer
+
+    layout = compute_layout(layout_numels, bucket_size=None)
+    names = {p: f"p{i}" for i, p in enumerate(params)}
+    cfg = DistributedDataParallelConfig()
+    return _ParamAndGradBuffer(
+        cfg, F32, F32, params, None, layout, names, 1.0, dp_size=1, dp_rank=0
+    )
+
+
+def test_buffer_allocates_the_planned_slots() -> None:
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2, 2))]
+    p = plan([dense("p0", 3), dense("p1", 4)])
+    buf = _buffer_with_layout(params, [3, 4])
+    assert buf.layout == p.buffers[0].layout
+    assert [buf.param_index_map[q] for q in params] == list(p.buffers[0].layout.params)
+    assert params[1].main_grad.data_ptr() == buf.grad_data[0:4].data_ptr()  # reversed order
+
+
+@pytest.mark.parametrize(
+    "numels, match",
+    [
+        pytest.param([3], "1 param slots for 2 params", id="slot-count"),
+        pytest.param([3, 5], r"p1 \(4 elements, slot 5\)", id="slot-numel"),
+    ],
+)
+def test_buffer_rejects_a_layout_of_other_params(numels: list[int], match: str) -> None:
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2, 2))]
+    with pytest.raises(ValueError, match=match):
+        _buffer_with_layout(params, numels)
