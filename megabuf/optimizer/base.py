@@ -1,7 +1,8 @@
 """`MegabufOptimizer`: the step contract shared by the distributed and non-distributed optimizers.
 
 [Note: optimizer step]
-`step()` returns (update_successful, grad_norm, num_zeros_in_grad):
+`step()` returns `StepResult(update_successful, grad_norm, num_zeros_in_grad)` (a NamedTuple, so
+`ok, grad_norm, num_zeros = opt.step()` works):
 1. point every main param's grad at its reduced grad (fp32 copy if the grad is bf16/fp16);
 2. with a grad scaler: unscale, and take the inf/NaN flag's max over all ranks; on inf the scaler
    backs off and the step is skipped on every rank -> (False, None, None);
@@ -15,7 +16,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,18 +35,13 @@ from megabuf.optimizer.param_groups import (
     model_space_keys,
     resolve_param_groups,
 )
-
-StepResult = tuple[bool, float | None, int | None]
-
-
-@dataclass
-class Domain:
-    """Dense or expert params: their main params, inner optimizer and norm groups."""
-
-    kind: str  # "dense" | "expert"
-    main_params: list[MainParam]
-    optimizer: torch.optim.Optimizer
-    norm_groups: tuple[ProcessGroup, ...]  # see [Note: global grad norm]
+from megabuf.optimizer.records import (
+    DOMAIN_KINDS,
+    Domain,
+    DomainKind,
+    OptimizerParts,
+    StepResult,
+)
 
 
 class MegabufOptimizer:
@@ -78,7 +73,7 @@ class MegabufOptimizer:
         self.keys = model_space_keys(self.model_chunks)
         self._hparams, self._group_of = resolve_param_groups(self.model_chunks, param_groups)
         self.domains: list[Domain] = []
-        for kind in ("dense", "expert"):
+        for kind in DOMAIN_KINDS:
             mains = self._build_main_params(kind)
             if mains is not None:
                 inner = self._make_inner(mains, optimizer_kwargs)
@@ -86,24 +81,24 @@ class MegabufOptimizer:
         self._norm_kinds = self._model_wide_kinds()
         self._copied_grads = False
 
-    def _model_wide_kinds(self) -> tuple[str, ...]:
+    def _model_wide_kinds(self) -> tuple[DomainKind, ...]:
         """Kinds present on *any* rank. Every rank must join every norm reduction, even a
         pipeline stage without expert params, or the stages that have them wait forever."""
         mine = {d.kind for d in self.domains}
-        flags = torch.tensor([float("dense" in mine), float("expert" in mine)], device=self.device)
+        flags = torch.tensor([float(k in mine) for k in DOMAIN_KINDS], device=self.device)
         if dist.get_world_size() > 1:
             self.collectives.all_reduce_max(flags, None)
-        return tuple(k for k, f in zip(("dense", "expert"), flags.tolist()) if f > 0)
+        return tuple(k for k, f in zip(DOMAIN_KINDS, flags.tolist(), strict=True) if f > 0)
 
     # ---- subclass hooks -----------------------------------------------------------------------
     def _check_chunks(self, chunks: Sequence[DistributedDataParallel]) -> None:
         """Reject model chunks this optimizer cannot step (before anything is built)."""
 
-    def _build_main_params(self, kind: str) -> list[MainParam] | None:
+    def _build_main_params(self, kind: DomainKind) -> list[MainParam] | None:
         """This rank's main params of `kind`, or None if the model has no such params."""
         raise NotImplementedError
 
-    def _norm_groups(self, kind: str) -> tuple[ProcessGroup, ...]:
+    def _norm_groups(self, kind: DomainKind) -> tuple[ProcessGroup, ...]:
         raise NotImplementedError
 
     def _before_update(self) -> None:
@@ -132,12 +127,8 @@ class MegabufOptimizer:
         with torch.profiler.record_function("megabuf::optimizer_step"):
             self._copied_grads = any([mp.attach_grad() for mp in self.main_params])
             grads = [mp.main.grad for mp in self.main_params if mp.main.grad is not None]
-            if self.grad_scaler is not None:
-                found_inf = self._unscale_and_check(grads)
-                self.grad_scaler.update(found_inf)
-                if found_inf:
-                    self._release_grads()
-                    return False, None, None
+            if self.grad_scaler is not None and self._scaler_found_inf(grads):
+                return self._skip(None)
             parts = self._norm_parts()
             grad_norm = global_grad_norm(parts, self.collectives, device=self.device)
             if self.clip_grad > 0.0:
@@ -145,16 +136,33 @@ class MegabufOptimizer:
             num_zeros = None
             if self.log_num_zeros_in_grad:
                 num_zeros = count_zeros(parts, self.collectives, device=self.device)
-            self._before_update()
-            with torch.profiler.record_function("megabuf::inner_step"):
-                for domain in self.domains:
-                    domain.optimizer.step()
-            with torch.profiler.record_function("megabuf::copy_main_to_model"):
-                for mp in self.main_params:
-                    mp.write_back()
-            self._release_grads()
-            self._after_update()
-            return True, grad_norm, num_zeros
+            self._update()
+            return StepResult(True, grad_norm, num_zeros)
+
+    def _update(self) -> None:
+        """Step the inner optimizers and publish the new values into the model's memory."""
+        self._before_update()
+        with torch.profiler.record_function("megabuf::inner_step"):
+            for domain in self.domains:
+                domain.optimizer.step()
+        with torch.profiler.record_function("megabuf::copy_main_to_model"):
+            for mp in self.main_params:
+                mp.write_back()
+        self._release_grads()
+        self._after_update()
+
+    def _skip(self, grad_norm: float | None) -> StepResult:
+        """Skip the step on this rank (every rank decides alike): nothing changes."""
+        self._release_grads()
+        return StepResult(False, grad_norm, None)
+
+    def _scaler_found_inf(self, grads: list[torch.Tensor]) -> bool:
+        """Unscale grads, agree on inf/NaN over all ranks and let the scaler react."""
+        if self.grad_scaler is None:
+            return False
+        found_inf = self._unscale_and_check(grads)
+        self.grad_scaler.update(found_inf)
+        return found_inf
 
     @staticmethod
     def _grads_of(domain: Domain, skip_shared: bool) -> list[torch.Tensor]:
@@ -232,14 +240,27 @@ class MegabufOptimizer:
         return [p for chunk in self.model_chunks for p in chunk.param_to_name]
 
     # ---- state and memory ---------------------------------------------------------------------
+    def parts(self) -> OptimizerParts:
+        """What the state and memory helpers read of this optimizer."""
+        return OptimizerParts(
+            domains=self.domains,
+            keys=self.keys,
+            model_chunks=self.model_chunks,
+            optimizer_cls=self.optimizer_cls,
+            num_param_groups=len(self._hparams),
+            grad_scaler=self.grad_scaler,
+            sharded=self.sharded,
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """{"common": rank-independent state, "pieces": this rank's state in model space};
         see [Note: model-space optimizer state]."""
-        return {"common": common_state(self), "pieces": owned_pieces(self)}
+        parts = self.parts()
+        return {"common": common_state(parts), "pieces": owned_pieces(parts)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load pieces saved by any dp size / bucket layout (they must cover this rank's)."""
-        load_model_space_state(self, state)
+        load_model_space_state(self.parts(), state)
 
     def memory_report(self) -> OptimizerMemoryReport:
-        return memory_report(self, sharded=self.sharded)
+        return memory_report(self.parts())
