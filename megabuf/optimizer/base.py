@@ -3,11 +3,21 @@
 [Note: optimizer step]
 `step()` returns `StepResult(update_successful, grad_norm, num_zeros_in_grad)` (a NamedTuple, so
 `ok, grad_norm, num_zeros = opt.step()` works):
+0. it refuses grads that are not this iteration's reduced grads: every bucket group of every model
+   chunk must be SYNCED, i.e. backward ran and then `model.finish_grad_sync()` (or
+   `finalize_model_grads`). After `zero_grad()` the buffer is zeroed lazily and still holds the
+   last step's grads, and after backward without a finish it holds unreduced or in-flight grads;
+   either would be applied silently. Then main params of model params edited in place since the
+   last step are re-read (see [Note: main params follow the model params]);
 1. point every main param's grad at its reduced grad (fp32 copy if the grad is bf16/fp16);
 2. with a grad scaler: unscale, and take the inf/NaN flag's max over all ranks; on inf the scaler
    backs off and the step is skipped on every rank -> (False, None, None);
-3. the global grad norm over dense and expert grads (see [Note: global grad norm]); clip to
-   `clip_grad` if > 0;
+3. the global grad norm over dense and expert grads (see [Note: global grad norm]). If it is not
+   finite (inf/NaN grads without a grad scaler: bf16 or fp32 training) the step is skipped on
+   every rank -> (False, grad_norm, None). The norm is summed over every group across which the
+   grads differ, so every rank holds the same value and takes the same branch. A skipped step
+   leaves params and optimizer state untouched and releases the fp32 grad copies. Otherwise clip
+   to `clip_grad` if > 0;
 4. step every inner optimizer (one for dense, one for expert params), copy updated fp32 main
    params back into the model's memory, and let the subclass publish them (the distributed
    optimizer marks params stale and all-gathers them, now or in the next forward).
@@ -15,6 +25,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from megabuf.bucket_group import GradSyncState
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.clip import NormPart, clip_grads_, count_zeros, global_grad_norm
 from megabuf.optimizer.grad_scaler import GradScaler
@@ -35,6 +48,7 @@ from megabuf.optimizer.param_groups import (
     model_space_keys,
     resolve_param_groups,
 )
+from megabuf.optimizer.param_versions import ModelParamVersions
 from megabuf.optimizer.records import (
     DOMAIN_KINDS,
     Domain,
@@ -42,6 +56,13 @@ from megabuf.optimizer.records import (
     OptimizerParts,
     StepResult,
 )
+
+logger = logging.getLogger(__name__)
+_UNSYNCED = {
+    GradSyncState.IDLE: "no reduction since zero_grad(), so the buffer holds the last step's "
+    "grads (it is zeroed lazily) or this backward's unreduced ones",
+    GradSyncState.DISPATCHED: "its reduction is still in flight",
+}
 
 
 class MegabufOptimizer:
@@ -80,6 +101,7 @@ class MegabufOptimizer:
                 self.domains.append(Domain(kind, mains, inner, self._norm_groups(kind)))
         self._norm_kinds = self._model_wide_kinds()
         self._copied_grads = False
+        self._versions = ModelParamVersions(self.main_params)
 
     def _model_wide_kinds(self) -> tuple[DomainKind, ...]:
         """Kinds present on *any* rank. Every rank must join every norm reduction, even a
@@ -125,12 +147,16 @@ class MegabufOptimizer:
     def step(self) -> StepResult:
         """See [Note: optimizer step]."""
         with torch.profiler.record_function("megabuf::optimizer_step"):
+            self._check_grads_synced()
+            self._versions.reload_edited()
             self._copied_grads = any([mp.attach_grad() for mp in self.main_params])
             grads = [mp.main.grad for mp in self.main_params if mp.main.grad is not None]
             if self.grad_scaler is not None and self._scaler_found_inf(grads):
                 return self._skip(None)
             parts = self._norm_parts()
             grad_norm = global_grad_norm(parts, self.collectives, device=self.device)
+            if not math.isfinite(grad_norm):  # the same value on every rank
+                return self._skip(grad_norm)
             if self.clip_grad > 0.0:
                 clip_grads_(grads, self.clip_grad, grad_norm)
             num_zeros = None
@@ -148,13 +174,31 @@ class MegabufOptimizer:
         with torch.profiler.record_function("megabuf::copy_main_to_model"):
             for mp in self.main_params:
                 mp.write_back()
+        self._versions.record()  # the write-back moves no version; record anyway
         self._release_grads()
         self._after_update()
 
     def _skip(self, grad_norm: float | None) -> StepResult:
         """Skip the step on this rank (every rank decides alike): nothing changes."""
         self._release_grads()
+        if grad_norm is not None and dist.get_rank() == 0:  # scaler skips are routine
+            logger.warning("megabuf: step skipped on every rank: global grad norm is %s", grad_norm)
         return StepResult(False, grad_norm, None)
+
+    def _check_grads_synced(self) -> None:
+        """See [Note: optimizer step], point 0."""
+        for i, chunk in enumerate(self.model_chunks):
+            for group in chunk.all_bucket_groups:
+                if group.grad_state is GradSyncState.SYNCED:
+                    continue
+                names = [group.param_to_name.get(p, "?") for p in group.params_list[:3]]
+                raise RuntimeError(
+                    f"megabuf: optimizer step() on rank {dist.get_rank()}: model chunk {i}, "
+                    f"bucket group {group.group_id} (params {', '.join(names)}, ...) has grad "
+                    f"sync {group.grad_state.name}, not SYNCED: {_UNSYNCED[group.grad_state]}. "
+                    "Run backward, then model.finish_grad_sync() (or "
+                    "megabuf.finalize_model_grads(model_chunks)), then step()"
+                )
 
     def _scaler_found_inf(self, grads: list[torch.Tensor]) -> bool:
         """Unscale grads, agree on inf/NaN over all ranks and let the scaler react."""
@@ -239,6 +283,13 @@ class MegabufOptimizer:
     def model_params(self) -> list[nn.Parameter]:
         return [p for chunk in self.model_chunks for p in chunk.param_to_name]
 
+    def reload_model_params(self) -> None:
+        """Copy the model params' current values into the fp32 main params that are copies of
+        them. step() does this by itself for params edited in place through the param
+        (`model.load_state_dict`, `p.mul_(...)` under no_grad); call it after writes through
+        `param.data`. See [Note: main params follow the model params]."""
+        self._versions.reload()
+
     # ---- state and memory ---------------------------------------------------------------------
     def parts(self) -> OptimizerParts:
         """What the state and memory helpers read of this optimizer."""
@@ -259,8 +310,10 @@ class MegabufOptimizer:
         return {"common": common_state(parts), "pieces": owned_pieces(parts)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load pieces saved by any dp size / bucket layout (they must cover this rank's)."""
+        """Load pieces saved by any dp size / bucket layout (they must cover this rank's). Load
+        the model first: see [Note: main params follow the model params]."""
         load_model_space_state(self.parts(), state)
+        self._versions.record()
 
     def memory_report(self) -> OptimizerMemoryReport:
         return memory_report(self.parts())

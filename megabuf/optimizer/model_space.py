@@ -78,6 +78,7 @@ def _flat_state(mp: MainParam, name: str, value: Any) -> Any:
     )
 
 
+@torch.no_grad()  # a main param may be the model param itself (fp32 params, non-sharded)
 def load_model_space_state(parts: OptimizerParts, state: dict[str, Any]) -> None:
     """See [Note: model-space optimizer state]."""
     common = state["common"]
