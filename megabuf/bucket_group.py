@@ -86,13 +86,15 @@ class DispatchChain:
     def __init__(self) -> None:
         self.groups: list[BucketGroup] = []
         self.next_index = 0
+        self._ordered = False
 
     def set_order(self, groups: Sequence[BucketGroup]) -> None:
-        if self.groups:
+        if self._ordered:
             raise RuntimeError("megabuf: DispatchChain.set_order() called twice")
         if any(g.chain is not self for g in groups) or len(set(map(id, groups))) != len(groups):
             raise ValueError("megabuf: a dispatch chain's order must list its own groups once")
         self.groups = list(groups)
+        self._ordered = True
 
     def on_ready(self) -> None:
         """Dispatch every group at the head of the chain that is ready."""

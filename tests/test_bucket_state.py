@@ -406,11 +406,6 @@ def test_set_order_rejects_second_call() -> None:
     assert chain.groups == [g1, g0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DispatchChain.set_order guards a second call with `if self.groups:`, so after "
-    "set_order([]) a second set_order is accepted",
-)
 def test_set_order_rejects_second_call_after_empty_order() -> None:
     chain = DispatchChain()
     g = make_group(chain=chain)
