@@ -325,6 +325,23 @@ def bf16_accumulate_after_sync() -> dict[str, float]:
     return {"error": err, "copy_matches_main_grad": float(copy_ok)}
 
 
+def step_without_backward(bf16: bool) -> bool:
+    """A torch optimizer stepped after zero_grad_buffer() with no backward since: params stay as
+    they were (the buffer still holds last iteration's grads, lazily zeroed)."""
+    torch.manual_seed(0)
+    net = Stack().to(torch.bfloat16 if bf16 else torch.float32)
+    cfg = megabuf.DistributedDataParallelConfig(grad_reduce_in_fp32=bf16)
+    model = megabuf.DistributedDataParallel(net, cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_of(model, 0, dist.get_rank(), net.layers[0].weight.dtype).backward()
+    model.finish_grad_sync()
+    opt.step()
+    before = [p.detach().clone() for p in net.parameters()]
+    model.zero_grad_buffer()
+    opt.step()
+    return all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
+
+
 DIVERGENT: dict[str, dict[str, Any]] = {
     "sync_torch_sgd": {"optimizer": "sgd", "ddp": {}},
     "overlap_torch_sgd": {
@@ -355,6 +372,8 @@ SINGLE: dict[str, Callable[[], Any]] = {
     "fp16_reduce_scatter": fp16_reduce_scatter_no_overflow,
     "one_chain": one_chain_when_groups_match,
     "bf16_accumulate_after_sync": bf16_accumulate_after_sync,
+    "step_without_backward_fp32": lambda: step_without_backward(False),
+    "step_without_backward_bf16": lambda: step_without_backward(True),
 }
 
 

@@ -111,8 +111,16 @@ def test_backward_after_sync_accumulates_on_reduced_grad_not_bf16_copy(
         assert res["error"] <= 1e-6 and res["copy_matches_main_grad"] == 1.0, res
 
 
+@pytest.mark.parametrize("name", ["step_without_backward_fp32", "step_without_backward_bf16"])
+def test_torch_optimizer_step_without_backward_leaves_params_alone(
+    single: list[dict[str, Any]], name: str
+) -> None:
+    assert all(_ok(single, name)), name
+
+
 def test_every_single_case_has_a_test() -> None:
     covered = {"strict_unused", "reentrant_checkpointing", "replace", "freeze", "unfreeze",
                "reset_after_exception", "fp16_reduce_scatter", "one_chain",
-               "bf16_accumulate_after_sync"}  # fmt: skip
+               "bf16_accumulate_after_sync", "step_without_backward_fp32",
+               "step_without_backward_bf16"}  # fmt: skip
     assert covered == set(SINGLE)
