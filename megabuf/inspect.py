@@ -112,7 +112,7 @@ def _buffer_info(buf: BufferPlan, specs: Sequence[ParamSpec]) -> BufferInfo:
             b.numel_unpadded,
             tuple(specs[i].name for i in buf.bucket_param_ids(b.bucket_id)),
             tuple(b.shard_range(r, dp_size) for r in range(dp_size)) if layout.sharded else (),
-        )  # fmt: skip
+        )
         for b in layout.buckets
     )
     names = tuple(specs[i].name for i in buf.param_ids)
@@ -258,7 +258,7 @@ def inspection_to_dict(info: Inspection) -> dict[str, object]:
                 ],
             }
             for b in info.buffers
-        ],  # fmt: skip
+        ],
         "groups": [g.__dict__ for g in info.groups],
         "chains": [list(chain) for chain in info.plan.chains],
     }

@@ -98,7 +98,7 @@ def sharded_main_params(
                 grad_view,
                 model_data,
                 owner=True,
-            )  # fmt: skip
+            )
         )
     return result
 

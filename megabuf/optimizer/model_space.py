@@ -59,7 +59,7 @@ def owned_pieces(parts: OptimizerParts) -> list[dict[str, Any]]:
                     "numel": param.numel(),
                     "shape": list(param.shape),
                     "state": state,
-                }  # fmt: skip
+                }
             )
     return pieces
 
