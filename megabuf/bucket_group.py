@@ -179,6 +179,15 @@ class BucketGroup:
                 "(model.publish_params()) before changing params"
             )
 
+    # ---- observers learned or enabled at run time ------------------------------------------
+    def set_timeline(self, timeline: Timeline | None) -> None:
+        """Record ready/dispatch/finish events into `timeline` (None: stop recording)."""
+        self.timeline = timeline
+
+    def set_next_param_gather(self, group: BucketGroup | None) -> None:
+        """The group whose param gather `finish_param_sync` prefetches (learned forward order)."""
+        self.next_param_gather_bucket_group = group
+
     # ---- iteration bookkeeping ----------------------------------------------------------------
     def reset(self) -> None:
         """Forget readiness, written grads and any finished sync; ready for the next iteration."""

@@ -259,7 +259,7 @@ class DistributedDataParallel(nn.Module):
         timeline = Timeline()
         self.timeline = timeline
         for group in self.all_bucket_groups:
-            group.timeline = timeline
+            group.set_timeline(timeline)
         return timeline
 
     def _expose_grads(self) -> None:

@@ -192,4 +192,4 @@ def build_gather_plan(
 def link_forward_order(order: Sequence[BucketGroup]) -> None:
     """Each group prefetches the gather of the group the forward reads next."""
     for group, nxt in zip(order, [*order[1:], None], strict=False):
-        group.next_param_gather_bucket_group = nxt
+        group.set_next_param_gather(nxt)

@@ -327,7 +327,7 @@ def test_start_param_sync_noop_when_valid_or_dispatched() -> None:
 def test_finish_param_sync_prefetches_next_group(skip: bool) -> None:
     coll = RecordingCollectives()
     g0, g1 = (make_group(cfg=GATHER, coll=coll, group_id=k) for k in range(2))
-    g0.next_param_gather_bucket_group = g1
+    g0.set_next_param_gather(g1)
     g0.mark_params_stale()
     g1.mark_params_stale()
     g0.finish_param_sync(skip_next_bucket_dispatch=skip)  # STALE: gathers itself first
@@ -340,7 +340,7 @@ def test_sync_param_gather_finishes_at_once_without_prefetch() -> None:
     coll = RecordingCollectives()
     cfg = Config(use_distributed_optimizer=True)  # overlap_param_gather off
     g0, g1 = (make_group(cfg=cfg, coll=coll, group_id=k) for k in range(2))
-    g0.next_param_gather_bucket_group = g1
+    g0.set_next_param_gather(g1)
     g0.mark_params_stale()
     g1.mark_params_stale()
     g0.start_param_sync()
