@@ -1,6 +1,6 @@
 """megabuf: Megatron-style contiguous param-and-grad buffers for data-parallel PyTorch training."""
 
-from megabuf.bucket_group import BucketGroup, GradSyncState, ParamSyncState, partition_buckets
+from megabuf.bucket_group import BucketGroup, GradSyncState, ParamSyncState
 from megabuf.buffer import _ParamAndGradBucket, _ParamAndGradBuffer
 from megabuf.checkpoint import consolidated_optimizer_state, load_checkpoint, save_checkpoint
 from megabuf.collectives import Collectives, CommStats
@@ -55,6 +55,7 @@ __all__ = [
     "build_optimizer",
     "check_scaling_invariant",
     "compute_layout",
+    "consolidated_optimizer_state",
     "default_schedule_hooks",
     "finalize_model_grads",
     "forward_backward_no_pipelining",
@@ -63,10 +64,8 @@ __all__ = [
     "get_forward_backward_func",
     "init_distributed",
     "is_expert_parallel",
-    "consolidated_optimizer_state",
     "load_checkpoint",
     "mark_expert_parallel",
-    "partition_buckets",
     "save_checkpoint",
     "wrap_model_chunks",
 ]

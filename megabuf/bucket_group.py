@@ -6,26 +6,41 @@ Param lifecycle (distributed optimizer only):
                                  VALID --mark_params_stale--> STALE --start_param_sync-->
                                  DISPATCHED --finish_param_sync--> VALID
 
+A group never asks torch.distributed anything: its ranks, sizes and the `Collectives` it issues
+through are given at construction, so its state machines run under a recording fake in tests.
+
 [Note: dispatch order]
 Collectives on one process group must be issued in the same order on every rank, or gloo/NCCL
 pair up the wrong buffers. Readiness order comes from autograd and can differ between ranks (or
 between buffers of different dtypes), so groups are dispatched strictly in the order of their
 `DispatchChain`: a group that becomes ready early waits until every group before it has been
-dispatched. The chain is ordered by expected backward order, so in practice nothing waits.
+dispatched. The chain is ordered by expected backward order, so in practice nothing waits. Dense
+and expert groups that reduce over the same process group share one chain.
+
+[Note: grad readiness]
+With overlap_grad_reduce a group dispatches during backward once every one of its params has
+received all of its gradients for the iteration. How many arrivals that is per param is learned
+on the first iteration (the learning iteration dispatches nothing during backward, only at
+finish_grad_sync): a param used inside two reentrant activation-checkpointed regions, or a module
+called twice under reentrant checkpointing, accumulates its grad more than once per backward,
+and its group must wait for the last arrival. A param that gets fewer arrivals than learned
+(unused this iteration, on this rank) keeps its group waiting until `finish_grad_sync()`, which
+dispatches every remaining group in chain order on every rank, zero-filling unwritten grads: no
+rank waits for a collective another rank never issues. A gradient that arrives after its group
+was dispatched is an error (a second backward without no_sync(), or more arrivals than learned).
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from megabuf.buffer import _ParamAndGradBucket, _ParamAndGradBuffer
+from megabuf.buffer import _ParamAndGradBucket
 from megabuf.collectives import Collectives, PendingCollective
 from megabuf.config import DistributedDataParallelConfig
 
@@ -44,10 +59,13 @@ class ParamSyncState(enum.Enum):
 
 @dataclass
 class SyncWork:
-    """In-flight collectives of one group (one per bucket) and when they were dispatched."""
+    """In-flight collectives of one group, one per bucket."""
 
     pending: list[PendingCollective]
-    dispatched_at: float
+
+    def wait(self) -> None:
+        for work in self.pending:
+            work.wait()
 
 
 @dataclass
@@ -61,54 +79,86 @@ class Timeline:
 
 
 class DispatchChain:
-    """Dispatches bucket groups strictly in order; see [Note: dispatch order]."""
+    """Dispatches bucket groups strictly in order; see [Note: dispatch order].
 
-    def __init__(self, groups: Sequence[BucketGroup]) -> None:
-        self.groups = list(groups)
+    Created empty, handed to each `BucketGroup` at construction, then given the order once."""
+
+    def __init__(self) -> None:
+        self.groups: list[BucketGroup] = []
         self.next_index = 0
-        for group in self.groups:
-            group.chain = self
+        self._ordered = False
+
+    def set_order(self, groups: Sequence[BucketGroup]) -> None:
+        if self._ordered:
+            raise RuntimeError("megabuf: DispatchChain.set_order() called twice")
+        if any(g.chain is not self for g in groups) or len(set(map(id, groups))) != len(groups):
+            raise ValueError("megabuf: a dispatch chain's order must list its own groups once")
+        self.groups = list(groups)
+        self._ordered = True
 
     def on_ready(self) -> None:
+        """Dispatch every group at the head of the chain that is ready."""
         while self.next_index < len(self.groups) and self.groups[self.next_index].all_ready:
             self.groups[self.next_index].start_grad_sync()
             self.next_index += 1
+
+    def dispatch_rest(self) -> None:
+        """Dispatch every group not yet dispatched, in order, ready or not ([Note: grad
+        readiness]: unwritten grads are zero-filled)."""
+        for group in self.groups[self.next_index :]:
+            if group.grad_state is GradSyncState.IDLE:
+                group.start_grad_sync()
+        self.next_index = len(self.groups)
 
     def reset(self) -> None:
         self.next_index = 0
 
 
 class BucketGroup:
-    """Buckets (possibly of several buffers) reduced together over one group."""
+    """Buckets (possibly of several buffers) reduced together over one group.
+
+    Built whole: ranks and sizes (`dp_rank`/`dp_size` in `collective_group`, the global `rank`
+    for messages), the `Collectives` it issues through, its id, the param names and its
+    `DispatchChain` are all given here; nothing is patched in later.
+    """
 
     def __init__(
         self,
         buckets: Sequence[_ParamAndGradBucket],
         ddp_config: DistributedDataParallelConfig,
-        collective_group: ProcessGroup,
+        collective_group: ProcessGroup | None,
         collectives: Collectives,
         *,
-        group_id: int = 0,
+        group_id: int,
+        dp_rank: int,
+        dp_size: int,
+        rank: int,
+        param_to_name: Mapping[torch.nn.Parameter, str],
+        chain: DispatchChain | None = None,
     ) -> None:
         self.buckets = list(buckets)
         self.ddp_config = ddp_config
         self.collective_group = collective_group
-        self.collective_group_size = dist.get_world_size(collective_group)
-        self.dp_rank = dist.get_rank(collective_group)
         self.collectives = collectives
-        self.group_id = group_id
+        self.group_id = group_id  # unique across a model's dense and expert groups
+        self.dp_rank = dp_rank  # this rank's index in collective_group
+        self.dp_size = dp_size  # size of collective_group
+        self.rank = rank  # global rank, for messages
+        self.param_to_name = param_to_name
+        self.chain = chain
         self.params_list = [p for b in self.buckets for p in b.params_list]
         self.params = set(self.params_list)
         self._index = {p: i for i, p in enumerate(self.params_list)}
-        self.param_to_name: dict[torch.nn.Parameter, str] = {}
         self.next_param_gather_bucket_group: BucketGroup | None = None
-        self.chain: DispatchChain | None = None
         self.timeline: Timeline | None = None
         self.grad_state = GradSyncState.IDLE
         self.param_state = ParamSyncState.VALID
         self._grad_work: SyncWork | None = None
         self._param_work: SyncWork | None = None
-        self.reset()
+        # grad arrivals per param per iteration; None until learned ([Note: grad readiness])
+        self._expected_arrivals: list[int] | None = None
+        self.is_last_microbatch = True
+        self._clear_iteration()
 
     # ---- lifecycle guards -------------------------------------------------------------------
     def _expect(self, *states: GradSyncState) -> None:
@@ -116,78 +166,125 @@ class BucketGroup:
             wanted = " or ".join(s.name for s in states)
             raise RuntimeError(
                 f"megabuf: bucket group {self.group_id} grad sync is {self.grad_state.name}, "
-                f"expected {wanted} (rank {dist.get_rank()}); did you call zero_grad_buffer() "
+                f"expected {wanted} (rank {self.rank}); did you call zero_grad_buffer() "
                 "between iterations and finish_grad_sync() after backward?"
             )
 
+    def _expect_param(self, *states: ParamSyncState) -> None:
+        if self.param_state not in states:
+            wanted = " or ".join(s.name for s in states)
+            raise RuntimeError(
+                f"megabuf: bucket group {self.group_id} param sync is {self.param_state.name}, "
+                f"expected {wanted} (rank {self.rank}); finish in-flight param gathers "
+                "(model.publish_params()) before changing params"
+            )
+
+    # ---- observers learned or enabled at run time ------------------------------------------
+    def set_timeline(self, timeline: Timeline | None) -> None:
+        """Record ready/dispatch/finish events into `timeline` (None: stop recording)."""
+        self.timeline = timeline
+
+    def set_next_param_gather(self, group: BucketGroup | None) -> None:
+        """The group whose param gather `finish_param_sync` prefetches (learned forward order)."""
+        self.next_param_gather_bucket_group = group
+
+    # ---- iteration bookkeeping ----------------------------------------------------------------
     def reset(self) -> None:
-        """Forget readiness and any finished sync; ready for the next iteration."""
+        """Forget readiness, written grads and any finished sync; ready for the next iteration."""
         if self.grad_state is GradSyncState.DISPATCHED:
             raise RuntimeError(
                 f"megabuf: bucket group {self.group_id} was reset while its grad reduction is "
-                f"in flight (rank {dist.get_rank()}); call finish_grad_sync() first"
+                f"in flight (rank {self.rank}); call finish_grad_sync() (or, after an "
+                "exception, model.reset_iter_state()) first"
             )
+        self._clear_iteration()
+
+    def _clear_iteration(self) -> None:
         self._clear_readiness()
         self.is_last_microbatch = True
         # 1 = main_grad holds stale values (see [Note: grad accumulation into main_grad])
-        self.fresh = bytearray(b"\x01" * len(self.params_list))
+        self._unwritten = bytearray(b"\x01" * len(self.params_list))
+        self.unused_indices: tuple[int, ...] = ()  # unwritten when dispatched (zero-filled)
+
+    def _clear_readiness(self) -> None:
+        self._arrivals = [0] * len(self.params_list)
+        self._num_pending = len(self.params_list)
+        self.grad_state = GradSyncState.IDLE
 
     def index_of(self, param: torch.nn.Parameter) -> int:
         """Position of `param` in `params_list` (identity, not tensor equality)."""
         return self._index[param]
 
+    def mark_written(self, i: int) -> bool:
+        """Record that param `i` got a grad; True if it is the first since zero_grad_buffer()
+        (the hook then overwrites main_grad instead of adding to it)."""
+        first = self._unwritten[i]
+        if first:
+            self._unwritten[i] = 0
+        return bool(first)
+
     def zero_unwritten_grads(self) -> None:
-        """Zero the main_grad of params that got no grad since zero_grad_buffer()."""
-        i = self.fresh.find(1)
+        """Zero the main_grad of params that got no grad since zero_grad_buffer(), and remember
+        which they were (`unused_indices`)."""
+        unused = []
+        i = self._unwritten.find(1)
         while i != -1:
             self.params_list[i].main_grad.zero_()  # type: ignore[attr-defined]
-            self.fresh[i] = 0
-            i = self.fresh.find(1, i + 1)
+            self._unwritten[i] = 0
+            unused.append(i)
+            i = self._unwritten.find(1, i + 1)
+        self.unused_indices = tuple(unused)
 
-    def _clear_readiness(self) -> None:
-        self._ready = bytearray(len(self.params_list))
-        self._num_ready = 0
-        self.grad_state = GradSyncState.IDLE
+    # ---- readiness ([Note: grad readiness]) ---------------------------------------------------
+    @property
+    def learned(self) -> bool:
+        return self._expected_arrivals is not None
 
-    # ---- grad sync ----------------------------------------------------------------------------
     @property
     def all_ready(self) -> bool:
-        return self._num_ready == len(self.params_list)
-
-    def register_grad_ready(self, param: torch.nn.Parameter) -> None:
-        """Mark `param`'s grad as complete for this iteration."""
-        self.register_grad_ready_at(self._index[param], param)
+        return self._expected_arrivals is not None and self._num_pending == 0
 
     def register_grad_ready_at(self, i: int, param: torch.nn.Parameter) -> None:
         """The backward hook's entry (it knows `i`, the param's position in `params_list`).
         O(1), allocation-free in steady state."""
         if self.grad_state is not GradSyncState.IDLE:
-            self._on_grad_outside_idle(param)
+            self._on_grad_outside_idle(i, param)
         if not self.ddp_config.overlap_grad_reduce or not self.is_last_microbatch:
             return  # synchronous reduction, or inside no_sync(): accumulate only
-        if not self._ready[i]:
-            self._ready[i] = 1
-            self._num_ready += 1
-            if self._num_ready == len(self.params_list):
-                if self.timeline is not None:
-                    self.timeline.record(self.group_id, "ready")
-                if self.chain is not None:
-                    self.chain.on_ready()
-                else:
-                    self.start_grad_sync()
+        self._arrivals[i] += 1
+        expected = self._expected_arrivals
+        if expected is None or self._arrivals[i] != expected[i]:
+            return  # learning iteration, or more arrivals to come
+        self._num_pending -= 1
+        if self._num_pending == 0:
+            if self.timeline is not None:
+                self.timeline.record(self.group_id, "ready")
+            if self.chain is not None:
+                self.chain.on_ready()
+            else:
+                self.start_grad_sync()
 
-    def _on_grad_outside_idle(self, param: torch.nn.Parameter) -> None:
+    def learn_arrivals(self) -> None:
+        """End of the first overlapped iteration: every param must from now on get as many
+        grads per iteration as it got in this one (at least one) before its group is ready."""
+        if self._expected_arrivals is None and self.ddp_config.overlap_grad_reduce:
+            self._expected_arrivals = [max(1, n) for n in self._arrivals]
+
+    def _on_grad_outside_idle(self, i: int, param: torch.nn.Parameter) -> None:
         if self.grad_state is GradSyncState.DISPATCHED:
             raise RuntimeError(
-                f"megabuf: {self._name(param)} produced a gradient after bucket group "
-                f"{self.group_id} was dispatched (rank {dist.get_rank()}); a second backward "
-                "in one iteration needs no_sync() around all but the last one"
+                f"megabuf: {self._name(param)} received a gradient after its bucket group "
+                f"{self.group_id} was dispatched (rank {self.rank}), already having received "
+                f"{self._arrivals[i]} this iteration, as many as learned in the first iteration. "
+                "Two backward passes in one iteration need no_sync() around all but the last; "
+                "a param whose number of gradient contributions per backward varies between "
+                "iterations needs overlap_grad_reduce=False"
             )
         # SYNCED: a new backward without zero_grad_buffer(): accumulate on top, as torch does.
         if self.ddp_config.use_distributed_optimizer:
             raise RuntimeError(
                 f"megabuf: backward after finish_grad_sync() without zero_grad_buffer() (rank "
-                f"{dist.get_rank()}, {self._name(param)}); with use_distributed_optimizer only "
+                f"{self.rank}, {self._name(param)}); with use_distributed_optimizer only "
                 "this rank's shard of the buffer is reduced, so grads cannot be accumulated "
                 "across syncs. Use no_sync() for gradient accumulation"
             )
@@ -195,7 +292,7 @@ class BucketGroup:
         if any(g.reduction_gain != 1.0 for g in groups):
             raise RuntimeError(
                 f"megabuf: backward after finish_grad_sync() without zero_grad_buffer() (rank "
-                f"{dist.get_rank()}, {self._name(param)}): this bucket group's reduction does not "
+                f"{self.rank}, {self._name(param)}): this bucket group's reduction does not "
                 "map already-reduced grads to themselves (expert-parallel params are scaled by "
                 "1/dp_size but summed over expt_dp only), so accumulating across syncs would be "
                 "wrong. Use no_sync() for gradient accumulation"
@@ -210,12 +307,12 @@ class BucketGroup:
     def reduction_gain(self) -> float:
         """What one reduction multiplies grads that are equal on every rank by: dense buckets 1
         (1/dp summed over dp); expert buckets 1/ep_size (1/dp summed over expt_dp only)."""
-        bucket = self.buckets[0]
-        gain = bucket.gradient_scaling_factor
+        gain = self.buckets[0].gradient_scaling_factor
         if not self.ddp_config.average_in_collective:
-            gain *= self.collective_group_size
+            gain *= self.dp_size
         return gain
 
+    # ---- grad sync ----------------------------------------------------------------------------
     def start_grad_sync(self) -> None:
         """Dispatch every bucket's reduction (async when overlapping), scaled by the bucket's
         gradient_scaling_factor: before an all-reduce, after a reduce-scatter (shard only)."""
@@ -224,67 +321,66 @@ class BucketGroup:
         if self.ddp_config.check_for_nan_in_grad:
             self.check_grads_finite()
         async_op = self.ddp_config.overlap_grad_reduce
-        average = self.ddp_config.average_in_collective
-        pending = []
-        for bucket in self.buckets:
-            if self.ddp_config.use_distributed_optimizer:
-                # Scale after the reduce-scatter: only the shard, 1/dp of the elements.
-                shard = self._local_shard(bucket, bucket.grad_data)
-                if bucket.scratch is None and self._needs_scratch():
-                    bucket.scratch = torch.empty_like(bucket.grad_data)
-                work = self.collectives.reduce_scatter(
-                    shard, bucket.grad_data, self.collective_group,
-                    average=average, async_op=async_op, scratch=bucket.scratch,
-                    scale=bucket.gradient_scaling_factor,
-                )  # fmt: skip
-            else:
-                # Pre-scale as torch DDP does, so results match it bit for bit.
-                if bucket.gradient_scaling_factor != 1.0:
-                    bucket.grad_data.mul_(bucket.gradient_scaling_factor)
-                work = self.collectives.all_reduce(
-                    bucket.grad_data, self.collective_group, average=average, async_op=async_op
-                )
-            pending.append(work)
-        self._grad_work = SyncWork(pending, time.perf_counter())
+        self._grad_work = SyncWork([self._reduce(b, async_op) for b in self.buckets])
         self.grad_state = GradSyncState.DISPATCHED
         if self.timeline is not None:
             self.timeline.record(self.group_id, "dispatch")
 
+    def _reduce(self, bucket: _ParamAndGradBucket, async_op: bool) -> PendingCollective:
+        cfg = self.ddp_config
+        average, scale = cfg.average_in_collective, bucket.gradient_scaling_factor
+        if not cfg.use_distributed_optimizer or bucket.grad_data.dtype == torch.float16:
+            # Pre-scale, as torch DDP does (all-reduce results match it bit for bit). fp16 is
+            # always pre-scaled: a sum of dp fp16 values can overflow where their mean cannot.
+            if scale != 1.0:
+                bucket.grad_data.mul_(scale)
+            scale = 1.0
+        if not cfg.use_distributed_optimizer:
+            return self.collectives.all_reduce(
+                bucket.grad_data, self.collective_group, average=average, async_op=async_op
+            )
+        # Otherwise scale after the reduce-scatter: only the shard, 1/dp of the elements.
+        if bucket.scratch is None and self._needs_scratch():
+            bucket.scratch = torch.empty_like(bucket.grad_data)
+        return self.collectives.reduce_scatter(
+            self._local_shard(bucket.grad_data), bucket.grad_data, self.collective_group,
+            average=average, async_op=async_op, scratch=bucket.scratch, scale=scale,
+        )  # fmt: skip
+
     def finish_grad_sync(self) -> None:
-        """Wait for the reduction; without overlap, dispatch it first (synchronously)."""
+        """Wait for the reduction; if nobody dispatched it yet, dispatch it first."""
         if self.grad_state is GradSyncState.SYNCED:
             return
         if self.grad_state is GradSyncState.IDLE:
-            if self.ddp_config.overlap_grad_reduce:
-                raise_missing_grads([self])
             self.start_grad_sync()
-        work = self._grad_work
-        if work is None:
+        if self._grad_work is None:
             raise RuntimeError(f"megabuf: bucket group {self.group_id} has no grad sync work")
-        for pending in work.pending:
-            pending.wait()
+        self._grad_work.wait()
         self._grad_work = None
         self.grad_state = GradSyncState.SYNCED
         if self.timeline is not None:
             self.timeline.record(self.group_id, "finish")
 
-    def missing_grad_params(self) -> list[str]:
-        """Names of params not yet ready, if this group is waiting for grads to dispatch."""
-        if self.grad_state is not GradSyncState.IDLE or not self.is_last_microbatch:
-            return []
-        return [self._name(p) for i, p in enumerate(self.params_list) if not self._ready[i]]
+    def abandon_grad_sync(self) -> None:
+        """After an exception mid-iteration: wait out an in-flight reduction (its result is
+        dropped) and return to IDLE with nothing written."""
+        if self._grad_work is not None:
+            self._grad_work.wait()
+            self._grad_work = None
+        self.grad_state = GradSyncState.IDLE
+        self._clear_iteration()
 
     def check_grads_finite(self) -> None:
         """Raise on every rank if any rank's bucket holds NaN/Inf (one small MAX all-reduce, so
         a rank with clean grads never waits forever for a rank that raised)."""
         device = self.buckets[0].grad_data.device
-        flags = torch.zeros(len(self.buckets), self.collective_group_size, device=device)
+        flags = torch.zeros(len(self.buckets), self.dp_size, device=device)
         for b, bucket in enumerate(self.buckets):
             flags[b, self.dp_rank] = 0.0 if _finite(bucket.grad_data) else 1.0
         self.collectives.all_reduce_max(flags, self.collective_group)
         for b, bucket in enumerate(self.buckets):
             bad_ranks = [
-                dist.get_global_rank(self.collective_group, r) if self.collective_group else r
+                self.collectives.global_rank(self.collective_group, r)
                 for r in flags[b].nonzero().flatten().tolist()
             ]
             if not bad_ranks:
@@ -293,31 +389,32 @@ class BucketGroup:
             raise RuntimeError(
                 f"megabuf: NaN or Inf in gradients of bucket {bucket.bucket_id} (bucket group "
                 f"{self.group_id}, params: {', '.join(self._name(p) for p in bucket.params_list)})"
-                f" on rank(s) {bad_ranks}, before reduction; this rank ({dist.get_rank()}) has "
+                f" on rank(s) {bad_ranks}, before reduction; this rank ({self.rank}) has "
                 f"non-finite grads in: {', '.join(mine) or 'none'}"
             )
 
     # ---- param sync (distributed optimizer) -------------------------------------------------
     def mark_params_stale(self) -> None:
         """The optimizer updated this rank's shards; other ranks' shards must be gathered."""
+        self._expect_param(ParamSyncState.VALID)
         self.param_state = ParamSyncState.STALE
 
     def start_param_sync(self, force_sync: bool = False) -> None:
-        """All-gather each bucket's param shards; async when overlap_param_gather."""
+        """All-gather each bucket's param shards; async when overlap_param_gather. Nothing to do
+        when params are valid or the gather is already in flight."""
         if self.param_state is not ParamSyncState.STALE:
-            return  # nothing to gather, or already in flight
+            return
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         pending = []
         for bucket in self.buckets:
             if bucket.param_data is None:
                 raise RuntimeError("megabuf: param sync needs use_distributed_optimizer=True")
-            shard = self._local_shard(bucket, bucket.param_data)
             work = self.collectives.all_gather(
-                bucket.param_data, shard, self.collective_group, async_op=async_op,
-                tag=self.group_id,
+                bucket.param_data, self._local_shard(bucket.param_data), self.collective_group,
+                async_op=async_op, tag=self.group_id,
             )  # fmt: skip
             pending.append(work)
-        self._param_work = SyncWork(pending, time.perf_counter())
+        self._param_work = SyncWork(pending)
         self.param_state = ParamSyncState.DISPATCHED
         if not async_op:
             self.finish_param_sync(skip_next_bucket_dispatch=True)
@@ -328,8 +425,7 @@ class BucketGroup:
         if self.param_state is ParamSyncState.STALE:
             self.start_param_sync()
         if self.param_state is ParamSyncState.DISPATCHED and self._param_work is not None:
-            for pending in self._param_work.pending:
-                pending.wait()
+            self._param_work.wait()
             self._param_work = None
         self.param_state = ParamSyncState.VALID
         nxt = self.next_param_gather_bucket_group
@@ -337,8 +433,8 @@ class BucketGroup:
             nxt.start_param_sync()
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _local_shard(self, bucket: _ParamAndGradBucket, data: torch.Tensor) -> torch.Tensor:
-        shard_numel = data.numel() // self.collective_group_size
+    def _local_shard(self, data: torch.Tensor) -> torch.Tensor:
+        shard_numel = data.numel() // self.dp_size
         return data[self.dp_rank * shard_numel : (self.dp_rank + 1) * shard_numel]
 
     def _needs_scratch(self) -> bool:
@@ -348,52 +444,11 @@ class BucketGroup:
         return self.param_to_name.get(param, f"<param of shape {tuple(param.shape)}>")
 
 
-def raise_missing_grads(groups: Sequence[BucketGroup]) -> None:
-    """With overlap_grad_reduce, a group dispatches only when every param got a grad: name the
-    params that did not, so finish_grad_sync() raises instead of waiting forever."""
-    missing = [name for group in groups for name in group.missing_grad_params()]
-    if not missing:
-        return
-    more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
-    shown = ", ".join(missing[:10]) + more
-    raise RuntimeError(
-        f"megabuf: finish_grad_sync() on rank {dist.get_rank()}: {len(missing)} trainable "
-        f"param(s) got no gradient this iteration, so their buckets were never reduced: {shown}."
-        " Freeze them (requires_grad=False), use them in forward, or turn off overlap_grad_reduce"
-    )
-
-
 def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def partition_buckets(
-    buffers: Sequence[_ParamAndGradBuffer],
-    force_single_bucket_group: bool = False,
-    *,
-    collectives: Collectives | None = None,
-) -> list[BucketGroup]:
-    """One BucketGroup per bucket, or a single group for everything (all buffers must then share
-    one data-parallel group)."""
-    if not buffers:
-        return []
-    collectives = collectives or Collectives()
-    config = buffers[0].ddp_config
-    if force_single_bucket_group:
-        groups = {id(b.data_parallel_group) for b in buffers}
-        if len(groups) != 1:
-            raise ValueError(
-                "megabuf: force_single_bucket_group needs buffers that share one data-parallel "
-                "group; dense and expert buffers must be partitioned separately"
-            )
-        all_buckets = [bucket for b in buffers for bucket in b.buckets]
-        return [BucketGroup(all_buckets, config, buffers[0].data_parallel_group, collectives)]
-    result: list[BucketGroup] = []
-    for buf in buffers:
-        for bucket in buf.buckets:
-            result.append(
-                BucketGroup(
-                    [bucket], config, buf.data_parallel_group, collectives, group_id=len(result)
-                )
-            )
-    return result
+def build_chain(groups: Sequence[BucketGroup], order_key: Callable[[BucketGroup], int]) -> None:
+    """Give the groups' shared chain its order (groups sorted by `order_key`)."""
+    if groups and groups[0].chain is not None:
+        groups[0].chain.set_order(sorted(groups, key=order_key))

@@ -1,7 +1,7 @@
 """`_ParamAndGradBuffer`: one contiguous grad (and, sharded, param) buffer per dtype pair.
 
-The layout comes from `megabuf.layout` (see [Note: buffer layout]); this module only allocates
-tensors and points params at views of them.
+The layout comes from the planner (`megabuf.plan`, see [Note: buffer layout]); this module only
+allocates tensors and points params at views of them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.layout import BufferLayout, compute_layout
+from megabuf.layout import BufferLayout, ParamSlot
 
 
 class _ParamAndGradBucket:
@@ -55,13 +55,16 @@ class _ParamAndGradBuffer:
         grad_dtype: torch.dtype,
         params: Sequence[torch.nn.Parameter],
         data_parallel_group: ProcessGroup,
-        bucket_size: int | None,
+        layout: BufferLayout,
         param_to_name: dict[torch.nn.Parameter, str],
         gradient_scaling_factor: float,
         *,
         dp_size: int,
         dp_rank: int,
     ) -> None:
+        """`layout` is the planned layout of `params` (registration order): `layout.params[i]` is
+        the slot of `params[i]`."""
+        _check_layout(params, layout, param_to_name)
         self.ddp_config = ddp_config
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype
@@ -72,20 +75,12 @@ class _ParamAndGradBuffer:
         self.gradient_scaling_factor = gradient_scaling_factor
         self.param_to_name = param_to_name
         self.is_expert_parallel = any(getattr(p, "allreduce", True) is False for p in params)
-        self.layout: BufferLayout = compute_layout(
-            [p.numel() for p in self.params],
-            bucket_size=bucket_size,
-            dp_size=dp_size,
-            sharded=ddp_config.use_distributed_optimizer,
-            high_nccl_busbw=ddp_config.pad_buckets_for_high_nccl_busbw,
-            own_bucket=[bool(getattr(p, "shared_embedding", False)) for p in self.params],
+        self.layout = layout
+        self.numel = layout.numel
+        self.numel_unpadded = layout.numel_unpadded
+        self.param_index_map: dict[torch.nn.Parameter, ParamSlot] = dict(
+            zip(self.params, layout.params, strict=True)
         )
-        self.numel = self.layout.numel
-        self.numel_unpadded = self.layout.numel_unpadded
-        self.param_index_map: dict[torch.nn.Parameter, tuple[int, int, int]] = {
-            p: (slot.start, slot.end, slot.bucket_id)
-            for p, slot in zip(self.params, self.layout.params, strict=True)
-        }
         self._allocate()
 
     def _allocate(self) -> None:
@@ -94,8 +89,8 @@ class _ParamAndGradBuffer:
         self.param_data: Tensor | None = None  # 1-D, param_dtype, padded numel (sharded only)
         if self.ddp_config.use_distributed_optimizer:
             self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
-        for param in self.params:
-            start, end, _ = self.param_index_map[param]
+        for param, slot in self.param_index_map.items():
+            start, end = slot.start, slot.end
             if self.param_data is not None:
                 view = self.param_data[start:end].view(param.shape)
                 view.copy_(param.data)  # values preserved; then the param lives in the buffer
@@ -121,10 +116,6 @@ class _ParamAndGradBuffer:
     def scale_gradients(self, factor: float) -> None:
         self.grad_data.mul_(factor)
 
-    def reset(self) -> None:
-        """Zero the grad buffer (param grads are views, so they are zeroed too)."""
-        self.grad_data.zero_()
-
     def shard_range(self, bucket_id: int) -> tuple[int, int]:
         """Buffer range [start, end) of this rank's shard of bucket `bucket_id`."""
         return self.layout.buckets[bucket_id].shard_range(self.dp_rank, self.dp_size)
@@ -140,3 +131,23 @@ class _ParamAndGradBuffer:
             f"{len(self.params)} params, {len(self.buckets)} buckets, {self.numel} elements "
             f"({self.numel - self.numel_unpadded} padding, {100 * self.padding_fraction:.2f}%)"
         )
+
+
+def _check_layout(
+    params: Sequence[torch.nn.Parameter],
+    layout: BufferLayout,
+    param_to_name: dict[torch.nn.Parameter, str],
+) -> None:
+    """The planned layout must be of these very params: one slot each, of the param's numel."""
+    if len(layout.params) != len(params):
+        raise ValueError(
+            f"megabuf: buffer layout has {len(layout.params)} param slots for {len(params)} "
+            "params; plan the buffer from the same params"
+        )
+    bad = [
+        f"{param_to_name.get(p, '<unnamed>')} ({p.numel()} elements, slot {slot.numel})"
+        for p, slot in zip(params, layout.params)
+        if slot.numel != p.numel()
+    ]
+    if bad:
+        raise ValueError(f"megabuf: buffer layout slots do not match the params: {bad}")

@@ -87,7 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"megabuf inspect: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # e.g. `megabuf inspect ... | head`
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+        # Python flushes stdout at exit and would raise again: point it at /dev/null for good.
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - must outlive this function
         return 0
 
 

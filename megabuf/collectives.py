@@ -20,7 +20,7 @@ from __future__ import annotations
 import pickle
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,8 @@ Group = ProcessGroup | None
 class CollectiveStrategy:
     """How one backend realises the operations; see [Note: collective strategies]."""
 
-    reduce_scatter: str  # "native" | "all_to_all"
-    all_gather: str  # "native" | "p2p"
+    reduce_scatter: Literal["native", "all_to_all"]
+    all_gather: Literal["native", "p2p"]
     has_avg: bool  # backend supports ReduceOp.AVG
 
 
@@ -124,17 +124,35 @@ class Collectives:
     def strategy(self, group: Group) -> CollectiveStrategy:
         return self.strategies.get(str(dist.get_backend(group)), FALLBACK_STRATEGY)
 
+    def global_rank(self, group: Group, group_rank: int) -> int:
+        """The global rank of `group_rank` in `group` (None: the default group)."""
+        return dist.get_global_rank(group, group_rank) if group is not None else group_rank
+
+    @staticmethod
+    def _avg_plan(tensor: Tensor, size: int, average: bool, native_avg: bool) -> tuple[Any, int]:
+        """(reduce op, divisor applied on wait) for a sum or an average over `size` ranks.
+
+        A group of one needs no AVG (NCCL's AVG is also buggy there before 2.29.7). Without a
+        native AVG the sum is divided afterwards, except for fp16, whose sum of `size` values
+        can overflow where the mean would not: it is divided (in place) before summing."""
+        if not average or size == 1:
+            return dist.ReduceOp.SUM, 1
+        if native_avg:
+            return dist.ReduceOp.AVG, 1
+        if tensor.dtype == torch.float16:
+            tensor.div_(size)
+            return dist.ReduceOp.SUM, 1
+        return dist.ReduceOp.SUM, size
+
     def all_reduce(
         self, tensor: Tensor, group: Group, *, average: bool = False, async_op: bool = True
     ) -> PendingCollective:
         """Sum (or average) `tensor` in place across `group`."""
         size = dist.get_world_size(group)
         self.stats.record("all_reduce", 2 * (size - 1) * _nbytes(tensor) // size)
-        avg_native = average and self.strategy(group).has_avg
-        op = dist.ReduceOp.AVG if avg_native else dist.ReduceOp.SUM
+        op, divide = self._avg_plan(tensor, size, average, self.strategy(group).has_avg)
         with torch.profiler.record_function("megabuf::all_reduce"):
             work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-        divide = size if average and not avg_native else 1
         return self._pending("all_reduce", work, tensor, None, divide)
 
     def reduce_scatter(
@@ -166,14 +184,11 @@ class Collectives:
             if strategy.reduce_scatter == "all_to_all":
                 if scratch is None:
                     scratch = torch.empty_like(input)
+                _, divide = self._avg_plan(input, size, average, native_avg=False)  # local sum
                 work = dist.all_to_all_single(scratch, input, group=group, async_op=async_op)
-                return self._pending(
-                    "reduce_scatter", work, output, scratch, size if average else 1, scale
-                )
-            avg_native = average and strategy.has_avg
-            op = dist.ReduceOp.AVG if avg_native else dist.ReduceOp.SUM
+                return self._pending("reduce_scatter", work, output, scratch, divide, scale)
+            op, divide = self._avg_plan(input, size, average, strategy.has_avg)
             work = dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
-        divide = size if average and not avg_native else 1
         return self._pending("reduce_scatter", work, output, None, divide, scale)
 
     def all_gather(

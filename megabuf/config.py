@@ -75,6 +75,13 @@ class DistributedDataParallelConfig:
     """Before each collective, check the bucket for NaN/Inf and raise naming the bucket, its
     params and the rank (costs one reduction over the bucket)."""
 
+    error_on_unused_params: bool = False
+    """Strict mode. Off (default): a trainable param that gets no gradient in an iteration on
+    some or all ranks is zero-filled and reduced like any other, in the fixed dispatch order on
+    every rank, so every rank ends with the same grads and nobody waits. On: `finish_grad_sync()`
+    also raises on every rank, naming each such param and the ranks that lacked it (one small
+    all-reduce per iteration)."""
+
     bucket_size: int | None = None
     """Bucket size in elements. None: with `overlap_grad_reduce`, Megatron's
     max(40_000_000, 1_000_000 * dp_size) capped at a quarter of the largest buffer (so small

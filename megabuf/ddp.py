@@ -1,4 +1,18 @@
-"""`DistributedDataParallel`: wraps any nn.Module with contiguous grad buffers and bucket groups."""
+"""`DistributedDataParallel`: wraps any nn.Module with contiguous grad buffers and bucket groups.
+
+[Note: grad contract]
+After `finish_grad_sync()` (without the distributed optimizer), every trainable param on every
+dp rank has `.grad` equal to the reduced (dp-averaged) gradient: the `main_grad` view itself when
+dtypes match, a copy of it in the param's dtype otherwise. Never None, identical on every rank,
+whether or not the param was used on that rank (unused ones are zero-filled before their bucket
+is reduced, [Note: grad readiness] in bucket_group.py). It stays so until `zero_grad_buffer()`;
+a forward (evaluation, metrics) in between changes nothing. A backward in between accumulates
+on top, as plain PyTorch would: the copies are dropped by a one-shot hook just before that
+backward's first grad reaches them. With `error_on_unused_params` a param that got no gradient
+on some rank instead makes `finish_grad_sync()` raise on every rank, naming it and the ranks.
+With the distributed optimizer only this rank's shard of each bucket is reduced; megabuf's
+optimizer reads it from the buffer.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +24,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils.hooks import RemovableHandle
 
-from megabuf.bucket_group import (
-    BucketGroup,
-    DispatchChain,
-    Timeline,
-    partition_buckets,
-    raise_missing_grads,
-)
+from megabuf.bucket_group import BucketGroup, DispatchChain, GradSyncState, ParamSyncState, Timeline
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.hooks import ParamGatherHooks, register_grad_hooks
-from megabuf.layout import default_bucket_size
+from megabuf.plan import GroupPlan, Plan, build_plan
 from megabuf.process_groups import ProcessGroups
-from megabuf.replicas import check_devices, check_replicas_match, is_expert_parallel
+from megabuf.replicas import (
+    ParamStructure,
+    check_devices,
+    check_replicas_match,
+    is_expert_parallel,
+    param_specs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +48,11 @@ BACKWARD_END_GROUP_ID = -1  # group id of the timeline's "backward_end" marker
 
 
 class DistributedDataParallel(nn.Module):
-    """Megatron-style data parallelism for any module; see README for the lifecycle per step."""
+    """Megatron-style data parallelism for any module; see README for the lifecycle per step.
+
+    `collectives`: the layer every collective goes through (default: a new `Collectives`);
+    tests pass a subclass to count or intercept calls.
+    """
 
     def __init__(
         self,
@@ -41,14 +61,17 @@ class DistributedDataParallel(nn.Module):
         *,
         process_groups: ProcessGroups | None = None,
         disable_bucketing: bool = False,
+        collectives: Collectives | None = None,
     ) -> None:
         super().__init__()
         self.module = module
         self.ddp_config = ddp_config or DistributedDataParallelConfig()
         self.process_groups = process_groups or ProcessGroups.default()
         self.disable_bucketing = disable_bucketing
-        self.collectives = Collectives()
+        self.collectives = collectives if collectives is not None else Collectives()
+        self.rank = dist.get_rank()
         self._exposed_grad_copies: list[nn.Parameter] = []
+        self._drop_copies_handle: RemovableHandle | None = None
         self._build()
 
     # ---- construction -------------------------------------------------------------------------
@@ -60,67 +83,34 @@ class DistributedDataParallel(nn.Module):
         trainable = [(n, p) for n, p in named if p.requires_grad]
         self.param_to_name = {p: n for n, p in trainable}
         self._registration_index = {p: i for i, (_, p) in enumerate(trainable)}
-        dense = [p for _, p in trainable if not is_expert_parallel(p)]
-        expert = [p for _, p in trainable if is_expert_parallel(p)]
-        bucket_size = self._resolve_bucket_size(dense, expert)
-        dense_scale, expert_scale = self._scaling_factors()
+        params = [p for _, p in trainable]
+        self.plan: Plan = build_plan(
+            param_specs(trainable),
+            self.ddp_config,
+            dp_size=pgs.dp_size,
+            expt_dp_size=dist.get_world_size(pgs.expt_dp),
+            expert_shares_dp_group=pgs.expt_dp is pgs.dp,
+            disable_bucketing=self.disable_bucketing,
+        )
+        self._all_buffers: list[_ParamAndGradBuffer] = self._make_buffers(params)  # plan order
+        expert = [planned.expert for planned in self.plan.buffers]
         # Megatron's attribute name. It would shadow nn.Module.buffers(), so the list is also
         # callable: `model.buffers` is the grad buffers, `model.buffers()` the module buffers.
         self.buffers = _BufferList(  # type: ignore[method-assign,assignment]
-            self._make_buffers(dense, pgs.dp, bucket_size, dense_scale), self
+            [b for b, e in zip(self._all_buffers, expert) if not e], self
         )
-        self.expert_parallel_buffers = self._make_buffers(
-            expert, pgs.expt_dp, bucket_size, expert_scale
-        )
-        self._all_buffers: list[_ParamAndGradBuffer] = [
-            *self.buffers,  # type: ignore[misc]
-            *self.expert_parallel_buffers,
-        ]
-        single = self.disable_bucketing
-        self.bucket_groups = partition_buckets(
-            self.buffers,
-            single,
-            collectives=self.collectives,  # type: ignore[arg-type]
-        )
-        self.expert_parallel_bucket_groups = partition_buckets(
-            self.expert_parallel_buffers, single, collectives=self.collectives
-        )
+        self.expert_parallel_buffers = [b for b, e in zip(self._all_buffers, expert) if e]
         self._wire_groups()
-        self._linked_params = [
-            p
-            for _, p in trainable
-            if p.main_grad.dtype == p.dtype  # type: ignore[attr-defined]
-        ]
-        self._mismatched_params = [
-            p
-            for _, p in trainable
-            if p.main_grad.dtype != p.dtype  # type: ignore[attr-defined]
-        ]
-        self._grad_hook_handles = register_grad_hooks(
-            [p for _, p in trainable], self.param_to_bucket_group
-        )
+        self._linked_params = [p for p in params if p.main_grad.dtype == p.dtype]  # type: ignore[attr-defined]
+        self._mismatched_params = [p for p in params if p.main_grad.dtype != p.dtype]  # type: ignore[attr-defined]
+        self._grad_hook_handles = register_grad_hooks(params, self.param_to_bucket_group)
         self.param_gather_hooks = ParamGatherHooks(self.module, self.param_to_bucket_group)
         if self.ddp_config.overlap_param_gather:
             self.param_gather_hooks.enable()
+        self._structure = ParamStructure(self.module)
         self.broadcast_params()
         for buf in self._all_buffers:
             logger.debug("megabuf: %s", buf.describe())
-
-    def _resolve_bucket_size(
-        self, dense: list[nn.Parameter], expert: list[nn.Parameter]
-    ) -> int | None:
-        cfg = self.ddp_config
-        if self.disable_bucketing:
-            return None
-        if cfg.bucket_size is not None:
-            return cfg.bucket_size
-        if not cfg.overlap_grad_reduce:
-            return None
-        largest = 0
-        for params in (dense, expert):
-            for key in {_dtype_key(p, cfg) for p in params}:
-                largest = max(largest, sum(p.numel() for p in params if _dtype_key(p, cfg) == key))
-        return default_bucket_size(self.process_groups.dp_size, largest)
 
     def _scaling_factors(self) -> tuple[float, float]:
         """Every grad ends up averaged over the dense dp group: expert grads already hold the
@@ -131,54 +121,63 @@ class DistributedDataParallel(nn.Module):
             return 1.0, dist.get_world_size(self.process_groups.expt_dp) / dp_size
         return 1.0 / dp_size, 1.0 / dp_size
 
-    def _make_buffers(
-        self, params: list[nn.Parameter], group: Any, bucket_size: int | None, scale: float
-    ) -> list[_ParamAndGradBuffer]:
-        by_key: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
-        for p in params:
-            by_key.setdefault(_dtype_key(p, self.ddp_config), []).append(p)
-        return [
-            _ParamAndGradBuffer(
-                self.ddp_config,
-                param_dtype,
-                grad_dtype,
-                ps,
-                group,
-                bucket_size,
-                self.param_to_name,
-                scale,
-                dp_size=dist.get_world_size(group),
-                dp_rank=dist.get_rank(group),
-            )  # fmt: skip
-            for (param_dtype, grad_dtype), ps in by_key.items()
-        ]
+    def _make_buffers(self, params: Sequence[nn.Parameter]) -> list[_ParamAndGradBuffer]:
+        """One buffer per planned buffer, in plan order (dense first, then expert); `params` are
+        the trainable params the plan's param ids index."""
+        pgs = self.process_groups
+        dense_scale, expert_scale = self._scaling_factors()
+        buffers = []
+        for planned in self.plan.buffers:
+            group = pgs.expt_dp if planned.expert else pgs.dp
+            buffers.append(
+                _ParamAndGradBuffer(
+                    self.ddp_config,
+                    planned.param_dtype,
+                    planned.grad_dtype,
+                    [params[i] for i in planned.param_ids],
+                    group,
+                    planned.layout,
+                    self.param_to_name,
+                    expert_scale if planned.expert else dense_scale,
+                    dp_size=planned.dp_size,
+                    dp_rank=dist.get_rank(group),
+                )
+            )
+        return buffers
 
     def _wire_groups(self) -> None:
-        self.timeline: Timeline | None = None
-        self.param_to_bucket_group: dict[nn.Parameter, BucketGroup] = {}
-        groups = self.bucket_groups + self.expert_parallel_bucket_groups
-        for i, group in enumerate(groups):
-            group.group_id = i  # unique across dense and expert groups (p2p tags)
-            group.param_to_name = self.param_to_name
-            for param in group.params_list:
-                self.param_to_bucket_group[param] = group
-
-        # Expected backward order: groups holding the last-registered params come first.
-        def backward_rank(g: BucketGroup) -> int:
-            return -max(self._registration_index[p] for p in g.params_list)
-
-        self._chains = [
-            DispatchChain(sorted(gs, key=backward_rank))
-            for gs in (self.bucket_groups, self.expert_parallel_bucket_groups)
-            if gs
+        """The planned bucket groups and dispatch chains ([Note: one chain per communicator])."""
+        chains = [DispatchChain() for _ in self.plan.chains]
+        groups = [
+            self._make_group(planned, chains[planned.chain_id]) for planned in self.plan.groups
         ]
+        for chain, group_ids in zip(chains, self.plan.chains, strict=True):
+            chain.set_order([groups[i] for i in group_ids])
+        self._chains: list[DispatchChain] = chains
+        self.bucket_groups = [g for g, p in zip(groups, self.plan.groups) if not p.expert]
+        self.expert_parallel_bucket_groups = [
+            g for g, p in zip(groups, self.plan.groups) if p.expert
+        ]
+        self.timeline: Timeline | None = None
+        self.param_to_bucket_group = {p: g for g in groups for p in g.params_list}
+
+    def _make_group(self, planned: GroupPlan, chain: DispatchChain) -> BucketGroup:
+        group = self.process_groups.expt_dp if planned.expert else self.process_groups.dp
+        return BucketGroup(
+            [self._all_buffers[b].buckets[k] for b, k in planned.members],
+            self.ddp_config,
+            group,
+            self.collectives,
+            group_id=planned.group_id,
+            dp_rank=dist.get_rank(group),
+            dp_size=dist.get_world_size(group),
+            rank=self.rank,
+            param_to_name=self.param_to_name,
+            chain=chain,
+        )
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._exposed_grad_copies:  # see finish_grad_sync: copies must not be accumulated into
-            for param in self._exposed_grad_copies:
-                param.grad = None
-            self._exposed_grad_copies = []
         return self.module(*args, **kwargs)
 
     # ---- grad sync ----------------------------------------------------------------------------
@@ -198,25 +197,60 @@ class DistributedDataParallel(nn.Module):
                 group.is_last_microbatch = True
 
     def start_grad_sync(self) -> None:
-        """Dispatch every reduction not yet dispatched (e.g. from a pipeline's grad_sync_func)."""
+        """Dispatch every reduction not yet dispatched, in chain order (e.g. from a pipeline's
+        grad_sync_func)."""
         for chain in self._chains:
-            for group in chain.groups[chain.next_index :]:
-                group.start_grad_sync()
-            chain.next_index = len(chain.groups)
+            chain.dispatch_rest()
 
     def finish_grad_sync(self) -> None:
-        """Wait for (or, without overlap, run) every reduction; then `param.grad` holds the
-        averaged grad (the main_grad view itself when dtypes match)."""
+        """Dispatch what backward did not (unused params are zero-filled), wait for every
+        reduction, and hand out the grads: see [Note: grad contract]."""
         if self.timeline is not None:
             self.timeline.record(BACKWARD_END_GROUP_ID, "backward_end")
-        if self.ddp_config.overlap_grad_reduce:
-            raise_missing_grads(self.all_bucket_groups)
+        self._structure.check(self.rank)
+        self.start_grad_sync()
         for chain in self._chains:
             for group in chain.groups:
                 group.finish_grad_sync()
-            chain.next_index = len(chain.groups)
+        for group in self.all_bucket_groups:
+            group.learn_arrivals()
+        if self.ddp_config.error_on_unused_params:
+            self._raise_on_unused_params()
         if not self.ddp_config.use_distributed_optimizer:
-            self._expose_mismatched_grads()
+            self._expose_grads()
+
+    @property
+    def grads_synced(self) -> bool:
+        """True between finish_grad_sync() and the next zero_grad_buffer() or backward."""
+        return all(g.grad_state is GradSyncState.SYNCED for g in self.all_bucket_groups)
+
+    def _raise_on_unused_params(self) -> None:
+        """error_on_unused_params: every dp rank learns which params got no grad on which rank
+        (one small MAX all-reduce after all reductions finished, so collectives stay paired)."""
+        pgs = self.process_groups
+        index = self._registration_index
+        device = self._all_buffers[0].grad_data.device if self._all_buffers else None
+        flags = torch.zeros(pgs.dp_size, len(index), device=device)
+        for group in self.all_bucket_groups:
+            for i in group.unused_indices:
+                flags[pgs.dp_rank, index[group.params_list[i]]] = 1.0
+        if pgs.dp_size > 1:
+            self.collectives.all_reduce_max(flags, pgs.dp)
+        params = list(index)
+        lines = []
+        for col in flags.sum(0).nonzero().flatten().tolist():
+            lacking = flags[:, col].nonzero().flatten().tolist()
+            ranks = [self.collectives.global_rank(pgs.dp, r) for r in lacking]
+            lines.append(f"{self.param_to_name[params[col]]} (ranks {ranks})")
+        if lines:
+            more = f" and {len(lines) - 10} more" if len(lines) > 10 else ""
+            raise RuntimeError(
+                f"megabuf: error_on_unused_params: {len(lines)} trainable param(s) got no "
+                f"gradient this iteration on some dp rank (seen on rank {self.rank}): "
+                f"{', '.join(lines[:10])}{more}. Use them in forward on every rank, freeze them "
+                "before wrapping, or set error_on_unused_params=False (they are then zero-filled "
+                "and reduced like any other grad)"
+            )
 
     def enable_timeline(self) -> Timeline:
         """Record when every bucket group became ready, was dispatched and finished, and a
@@ -225,33 +259,63 @@ class DistributedDataParallel(nn.Module):
         timeline = Timeline()
         self.timeline = timeline
         for group in self.all_bucket_groups:
-            group.timeline = timeline
+            group.set_timeline(timeline)
         return timeline
 
-    def _expose_mismatched_grads(self) -> None:
-        """bf16/fp16 params with fp32 main_grad: torch optimizers need a grad of the param's
-        dtype, so hand them a copy (dropped again at the next forward or zero_grad_buffer)."""
+    def _expose_grads(self) -> None:
+        """[Note: grad contract]: link every same-dtype param's grad to its main_grad (those
+        unused this iteration are not linked yet) and give the others a copy in their dtype."""
+        for param in self._linked_params:
+            if param.grad is None:
+                param.grad = param.main_grad  # type: ignore[attr-defined]
+        self._drop_grad_copies()
+        if not self._mismatched_params:
+            return
         for param in self._mismatched_params:
             param.grad = param.main_grad.to(param.dtype)  # type: ignore[attr-defined]
         self._exposed_grad_copies = list(self._mismatched_params)
+        self._drop_copies_handle = register_multi_grad_hook(
+            self._mismatched_params, self._drop_grad_copies, mode="any"
+        )
+
+    def _drop_grad_copies(self, *unused: Any) -> None:
+        """Forget the exposed grad copies: at zero_grad_buffer(), or as a one-shot hook right
+        before a later backward's first grad would be accumulated into them."""
+        del unused
+        if self._drop_copies_handle is not None:
+            self._drop_copies_handle.remove()
+            self._drop_copies_handle = None
+        for param in self._exposed_grad_copies:
+            param.grad = None
+        self._exposed_grad_copies = []
 
     def zero_grad_buffer(self) -> None:
         """Start a new iteration's grads: lazily, see [Note: grad accumulation into main_grad]
         (no pass over the buffer; each param's first grad overwrites its main_grad)."""
         for group in self.all_bucket_groups:
             group.reset()
-        for param in self._linked_params:
-            param.grad = None
         for chain in self._chains:
             chain.reset()
-        for param in self._exposed_grad_copies:
+        for param in self._linked_params:
             param.grad = None
-        self._exposed_grad_copies = []
+        self._drop_grad_copies()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Same as zero_grad_buffer(): grads live in the buffers, see [Note: grad accumulation
         into main_grad]."""
         del set_to_none
+        self.zero_grad_buffer()
+
+    def reset_iter_state(self) -> None:
+        """Bring the engine back to a clean iteration start after an exception in forward,
+        backward or between them (a bad batch, a caught OOM), without rebuilding it: in-flight
+        grad reductions and param gathers are waited for (their grads are dropped), grads are
+        zeroed and no_sync is left. Every dp rank must call it at the same point, like any
+        other step of the loop, so the collectives already issued pair up."""
+        for group in self.all_bucket_groups:
+            group.abandon_grad_sync()
+            if group.param_state is ParamSyncState.DISPATCHED:
+                group.finish_param_sync(skip_next_bucket_dispatch=True)
         self.zero_grad_buffer()
 
     def scale_gradients(self, scaling_factor: float) -> None:
@@ -266,6 +330,8 @@ class DistributedDataParallel(nn.Module):
             for _, param in _unique_named_parameters(self.module):
                 group = pgs.expt_dp if is_expert_parallel(param) else pgs.dp
                 self.collectives.broadcast(param.data, 0, group)
+                # tell fp32 main-param holders the values changed (see reload_model_params)
+                torch.autograd.graph.increment_version(param)
             for tensor in self.module.buffers():
                 self.collectives.broadcast(tensor, 0, pgs.dp)
 
@@ -339,12 +405,6 @@ class _BufferList(list):  # type: ignore[type-arg]
 
     def __call__(self, recurse: bool = True) -> Iterator[torch.Tensor]:
         return nn.Module.buffers(self._owner, recurse)
-
-
-def _dtype_key(
-    p: nn.Parameter, cfg: DistributedDataParallelConfig
-) -> tuple[torch.dtype, torch.dtype]:
-    return p.dtype, torch.float32 if cfg.grad_reduce_in_fp32 else p.dtype
 
 
 def _unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

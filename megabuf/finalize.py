@@ -125,7 +125,8 @@ def _embedding_grad_slice(chunk: DistributedDataParallel, param: nn.Parameter) -
     for buf in _dense_buffers(chunk):
         if param not in buf.param_index_map:
             continue
-        start, end, bucket_id = buf.param_index_map[param]
+        slot = buf.param_index_map[param]
+        start, end, bucket_id = slot.start, slot.end, slot.bucket_id
         bucket = buf.layout.buckets[bucket_id]
         if bucket.start != start or len(bucket.param_ids) != 1:
             raise RuntimeError(

@@ -6,8 +6,10 @@
 zero-then-add would be three), later ones are added; the hook then links `param.grad` to the
 `main_grad` view (same dtype) so further backwards accumulate in place through autograd, with no
 copy at all. A param that got no grad is still fresh when its bucket group is reduced, and its
-`main_grad` is zeroed then (`BucketGroup.zero_unwritten_grads`). So `main_grad` holds stale values
-between `zero_grad_buffer()` and the param's first grad: read grads after `finish_grad_sync()`.
+`main_grad` is zeroed then (`BucketGroup.zero_unwritten_grads`) and, without the distributed
+optimizer, its `.grad` is linked at `finish_grad_sync()` ([Note: grad contract] in ddp.py).
+So `main_grad` holds stale values between `zero_grad_buffer()` and the param's first grad: read
+grads after `finish_grad_sync()`.
 `optimizer.zero_grad()` alone does not clear gradients: call `model.zero_grad_buffer()` (or
 `model.zero_grad()`).
 
@@ -41,16 +43,17 @@ def make_grad_hook(
 ) -> Callable[[nn.Parameter], None]:
     """The post-accumulate-grad hook of one param; see [Note: grad accumulation into main_grad]."""
     register = group.register_grad_ready_at
+    mark_written = group.mark_written
 
     def hook(param: nn.Parameter) -> None:
         grad = param.grad
+        first = mark_written(index)
         if grad is not None and grad is not main_grad:
-            if group.fresh[index]:
+            if first:
                 main_grad.copy_(grad)  # first grad since zero_grad_buffer(): overwrite
             else:
                 main_grad.add_(grad)
             param.grad = main_grad if link else None
-        group.fresh[index] = 0
         register(index, param)
 
     return hook
@@ -189,4 +192,4 @@ def build_gather_plan(
 def link_forward_order(order: Sequence[BucketGroup]) -> None:
     """Each group prefetches the gather of the group the forward reads next."""
     for group, nxt in zip(order, [*order[1:], None], strict=False):
-        group.next_param_gather_bucket_group = nxt
+        group.set_next_param_gather(nxt)

@@ -1,9 +1,8 @@
 """`megabuf inspect`: the buffers, buckets and bucket groups megabuf would build for a model.
 
-Pure: it applies the same rules as `DistributedDataParallel` (trainable params, dense vs expert,
-one buffer per (param dtype, grad dtype), bucket size resolution, `megabuf.layout`) at a given
-fake `dp_size`, without any process group. `tests/test_inspect.py` checks it against a real
-wrapped model so the two cannot drift apart silently.
+A thin layer over `megabuf.plan`, the planner `DistributedDataParallel` allocates from: it turns
+a model's trainable params into `ParamSpec`s, plans them at a given fake `dp_size` (no process
+group) and formats the result. `tests/test_inspect.py` checks it against a real wrapped model.
 """
 
 from __future__ import annotations
@@ -16,8 +15,9 @@ import torch
 from torch import nn
 
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.layout import BufferLayout, compute_layout, default_bucket_size
-from megabuf.replicas import is_expert_parallel
+from megabuf.layout import BufferLayout
+from megabuf.plan import BufferPlan, ParamSpec, Plan, build_plan
+from megabuf.replicas import param_specs
 
 MiB = 1 << 20
 
@@ -67,6 +67,7 @@ class GroupInfo:
     buffer_index: int
     bucket_id: int
     dispatch_position: int  # place in the expected backward (dispatch) order of its chain
+    chain_id: int  # the dispatch chain (one per communicator) the group belongs to
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,8 @@ class Inspection:
     bucket_size: int | None  # resolved, in elements (None: one bucket per buffer)
     numel_total: int  # every param, trainable or not
     buffers: tuple[BufferInfo, ...]
-    groups: tuple[GroupInfo, ...]
+    groups: tuple[GroupInfo, ...]  # one row per (bucket group, member bucket)
+    plan: Plan  # what DistributedDataParallel allocates
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -100,95 +102,32 @@ def load_model(spec: str, seed: int = 0) -> nn.Module:
     return model
 
 
-def _dtype_key(p: nn.Parameter, cfg: DistributedDataParallelConfig) -> tuple[torch.dtype, ...]:
-    return p.dtype, torch.float32 if cfg.grad_reduce_in_fp32 else p.dtype
-
-
-def resolve_bucket_size(
-    numels_by_buffer: Sequence[int],
-    cfg: DistributedDataParallelConfig,
-    dp_size: int,
-    disable_bucketing: bool = False,
-) -> int | None:
-    """Same rule as `DistributedDataParallel`: explicit size, else one bucket without overlap,
-    else the default sized by the largest buffer."""
-    if disable_bucketing:
-        return None
-    if cfg.bucket_size is not None:
-        return cfg.bucket_size
-    if not cfg.overlap_grad_reduce:
-        return None
-    return default_bucket_size(dp_size, max(numels_by_buffer, default=0))
-
-
-def _group_params(
-    trainable: Sequence[tuple[str, nn.Parameter]], cfg: DistributedDataParallelConfig
-) -> list[tuple[bool, tuple[torch.dtype, ...], list[tuple[str, nn.Parameter]]]]:
-    """(expert?, dtype key, params) per buffer, in DistributedDataParallel's buffer order."""
-    out: list[tuple[bool, tuple[torch.dtype, ...], list[tuple[str, nn.Parameter]]]] = []
-    for expert in (False, True):
-        by_key: dict[tuple[torch.dtype, ...], list[tuple[str, nn.Parameter]]] = {}
-        for name, p in trainable:
-            if is_expert_parallel(p) == expert:
-                by_key.setdefault(_dtype_key(p, cfg), []).append((name, p))
-        out.extend((expert, key, params) for key, params in by_key.items())
-    return out
-
-
-def _buffer_info(
-    index: int,
-    expert: bool,
-    key: tuple[torch.dtype, ...],
-    named: list[tuple[str, nn.Parameter]],
-    cfg: DistributedDataParallelConfig,
-    bucket_size: int | None,
-    dp_size: int,
-) -> BufferInfo:
-    layout = compute_layout(
-        [p.numel() for _, p in named],
-        bucket_size=bucket_size,
-        dp_size=dp_size,
-        sharded=cfg.use_distributed_optimizer,
-        high_nccl_busbw=cfg.pad_buckets_for_high_nccl_busbw,
-        own_bucket=[bool(getattr(p, "shared_embedding", False)) for _, p in named],
-    )
+def _buffer_info(buf: BufferPlan, specs: Sequence[ParamSpec]) -> BufferInfo:
+    layout, dp_size = buf.layout, buf.dp_size
     buckets = tuple(
         BucketInfo(
             b.bucket_id,
             b.start,
             b.end,
             b.numel_unpadded,
-            tuple(named[i][0] for i in b.param_ids),
+            tuple(specs[i].name for i in buf.bucket_param_ids(b.bucket_id)),
             tuple(b.shard_range(r, dp_size) for r in range(dp_size)) if layout.sharded else (),
-        )  # fmt: skip
+        )
         for b in layout.buckets
     )
-    names = tuple(n for n, _ in named)
-    return BufferInfo(index, expert, key[0], key[1], dp_size, names, layout, buckets)
+    names = tuple(specs[i].name for i in buf.param_ids)
+    return BufferInfo(
+        buf.index, buf.expert, buf.param_dtype, buf.grad_dtype, dp_size, names, layout, buckets
+    )
 
 
-def _groups(
-    buffers: Sequence[BufferInfo], registration: dict[str, int], disable_bucketing: bool
-) -> tuple[GroupInfo, ...]:
-    """One group per bucket (dense first, then expert); dispatch order = last-registered first."""
-    if disable_bucketing:  # one group for dense buffers, one for expert buffers
-        expert_id = 1 if any(not b.expert for b in buffers) else 0
-        return tuple(
-            GroupInfo(expert_id if b.expert else 0, b.index, bucket.bucket_id, 0)
-            for b in buffers
-            for bucket in b.buckets
-        )
-    pairs = [(b, bucket) for expert in (False, True) for b in buffers if b.expert == expert
-             for bucket in b.buckets]  # fmt: skip
-    result: list[GroupInfo] = []
-    for expert in (False, True):
-        ids = [i for i, (b, _) in enumerate(pairs) if b.expert == expert]
-        order = sorted(ids, key=lambda i: -max(registration[n] for n in pairs[i][1].param_names))
-        position = {gid: pos for pos, gid in enumerate(order)}
-        result.extend(
-            GroupInfo(i, pairs[i][0].index, pairs[i][1].bucket_id, position[i]) for i in ids
-        )
-    return tuple(result)
+def _group_infos(plan: Plan) -> tuple[GroupInfo, ...]:
+    """One row per (bucket group, member bucket), in group id order."""
+    return tuple(
+        GroupInfo(g.group_id, buffer_index, bucket_id, g.dispatch_position, g.chain_id)
+        for g in plan.groups
+        for buffer_index, bucket_id in g.members
+    )
 
 
 def inspect_model(
@@ -206,19 +145,17 @@ def inspect_model(
             f"megabuf: need dp_size >= 1 divisible by ep_size; got {dp_size}, {ep_size}"
         )
     named = list(model.named_parameters())
-    trainable = [(n, p) for n, p in named if p.requires_grad]
-    per_buffer = _group_params(trainable, config)
-    numels = [sum(p.numel() for _, p in params) for _, _, params in per_buffer]
-    bucket_size = resolve_bucket_size(numels, config, dp_size, disable_bucketing)
-    buffers = tuple(
-        _buffer_info(i, expert, key, params, config, bucket_size,
-                     dp_size // ep_size if expert else dp_size)
-        for i, (expert, key, params) in enumerate(per_buffer)
+    specs = param_specs([(n, p) for n, p in named if p.requires_grad])
+    plan = build_plan(
+        specs, config, dp_size=dp_size, expt_dp_size=dp_size // ep_size,
+        expert_shares_dp_group=ep_size == 1, disable_bucketing=disable_bucketing,
     )  # fmt: skip
-    registration = {n: i for i, (n, _) in enumerate(trainable)}
-    groups = _groups(buffers, registration, disable_bucketing)
+    buffers = tuple(_buffer_info(b, specs) for b in plan.buffers)
     numel_total = sum(p.numel() for _, p in named)
-    return Inspection(model_name, config, dp_size, bucket_size, numel_total, buffers, groups)
+    return Inspection(
+        model_name, config, dp_size, plan.bucket_size, numel_total, buffers, _group_infos(plan),
+        plan,
+    )  # fmt: skip
 
 
 def _fmt_range(lo: int, hi: int) -> str:
@@ -269,11 +206,26 @@ def format_inspection(info: Inspection, *, show_params: bool = False) -> str:
         )
         for bucket in b.buckets:
             lines.extend(_format_bucket(bucket, show_params))
-    lines.append(f"bucket groups ({len(info.groups)}), in dispatch order:")
-    for g in sorted(info.groups, key=lambda g: (g.dispatch_position, g.group_id)):
-        lines.append(f"  {g.dispatch_position}: group {g.group_id} = buffer {g.buffer_index} "
-                     f"bucket {g.bucket_id}")  # fmt: skip
+    lines.append(f"bucket groups ({len(info.plan.groups)}), in dispatch order:")
+    lines.extend(_format_chains(info))
     return "\n".join(lines)
+
+
+def _format_chains(info: Inspection) -> list[str]:
+    """Each dispatch chain (one per communicator, see [Note: one chain per communicator]) and
+    its groups in dispatch order, one line per member bucket."""
+    lines = []
+    for chain_id, group_ids in enumerate(info.plan.chains):
+        kinds = sorted({info.plan.groups[g].expert for g in group_ids})
+        what = " + ".join("expert" if expert else "dense" for expert in kinds)
+        over = "expt_dp" if kinds == [True] else "dp"
+        count = f"{len(group_ids)} group" + ("s" if len(group_ids) != 1 else "")
+        lines.append(f" chain {chain_id} ({what}, over {over}): {count}")
+        rows = [g for g in info.groups if g.chain_id == chain_id]
+        for g in sorted(rows, key=lambda g: (g.dispatch_position, g.group_id)):
+            lines.append(f"  {g.dispatch_position}: group {g.group_id} = buffer {g.buffer_index} "
+                         f"bucket {g.bucket_id}")  # fmt: skip
+    return lines
 
 
 def inspection_to_dict(info: Inspection) -> dict[str, object]:
@@ -306,6 +258,7 @@ def inspection_to_dict(info: Inspection) -> dict[str, object]:
                 ],
             }
             for b in info.buffers
-        ],  # fmt: skip
+        ],
         "groups": [g.__dict__ for g in info.groups],
+        "chains": [list(chain) for chain in info.plan.chains],
     }

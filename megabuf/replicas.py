@@ -1,14 +1,17 @@
-"""Checks that every data-parallel rank holds the same model, and the expert-parallel marker."""
+"""Checks that every data-parallel rank holds the same model; the param markers megabuf reads
+(expert-parallel, shared embedding) and the planner's `ParamSpec`s built from them."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from megabuf.collectives import Collectives
+from megabuf.plan import ParamSpec
 
 
 def is_expert_parallel(param: nn.Parameter) -> bool:
@@ -21,6 +24,21 @@ def mark_expert_parallel(params: Iterable[nn.Parameter]) -> None:
     """Mark params (e.g. `expert.parameters()`) as expert-parallel; call before wrapping."""
     for param in params:
         param.allreduce = False  # type: ignore[attr-defined]
+
+
+def param_specs(trainable: Sequence[tuple[str, nn.Parameter]]) -> tuple[ParamSpec, ...]:
+    """The planner's view of trainable params (registration order): numel, dtype, and the two
+    markers megabuf reads, `allreduce is False` (expert) and `shared_embedding` (own bucket)."""
+    return tuple(
+        ParamSpec(
+            name,
+            p.numel(),
+            p.dtype,
+            expert=is_expert_parallel(p),
+            own_bucket=bool(getattr(p, "shared_embedding", False)),
+        )
+        for name, p in trainable
+    )
 
 
 def check_devices(named: Sequence[tuple[str, nn.Parameter]]) -> None:
@@ -77,3 +95,45 @@ def first_difference(reference: list[tuple], theirs: list[tuple]) -> str | None:
 def _describe(entry: tuple) -> str:
     name, shape, dtype, trainable, expert = entry
     return f"{name!r} shape {shape} {dtype} trainable={trainable} expert={expert}"
+
+
+class ParamStructure:
+    """Which tensor every module slot held when the model was wrapped, and whether it was
+    trainable: `check()` raises if a param was replaced, added, frozen or unfrozen since.
+
+    megabuf's buffers, views and hooks are bound to the params seen at wrapping; a param changed
+    afterwards would train silently wrong (a replaced param never reaches the buffer, a frozen
+    one is zero-filled, an unfrozen one steps on its local, unreduced grad). One pass over flat
+    lists per iteration; no module traversal."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._slots: list[tuple[dict[str, Any], str, nn.Parameter, bool, str]] = []
+        self._counts: list[tuple[dict[str, Any], int, str]] = []
+        for mod_name, mod in module.named_modules():
+            params = mod._parameters
+            self._counts.append((params, len(params), mod_name or "<root>"))
+            for attr, param in params.items():
+                if param is not None:
+                    name = f"{mod_name}.{attr}" if mod_name else attr
+                    self._slots.append((params, attr, param, param.requires_grad, name))
+
+    def check(self, rank: int) -> None:
+        for params, attr, param, trainable, name in self._slots:
+            current = params.get(attr)
+            if current is not param:
+                _raise_changed(name, "was replaced by another tensor", rank)
+            elif param.requires_grad != trainable:
+                what = "was frozen (requires_grad=False)" if trainable else "was unfrozen"
+                _raise_changed(name, what, rank)
+        for params, count, mod_name in self._counts:
+            if len(params) != count:
+                _raise_changed(f"a param of module {mod_name!r}", "was added or removed", rank)
+
+
+def _raise_changed(name: str, what: str, rank: int) -> None:
+    raise RuntimeError(
+        f"megabuf: {name!r} {what} after the model was wrapped in DistributedDataParallel (rank "
+        f"{rank}). megabuf's grad buffers and hooks are bound to the params present at wrapping, "
+        "so training on would be silently wrong. Make such changes before wrapping, or wrap the "
+        "module again (and rebuild the optimizer) after them"
+    )

@@ -32,7 +32,9 @@ def _message(fn: Any) -> str:
 
 
 def unused_param_case() -> str:
-    cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=8)
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size=8, error_on_unused_params=True
+    )
     model = megabuf.DistributedDataParallel(TwoHeads(), cfg)
     model(torch.randn(3, 4)).sum().backward()
     return _message(model.finish_grad_sync)
@@ -92,8 +94,8 @@ def messages(pools: Any) -> list[dict[str, str]]:
 
 
 def test_unused_param_raises_naming_it_on_every_rank(messages: list[dict[str, str]]) -> None:
-    for rank, msgs in enumerate(messages):
-        assert "unused_head.weight" in msgs["unused"], msgs["unused"]
+    for rank, msgs in enumerate(messages):  # strict mode: error_on_unused_params=True
+        assert "unused_head.weight (ranks [0, 1])" in msgs["unused"], msgs["unused"]
         assert "unused_head.bias" in msgs["unused"] and f"rank {rank}" in msgs["unused"]
 
 

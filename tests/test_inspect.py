@@ -8,10 +8,13 @@ from typing import Any
 
 import pytest
 from bench_cases import KnownNet, ddp_layouts
+from plan_cases import ddp_vs_inspect
+from torch import nn
 
 from megabuf.cli import main
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.inspect import format_inspection, inspect_model, load_model
+from megabuf.inspect import format_inspection, inspect_model, inspection_to_dict, load_model
+from megabuf.replicas import mark_expert_parallel
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "sync": {},
@@ -90,3 +93,60 @@ def test_cli_reports_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown model" in capsys.readouterr().err
     assert main(["inspect", "gpt_tiny", "--set", "bogus=1"]) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def _moe_toy() -> nn.Module:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    mark_expert_parallel(model[1].parameters())
+    return model
+
+
+@pytest.mark.parametrize(
+    "ep_size, chains",
+    [
+        pytest.param(1, [" chain 0 (dense + expert, over dp): 3 groups"], id="shared-dp-one-chain"),
+        pytest.param(
+            2,
+            [" chain 0 (dense, over dp): 2 groups", " chain 1 (expert, over expt_dp): 1 group"],
+            id="own-expt-dp-two-chains",
+        ),
+    ],
+)
+def test_report_shows_dispatch_chains(ep_size: int, chains: list[str]) -> None:
+    cfg = DistributedDataParallelConfig(bucket_size=50)
+    info = inspect_model(_moe_toy(), cfg, 2, ep_size=ep_size)
+    lines = format_inspection(info).splitlines()
+    assert [line for line in lines if line.startswith(" chain")] == chains
+    data = inspection_to_dict(info)
+    assert data["chains"] == [list(c) for c in info.plan.chains]
+    assert len(info.plan.chains) == len(chains)
+    assert {g["chain_id"] for g in data["groups"]} == set(range(len(chains)))
+
+
+SMALL_OVERLAP = {"overlap_grad_reduce": True, "bucket_size": 200}
+DISTOPT_OVERLAP = {"use_distributed_optimizer": True, "overlap_grad_reduce": True}
+PLAN_CASES: dict[str, dict[str, Any]] = {
+    "ep1_sync": {"ep": 1},
+    "ep1_overlap_small_buckets": {"ep": 1, "config": SMALL_OVERLAP},
+    "ep1_bf16_experts_fp32_grads": {
+        "ep": 1,
+        "bf16_experts": True,
+        "config": {"grad_reduce_in_fp32": True, "bucket_size": 300},
+    },
+    "ep1_disable_bucketing": {"ep": 1, "disable_bucketing": True},
+    "ep2_distopt_overlap": {"ep": 2, "config": DISTOPT_OVERLAP},
+    "ep2_bf16_experts_small_buckets": {"ep": 2, "bf16_experts": True, "config": SMALL_OVERLAP},
+    "ep2_disable_bucketing": {"ep": 2, "disable_bucketing": True},
+}
+
+
+def test_ddp_builds_the_plan_inspect_prints(pools: Any) -> None:
+    per_rank = pools(2).run(ddp_vs_inspect, PLAN_CASES)
+    for rank, results in enumerate(per_rank):
+        for name, got in results.items():
+            assert got["ddp"] == got["inspect"], (rank, name)
+            assert got["same_plan"], (rank, name)
+    ep1 = per_rank[0]["ep1_overlap_small_buckets"]["ddp"]
+    assert len(ep1["chains"]) == 1 and any(e for _, e, _ in ep1["groups"])  # merged chain
+    ep2 = per_rank[0]["ep2_bf16_experts_small_buckets"]["ddp"]
+    assert len(ep2["chains"]) == 2 and len({b[1] for b in ep2["buffers"]}) == 2

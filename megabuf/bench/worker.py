@@ -11,6 +11,7 @@ an upper bound.
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import resource
 import statistics
@@ -147,7 +148,7 @@ def _timed_steps(
     for i in range(job.steps):
         _show(job, f"step {i + 1}/{job.steps}")
         times = train_step(engine, x, y, loss)
-        phases.append([b - a for a, b in zip(times, times[1:])])
+        phases.append([b - a for a, b in itertools.pairwise(times)])
     end_busy = system_busy_s()
     cpu["cpu_s"] = time.process_time() - process
     cpu["wall_s"] = time.perf_counter() - wall

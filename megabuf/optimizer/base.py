@@ -1,12 +1,23 @@
 """`MegabufOptimizer`: the step contract shared by the distributed and non-distributed optimizers.
 
 [Note: optimizer step]
-`step()` returns (update_successful, grad_norm, num_zeros_in_grad):
+`step()` returns `StepResult(update_successful, grad_norm, num_zeros_in_grad)` (a NamedTuple, so
+`ok, grad_norm, num_zeros = opt.step()` works):
+0. it refuses grads that are not this iteration's reduced grads: every bucket group of every model
+   chunk must be SYNCED, i.e. backward ran and then `model.finish_grad_sync()` (or
+   `finalize_model_grads`). After `zero_grad()` the buffer is zeroed lazily and still holds the
+   last step's grads, and after backward without a finish it holds unreduced or in-flight grads;
+   either would be applied silently. Then main params of model params edited in place since the
+   last step are re-read (see [Note: main params follow the model params]);
 1. point every main param's grad at its reduced grad (fp32 copy if the grad is bf16/fp16);
 2. with a grad scaler: unscale, and take the inf/NaN flag's max over all ranks; on inf the scaler
    backs off and the step is skipped on every rank -> (False, None, None);
-3. the global grad norm over dense and expert grads (see [Note: global grad norm]); clip to
-   `clip_grad` if > 0;
+3. the global grad norm over dense and expert grads (see [Note: global grad norm]). If it is not
+   finite (inf/NaN grads without a grad scaler: bf16 or fp32 training) the step is skipped on
+   every rank -> (False, grad_norm, None). The norm is summed over every group across which the
+   grads differ, so every rank holds the same value and takes the same branch. A skipped step
+   leaves params and optimizer state untouched and releases the fp32 grad copies. Otherwise clip
+   to `clip_grad` if > 0;
 4. step every inner optimizer (one for dense, one for expert params), copy updated fp32 main
    params back into the model's memory, and let the subclass publish them (the distributed
    optimizer marks params stale and all-gathers them, now or in the next forward).
@@ -14,8 +25,9 @@
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from megabuf.bucket_group import GradSyncState
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.clip import NormPart, clip_grads_, count_zeros, global_grad_norm
 from megabuf.optimizer.grad_scaler import GradScaler
@@ -35,18 +48,21 @@ from megabuf.optimizer.param_groups import (
     model_space_keys,
     resolve_param_groups,
 )
+from megabuf.optimizer.param_versions import ModelParamVersions
+from megabuf.optimizer.records import (
+    DOMAIN_KINDS,
+    Domain,
+    DomainKind,
+    OptimizerParts,
+    StepResult,
+)
 
-StepResult = tuple[bool, float | None, int | None]
-
-
-@dataclass
-class Domain:
-    """Dense or expert params: their main params, inner optimizer and norm groups."""
-
-    kind: str  # "dense" | "expert"
-    main_params: list[MainParam]
-    optimizer: torch.optim.Optimizer
-    norm_groups: tuple[ProcessGroup, ...]  # see [Note: global grad norm]
+logger = logging.getLogger(__name__)
+_UNSYNCED = {
+    GradSyncState.IDLE: "no reduction since zero_grad(), so the buffer holds the last step's "
+    "grads (it is zeroed lazily) or this backward's unreduced ones",
+    GradSyncState.DISPATCHED: "its reduction is still in flight",
+}
 
 
 class MegabufOptimizer:
@@ -78,32 +94,33 @@ class MegabufOptimizer:
         self.keys = model_space_keys(self.model_chunks)
         self._hparams, self._group_of = resolve_param_groups(self.model_chunks, param_groups)
         self.domains: list[Domain] = []
-        for kind in ("dense", "expert"):
+        for kind in DOMAIN_KINDS:
             mains = self._build_main_params(kind)
             if mains is not None:
                 inner = self._make_inner(mains, optimizer_kwargs)
                 self.domains.append(Domain(kind, mains, inner, self._norm_groups(kind)))
         self._norm_kinds = self._model_wide_kinds()
         self._copied_grads = False
+        self._versions = ModelParamVersions(self.main_params)
 
-    def _model_wide_kinds(self) -> tuple[str, ...]:
+    def _model_wide_kinds(self) -> tuple[DomainKind, ...]:
         """Kinds present on *any* rank. Every rank must join every norm reduction, even a
         pipeline stage without expert params, or the stages that have them wait forever."""
         mine = {d.kind for d in self.domains}
-        flags = torch.tensor([float("dense" in mine), float("expert" in mine)], device=self.device)
+        flags = torch.tensor([float(k in mine) for k in DOMAIN_KINDS], device=self.device)
         if dist.get_world_size() > 1:
             self.collectives.all_reduce_max(flags, None)
-        return tuple(k for k, f in zip(("dense", "expert"), flags.tolist()) if f > 0)
+        return tuple(k for k, f in zip(DOMAIN_KINDS, flags.tolist(), strict=True) if f > 0)
 
     # ---- subclass hooks -----------------------------------------------------------------------
     def _check_chunks(self, chunks: Sequence[DistributedDataParallel]) -> None:
         """Reject model chunks this optimizer cannot step (before anything is built)."""
 
-    def _build_main_params(self, kind: str) -> list[MainParam] | None:
+    def _build_main_params(self, kind: DomainKind) -> list[MainParam] | None:
         """This rank's main params of `kind`, or None if the model has no such params."""
         raise NotImplementedError
 
-    def _norm_groups(self, kind: str) -> tuple[ProcessGroup, ...]:
+    def _norm_groups(self, kind: DomainKind) -> tuple[ProcessGroup, ...]:
         raise NotImplementedError
 
     def _before_update(self) -> None:
@@ -130,31 +147,66 @@ class MegabufOptimizer:
     def step(self) -> StepResult:
         """See [Note: optimizer step]."""
         with torch.profiler.record_function("megabuf::optimizer_step"):
+            self._check_grads_synced()
+            self._versions.reload_edited()
             self._copied_grads = any([mp.attach_grad() for mp in self.main_params])
             grads = [mp.main.grad for mp in self.main_params if mp.main.grad is not None]
-            if self.grad_scaler is not None:
-                found_inf = self._unscale_and_check(grads)
-                self.grad_scaler.update(found_inf)
-                if found_inf:
-                    self._release_grads()
-                    return False, None, None
+            if self.grad_scaler is not None and self._scaler_found_inf(grads):
+                return self._skip(None)
             parts = self._norm_parts()
             grad_norm = global_grad_norm(parts, self.collectives, device=self.device)
+            if not math.isfinite(grad_norm):  # the same value on every rank
+                return self._skip(grad_norm)
             if self.clip_grad > 0.0:
                 clip_grads_(grads, self.clip_grad, grad_norm)
             num_zeros = None
             if self.log_num_zeros_in_grad:
                 num_zeros = count_zeros(parts, self.collectives, device=self.device)
-            self._before_update()
-            with torch.profiler.record_function("megabuf::inner_step"):
-                for domain in self.domains:
-                    domain.optimizer.step()
-            with torch.profiler.record_function("megabuf::copy_main_to_model"):
-                for mp in self.main_params:
-                    mp.write_back()
-            self._release_grads()
-            self._after_update()
-            return True, grad_norm, num_zeros
+            self._update()
+            return StepResult(True, grad_norm, num_zeros)
+
+    def _update(self) -> None:
+        """Step the inner optimizers and publish the new values into the model's memory."""
+        self._before_update()
+        with torch.profiler.record_function("megabuf::inner_step"):
+            for domain in self.domains:
+                domain.optimizer.step()
+        with torch.profiler.record_function("megabuf::copy_main_to_model"):
+            for mp in self.main_params:
+                mp.write_back()
+        self._versions.record()  # the write-back moves no version; record anyway
+        self._release_grads()
+        self._after_update()
+
+    def _skip(self, grad_norm: float | None) -> StepResult:
+        """Skip the step on this rank (every rank decides alike): nothing changes."""
+        self._release_grads()
+        if grad_norm is not None and dist.get_rank() == 0:  # scaler skips are routine
+            logger.warning("megabuf: step skipped on every rank: global grad norm is %s", grad_norm)
+        return StepResult(False, grad_norm, None)
+
+    def _check_grads_synced(self) -> None:
+        """See [Note: optimizer step], point 0."""
+        for i, chunk in enumerate(self.model_chunks):
+            for group in chunk.all_bucket_groups:
+                if group.grad_state is GradSyncState.SYNCED:
+                    continue
+                names = [group.param_to_name.get(p, "?") for p in group.params_list[:3]]
+                raise RuntimeError(
+                    f"megabuf: optimizer step() on rank {dist.get_rank()}: model chunk {i}, "
+                    f"bucket group {group.group_id} (params {', '.join(names)}, ...) has grad "
+                    f"sync {group.grad_state.name}, not SYNCED: {_UNSYNCED[group.grad_state]}. "
+                    "Run backward, then model.finish_grad_sync() (or "
+                    "megabuf.finalize_model_grads(model_chunks)), then step()"
+                )
+
+    def _scaler_found_inf(self, grads: list[torch.Tensor]) -> bool:
+        """Unscale grads, agree on inf/NaN over all ranks and let the scaler react."""
+        if self.grad_scaler is None:
+            return False
+        found_inf = self._unscale_and_check(grads)
+        self.grad_scaler.update(found_inf)
+        return found_inf
 
     @staticmethod
     def _grads_of(domain: Domain, skip_shared: bool) -> list[torch.Tensor]:
@@ -231,15 +283,37 @@ class MegabufOptimizer:
     def model_params(self) -> list[nn.Parameter]:
         return [p for chunk in self.model_chunks for p in chunk.param_to_name]
 
+    def reload_model_params(self) -> None:
+        """Copy the model params' current values into the fp32 main params that are copies of
+        them. step() does this by itself for params edited in place through the param
+        (`model.load_state_dict`, `p.mul_(...)` under no_grad); call it after writes through
+        `param.data`. See [Note: main params follow the model params]."""
+        self._versions.reload()
+
     # ---- state and memory ---------------------------------------------------------------------
+    def parts(self) -> OptimizerParts:
+        """What the state and memory helpers read of this optimizer."""
+        return OptimizerParts(
+            domains=self.domains,
+            keys=self.keys,
+            model_chunks=self.model_chunks,
+            optimizer_cls=self.optimizer_cls,
+            num_param_groups=len(self._hparams),
+            grad_scaler=self.grad_scaler,
+            sharded=self.sharded,
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """{"common": rank-independent state, "pieces": this rank's state in model space};
         see [Note: model-space optimizer state]."""
-        return {"common": common_state(self), "pieces": owned_pieces(self)}
+        parts = self.parts()
+        return {"common": common_state(parts), "pieces": owned_pieces(parts)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load pieces saved by any dp size / bucket layout (they must cover this rank's)."""
-        load_model_space_state(self, state)
+        """Load pieces saved by any dp size / bucket layout (they must cover this rank's). Load
+        the model first: see [Note: main params follow the model params]."""
+        load_model_space_state(self.parts(), state)
+        self._versions.record()
 
     def memory_report(self) -> OptimizerMemoryReport:
-        return memory_report(self, sharded=self.sharded)
+        return memory_report(self.parts())

@@ -25,6 +25,7 @@ from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.main_params import MainParam, sharded_main_params
 from megabuf.optimizer.param_groups import grad_buffers
+from megabuf.optimizer.records import DomainKind
 
 
 class DistributedOptimizer(MegabufOptimizer):
@@ -46,7 +47,7 @@ class DistributedOptimizer(MegabufOptimizer):
                     "with that flag, or use MixedPrecisionOptimizer / FP32Optimizer"
                 )
 
-    def _build_main_params(self, kind: str) -> list[MainParam] | None:
+    def _build_main_params(self, kind: DomainKind) -> list[MainParam] | None:
         buffers = [
             buf for chunk in self.model_chunks for buf in grad_buffers(chunk, kind == "expert")
         ]
@@ -54,7 +55,7 @@ class DistributedOptimizer(MegabufOptimizer):
             return None
         return [mp for buf in buffers for mp in sharded_main_params(buf, self.keys)]
 
-    def _norm_groups(self, kind: str) -> tuple[ProcessGroup, ...]:
+    def _norm_groups(self, kind: DomainKind) -> tuple[ProcessGroup, ...]:
         pgs = self.process_groups  # see [Note: global grad norm]
         return (pgs.dp, pgs.pp) if kind == "dense" else (pgs.expt_dp, pgs.ep, pgs.pp)
 

@@ -58,8 +58,14 @@ class MainParam:
         return True
 
     def write_back(self) -> None:
+        """Copy the updated values into the model's memory (rounded to its dtype)."""
         if self.model_data is not None:
             self.model_data.copy_(self.main.view(self.model_data.shape))
+
+    def reload(self) -> None:
+        """Re-read the model's current values (after the model param was edited)."""
+        if self.model_data is not None:
+            self.main.copy_(self.model_data.view(self.main.shape))
 
 
 def sharded_main_params(
@@ -92,7 +98,7 @@ def sharded_main_params(
                 grad_view,
                 model_data,
                 owner=True,
-            )  # fmt: skip
+            )
         )
     return result
 

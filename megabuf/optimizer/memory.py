@@ -8,14 +8,11 @@ With Adam, bf16 params and fp32 grads, plain data parallelism holds 2 (param) + 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from megabuf.optimizer.param_groups import grad_buffers
-
-if TYPE_CHECKING:
-    from megabuf.optimizer.base import MegabufOptimizer
+from megabuf.optimizer.records import OptimizerParts
 
 
 @dataclass(frozen=True)
@@ -48,9 +45,10 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def memory_report(opt: MegabufOptimizer, *, sharded: bool) -> OptimizerMemoryReport:
+def memory_report(parts: OptimizerParts) -> OptimizerMemoryReport:
+    """This rank's bytes: the optimizer's main params and state, the chunks' buffers."""
     owned = main_nbytes = state_nbytes = scalar_nbytes = 0
-    for domain in opt.domains:
+    for domain in parts.domains:
         for mp in domain.main_params:
             owned += mp.numel
             main_nbytes += _nbytes(mp.main) if mp.is_copy else 0
@@ -62,9 +60,9 @@ def memory_report(opt: MegabufOptimizer, *, sharded: bool) -> OptimizerMemoryRep
                 else:
                     scalar_nbytes += _nbytes(value)
     buffers = [
-        b for c in opt.model_chunks for expert in (False, True) for b in grad_buffers(c, expert)
+        b for c in parts.model_chunks for expert in (False, True) for b in grad_buffers(c, expert)
     ]
-    shard = sum(b.numel // b.dp_size for b in buffers) if sharded else owned
+    shard = sum(b.numel // b.dp_size for b in buffers) if parts.sharded else owned
     param_nbytes = sum(
         _nbytes(b.param_data) if b.param_data is not None else sum(_nbytes(p) for p in b.params)
         for b in buffers

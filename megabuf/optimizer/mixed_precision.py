@@ -13,13 +13,14 @@ from torch.distributed import ProcessGroup
 
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.main_params import MainParam, whole_main_params
+from megabuf.optimizer.records import DomainKind
 from megabuf.replicas import is_expert_parallel
 
 
 class MixedPrecisionOptimizer(MegabufOptimizer):
     """fp32 main params for half-precision params; all of a param's state on every dp rank."""
 
-    def _build_main_params(self, kind: str) -> list[MainParam] | None:
+    def _build_main_params(self, kind: DomainKind) -> list[MainParam] | None:
         for i, chunk in enumerate(self.model_chunks):
             if chunk.ddp_config.use_distributed_optimizer:
                 raise ValueError(
@@ -36,7 +37,7 @@ class MixedPrecisionOptimizer(MegabufOptimizer):
         owner = dist.get_rank(replica_group) == 0
         return whole_main_params(params, self.keys, owner)
 
-    def _norm_groups(self, kind: str) -> tuple[ProcessGroup, ...]:
+    def _norm_groups(self, kind: DomainKind) -> tuple[ProcessGroup, ...]:
         pgs = self.process_groups  # grads are replicated over dp / expt_dp: see clip.py
         return (pgs.pp,) if kind == "dense" else (pgs.ep, pgs.pp)
 
@@ -44,7 +45,7 @@ class MixedPrecisionOptimizer(MegabufOptimizer):
 class FP32Optimizer(MixedPrecisionOptimizer):
     """All params fp32: the inner optimizer steps the model params themselves."""
 
-    def _build_main_params(self, kind: str) -> list[MainParam] | None:
+    def _build_main_params(self, kind: DomainKind) -> list[MainParam] | None:
         bad = [
             name
             for chunk in self.model_chunks

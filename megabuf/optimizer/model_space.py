@@ -14,15 +14,13 @@ param of this rank is filled from the saved ranges overlapping it, and must be c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from megabuf.optimizer.main_params import MainParam
-
-if TYPE_CHECKING:
-    from megabuf.optimizer.base import MegabufOptimizer
+from megabuf.optimizer.records import OptimizerParts
 
 FORMAT = "megabuf-optimizer-v1"
 MAIN = "main"
@@ -32,20 +30,20 @@ def class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def common_state(opt: MegabufOptimizer) -> dict[str, Any]:
-    first = opt.domains[0].optimizer.param_groups if opt.domains else []
+def common_state(parts: OptimizerParts) -> dict[str, Any]:
+    first = parts.domains[0].optimizer.param_groups if parts.domains else []
     return {
         "format": FORMAT,
-        "optimizer_class": class_name(opt.optimizer_cls),
+        "optimizer_class": class_name(parts.optimizer_cls),
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in first],
-        "grad_scaler": opt.grad_scaler.state_dict() if opt.grad_scaler is not None else None,
+        "grad_scaler": parts.grad_scaler.state_dict() if parts.grad_scaler is not None else None,
     }
 
 
-def owned_pieces(opt: MegabufOptimizer) -> list[dict[str, Any]]:
+def owned_pieces(parts: OptimizerParts) -> list[dict[str, Any]]:
     """This rank's pieces (copies, so saving them does not serialise whole buffers)."""
     pieces = []
-    for domain in opt.domains:
+    for domain in parts.domains:
         for mp in domain.main_params:
             if not mp.owner:
                 continue
@@ -61,7 +59,7 @@ def owned_pieces(opt: MegabufOptimizer) -> list[dict[str, Any]]:
                     "numel": param.numel(),
                     "shape": list(param.shape),
                     "state": state,
-                }  # fmt: skip
+                }
             )
     return pieces
 
@@ -80,15 +78,16 @@ def _flat_state(mp: MainParam, name: str, value: Any) -> Any:
     )
 
 
-def load_model_space_state(opt: MegabufOptimizer, state: dict[str, Any]) -> None:
+@torch.no_grad()  # a main param may be the model param itself (fp32 params, non-sharded)
+def load_model_space_state(parts: OptimizerParts, state: dict[str, Any]) -> None:
     """See [Note: model-space optimizer state]."""
     common = state["common"]
-    check_common(opt, common)
+    check_common(parts, common)
     by_key: dict[str, list[dict[str, Any]]] = {}
     for piece in state["pieces"]:
         by_key.setdefault(piece["key"], []).append(piece)
-    check_keys(opt, by_key)
-    for domain in opt.domains:
+    check_keys(parts, by_key)
+    for domain in parts.domains:
         inner_state: dict[int, dict[str, Any]] = {}
         groups = []
         index = 0
@@ -104,8 +103,8 @@ def load_model_space_state(opt: MegabufOptimizer, state: dict[str, Any]) -> None
                 index += 1
             groups.append({**group, **common["param_groups"][gi], "params": ids})
         domain.optimizer.load_state_dict({"state": inner_state, "param_groups": groups})
-    if opt.grad_scaler is not None and common.get("grad_scaler") is not None:
-        opt.grad_scaler.load_state_dict(common["grad_scaler"])
+    if parts.grad_scaler is not None and common.get("grad_scaler") is not None:
+        parts.grad_scaler.load_state_dict(common["grad_scaler"])
 
 
 def _main_param_of(mains: list[MainParam], main: Tensor) -> MainParam:
@@ -152,31 +151,31 @@ def assemble_range(key: str, start: int, end: int, pieces: list[dict[str, Any]])
     return out
 
 
-def check_common(opt: MegabufOptimizer, common: dict[str, Any]) -> None:
+def check_common(parts: OptimizerParts, common: dict[str, Any]) -> None:
     if common.get("format") != FORMAT:
         raise ValueError(
             f"megabuf: optimizer state has format {common.get('format')!r}, expected {FORMAT!r}"
         )
     problems = []
-    saved_cls, cls = common["optimizer_class"], class_name(opt.optimizer_cls)
+    saved_cls, cls = common["optimizer_class"], class_name(parts.optimizer_cls)
     if saved_cls != cls:
         problems.append(f"optimizer class {saved_cls} was saved, this optimizer is {cls}")
-    if len(common["param_groups"]) != len(opt._hparams):
+    if len(common["param_groups"]) != parts.num_param_groups:
         problems.append(
             f"{len(common['param_groups'])} param groups were saved, this optimizer has "
-            f"{len(opt._hparams)}"
+            f"{parts.num_param_groups}"
         )
-    if (common.get("grad_scaler") is None) != (opt.grad_scaler is None):
+    if (common.get("grad_scaler") is None) != (parts.grad_scaler is None):
         problems.append("grad scaler present in only one of checkpoint and optimizer")
     if problems:
         raise ValueError("megabuf: optimizer state does not fit: " + "; ".join(problems))
 
 
-def check_keys(opt: MegabufOptimizer, by_key: dict[str, list[dict[str, Any]]]) -> None:
+def check_keys(parts: OptimizerParts, by_key: dict[str, list[dict[str, Any]]]) -> None:
     """Every param this rank steps must be in the state with the same numel; nothing saved may
     be unknown to the model."""
-    expected = {key: p for p, key in opt.keys.items()}
-    needed = {mp.key for mp in opt.main_params}
+    expected = {key: p for p, key in parts.keys.items()}
+    needed = {mp.key for mp in parts.main_params}
     missing = sorted(needed - set(by_key))
     unexpected = sorted(set(by_key) - set(expected))
     wrong = [

@@ -31,10 +31,10 @@ __all__ = [
     "GPT",
     "PRESETS",
     "GPTConfig",
-    "ManySmallConfig",
-    "ManySmallParams",
     "MLPConfig",
     "MLPStack",
+    "ManySmallConfig",
+    "ManySmallParams",
     "build_model",
     "corpus_tokens",
     "gpt_loss",
@@ -45,9 +45,9 @@ __all__ = [
     "loss_fn",
     "make_batch",
     "many_small",
-    "model_from_config",
     "mlp_34m",
     "mlp_tiny",
+    "model_from_config",
 ]
 
 _INIT_STD = 0.02

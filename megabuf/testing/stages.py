@@ -62,7 +62,7 @@ def split_gpt(gpt: GPT, num_stages: int) -> list[GPTStage]:
     """Cut `gpt` into `num_stages` stages with blocks spread as evenly as possible (earlier
     stages get the extra blocks)."""
     n = len(gpt.blocks)
-    if not 1 <= num_stages:
+    if not num_stages >= 1:
         raise ValueError(f"megabuf.testing: num_stages must be >= 1, got {num_stages}")
     bounds = [i * n // num_stages for i in range(num_stages + 1)]
     return [
