@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint as checkpoint
+from dist_pool import reset_rng
 from torch import nn
 
 import megabuf
@@ -378,9 +379,10 @@ SINGLE: dict[str, Callable[[], Any]] = {
 
 
 def _guarded(fn: Callable[[], Any]) -> Any:
+    reset_rng()  # every case starts from the same RNG state, whatever ran before it
     try:
         return {"ok": fn()}
-    except Exception:  # noqa: BLE001 - reported per case by the parent
+    except Exception:  # reported per case by the parent
         return {"error": traceback.format_exc()}
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dist_pool import reset_rng
 from optimizer_cases import (
     TORCH_OPTIMIZERS,
     Net,
@@ -302,8 +303,9 @@ def run_contract_cases(cases: dict[str, tuple[str, dict[str, Any]]]) -> dict[str
     }  # fmt: skip
     out: dict[str, Any] = {}
     for name, (kind, case) in cases.items():
+        reset_rng()  # every case starts from the same RNG state, whatever ran before it
         try:
             out[name] = kinds[kind](case)
-        except Exception:  # noqa: BLE001 - reported by the case's own test
+        except Exception:  # reported by the case's own test
             out[name] = {"exception": traceback.format_exc()}
     return out

@@ -351,7 +351,7 @@ def test_sync_param_gather_finishes_at_once_without_prefetch() -> None:
 # ---- dispatch chain ---------------------------------------------------------------------------
 def test_chain_dispatches_in_chain_order_when_ready_out_of_order() -> None:
     coll = RecordingCollectives()
-    chain, groups = learned_chain(3, coll, order=[2, 0, 1])
+    _, groups = learned_chain(3, coll, order=[2, 0, 1])
     grad(groups[1], 0)
     grad(groups[1], 1)
     grad(groups[0], 0)
@@ -471,7 +471,7 @@ def test_param_with_two_arrivals_readies_group_after_second() -> None:
 
 def test_grad_after_dispatch_raises_mentioning_no_sync() -> None:
     coll = RecordingCollectives()
-    chain, (g,) = learned_chain(1, coll)
+    _, (g,) = learned_chain(1, coll)
     grad(g, 0)
     grad(g, 1)
     assert g.grad_state is DISPATCHED
@@ -488,7 +488,7 @@ def test_grad_after_dispatch_raises_mentioning_no_sync() -> None:
 
 def test_no_sync_arrivals_do_not_count() -> None:
     coll = RecordingCollectives()
-    chain, (g,) = learned_chain(1, coll)
+    _, (g,) = learned_chain(1, coll)
     g.is_last_microbatch = False
     grad(g, 0)
     grad(g, 1)
