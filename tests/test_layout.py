@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -91,7 +92,7 @@ def test_layout_properties(
         assert a.end == b.start
     # params never overlap, each lies inside its bucket, sizes preserved
     spans = sorted((s.start, s.end) for s in layout.params)
-    for (_, e1), (s2, _) in zip(spans, spans[1:]):
+    for (_, e1), (s2, _) in itertools.pairwise(spans):
         assert e1 <= s2
     for pid, slot in enumerate(layout.params):
         bucket = layout.buckets[slot.bucket_id]
