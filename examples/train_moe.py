@@ -12,9 +12,9 @@ What every rank does (configs/moe.toml):
    expert-parallel; `megabuf.DistributedDataParallel` puts them in separate buffers reduced over
    expt_dp (scaled so every grad is still the average over all 4 data-parallel ranks: see
    [Note: gradient scaling] in megabuf/finalize.py).
-3. Each step `megabuf.forward_backward_no_pipelining` accumulates grads over the micro-batches
-   (no_sync on all but the last) and calls `megabuf.finalize_model_grads`; the optimizer
-   (distributed over dp for dense params and over expt_dp for experts) steps.
+3. Each step `megabuf.pipeline.forward_backward_no_pipelining` accumulates grads over the
+   micro-batches (no_sync on all but the last) and calls `megabuf.finalize_model_grads`; the
+   optimizer (distributed over dp for dense params and over expt_dp for experts) steps.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def train(config_path: Path, steps_override: int | None) -> list[float]:
         lo = pgs.dp_rank * m_count * mbs
         batches = [(x[lo + i * mbs : lo + (i + 1) * mbs], y[lo + i * mbs : lo + (i + 1) * mbs])
                    for i in range(m_count)]  # fmt: skip
-        metrics = megabuf.forward_backward_no_pipelining(
+        metrics = megabuf.pipeline.forward_backward_no_pipelining(
             forward_step_func=forward_step, data_iterator=iter(batches), model=model,
             num_microbatches=m_count, hooks=hooks,
         )  # fmt: skip

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import megabuf
+from megabuf.bucket_group import ParamSyncState
 from megabuf.layout import shard_pieces
+from megabuf.optimizer import DynamicGradScaler
 
 GLOBAL_BATCH = 16
 DIM = 12
@@ -173,9 +175,9 @@ def build_opt(model: megabuf.DistributedDataParallel, case: dict[str, Any]) -> A
     )  # fmt: skip
 
 
-def _scaler(case: dict[str, Any]) -> megabuf.DynamicGradScaler | None:
+def _scaler(case: dict[str, Any]) -> DynamicGradScaler | None:
     kwargs = case.get("scaler")
-    return None if kwargs is None else megabuf.DynamicGradScaler(**kwargs)
+    return None if kwargs is None else DynamicGradScaler(**kwargs)
 
 
 def train_step(model: Any, opt: Any, step: int, poison: bool = False) -> Any:
@@ -274,7 +276,7 @@ def overlap_case(case: dict[str, Any]) -> dict[str, Any]:
             train_step(model, opt, step)
             if overlap:
                 states = {g.param_state for g in model.all_bucket_groups}
-                lazy &= states == {megabuf.ParamSyncState.STALE}
+                lazy &= states == {ParamSyncState.STALE}
         model.publish_params()
         finals.append([p.detach().clone() for p in model.module.parameters()])
     bitwise = all(torch.equal(a, b) for a, b in zip(*finals, strict=True))

@@ -19,6 +19,7 @@ from checkpoint_cases import (
 from dist_pool import case_result, run_each
 
 import megabuf
+import megabuf.checkpoint
 
 FP32_ATOL = 1e-6
 BF16_ULPS = 2 * 2.0**-8  # two bf16 ulps at the largest param magnitude (see optimizer tests)
@@ -110,7 +111,7 @@ def test_consolidated_state_is_param_shaped_in_model_space(saved: Any) -> None:
     param-shaped tensors; the fp32 main params equal the params at save time."""
     root, per_rank = saved
     at_save = case_result(per_rank, "fp32_adam")[0]["at_save"]
-    state = megabuf.consolidated_optimizer_state(root / "fp32_adam")
+    state = megabuf.checkpoint.consolidated_optimizer_state(root / "fp32_adam")
     assert set(state) == set(at_save)
     for key, entry in state.items():
         assert torch.equal(entry["main"], at_save[key]), key

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import megabuf
+from megabuf.optimizer import ConstantGradScaler, DynamicGradScaler
 from megabuf.optimizer.builder import make_grad_scaler, optimizer_class_and_kwargs
 from megabuf.optimizer.clip import clip_grads_
 
@@ -49,15 +50,13 @@ def test_builder_maps_names_to_torch_semantics() -> None:
 def test_builder_grad_scaler_choice() -> None:
     assert make_grad_scaler(megabuf.OptimizerConfig(bf16=True), CPU) is None
     dynamic = make_grad_scaler(megabuf.OptimizerConfig(fp16=True, initial_loss_scale=8.0), CPU)
-    assert isinstance(dynamic, megabuf.DynamicGradScaler) and dynamic.scale.item() == 8.0
+    assert isinstance(dynamic, DynamicGradScaler) and dynamic.scale.item() == 8.0
     constant = make_grad_scaler(megabuf.OptimizerConfig(fp16=True, loss_scale=128.0), CPU)
-    assert isinstance(constant, megabuf.ConstantGradScaler) and constant.scale.item() == 128.0
+    assert isinstance(constant, ConstantGradScaler) and constant.scale.item() == 128.0
 
 
 def test_dynamic_scaler_hysteresis_backoff_growth_and_floor() -> None:
-    s = megabuf.DynamicGradScaler(
-        16.0, min_scale=4.0, growth_interval=3, hysteresis=2, backoff_factor=0.5
-    )
+    s = DynamicGradScaler(16.0, min_scale=4.0, growth_interval=3, hysteresis=2, backoff_factor=0.5)
     seen = []
     for found_inf in [True, True, True, True, False, False, False, True]:
         s.update(found_inf)
@@ -69,10 +68,10 @@ def test_dynamic_scaler_hysteresis_backoff_growth_and_floor() -> None:
 
 
 def test_dynamic_scaler_state_dict_round_trip() -> None:
-    a = megabuf.DynamicGradScaler(64.0, growth_interval=5, hysteresis=3)
+    a = DynamicGradScaler(64.0, growth_interval=5, hysteresis=3)
     for found_inf in [False, False, True]:
         a.update(found_inf)
-    b = megabuf.DynamicGradScaler(1.0, growth_interval=5, hysteresis=3)
+    b = DynamicGradScaler(1.0, growth_interval=5, hysteresis=3)
     b.load_state_dict(a.state_dict())
     assert b.state_dict() == a.state_dict() == {
         "scale": 64.0, "growth_tracker": 0, "hysteresis_tracker": 2,
