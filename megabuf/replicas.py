@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -103,31 +104,47 @@ class ParamStructure:
 
     megabuf's buffers, views and hooks are bound to the params seen at wrapping; a param changed
     afterwards would train silently wrong (a replaced param never reaches the buffer, a frozen
-    one is zero-filled, an unfrozen one steps on its local, unreduced grad). One pass over flat
-    lists per iteration; no module traversal."""
+    one is zero-filled, an unfrozen one steps on its local, unreduced grad). Checked once per
+    iteration with C-level maps over flat lists, no module traversal: ~0.5 us a param right after
+    a backward here (1 ms for the 2000 params of `many_small`, 0.5 % of its step)."""
 
     def __init__(self, module: nn.Module) -> None:
-        self._slots: list[tuple[dict[str, Any], str, nn.Parameter, bool, str]] = []
-        self._counts: list[tuple[dict[str, Any], int, str]] = []
-        for mod_name, mod in module.named_modules():
-            params = mod._parameters
-            self._counts.append((params, len(params), mod_name or "<root>"))
-            for attr, param in params.items():
-                if param is not None:
-                    name = f"{mod_name}.{attr}" if mod_name else attr
-                    self._slots.append((params, attr, param, param.requires_grad, name))
+        slots = [
+            (mod_name, mod._parameters, attr, param)
+            for mod_name, mod in module.named_modules()
+            for attr, param in mod._parameters.items()
+            if param is not None
+        ]
+        self._names = [f"{m}.{a}" if m else a for m, _, a, _ in slots]
+        self._dicts = [d for _, d, _, _ in slots]
+        self._attrs = [a for _, _, a, _ in slots]
+        self._params = [p for _, _, _, p in slots]
+        self._trainable = [p.requires_grad for p in self._params]
+        modules = list(module.named_modules())
+        self._module_names = [name or "<root>" for name, _ in modules]
+        self._module_dicts = [mod._parameters for _, mod in modules]
+        self._counts = [len(d) for d in self._module_dicts]
 
     def check(self, rank: int) -> None:
-        for params, attr, param, trainable, name in self._slots:
-            current = params.get(attr)
-            if current is not param:
+        current = list(map(dict.get, self._dicts, self._attrs))
+        trainable = list(map(_requires_grad, self._params))
+        if not all(map(operator.is_, current, self._params)) or trainable != self._trainable:
+            self._explain(current, trainable, rank)
+        if list(map(len, self._module_dicts)) != self._counts:
+            counts = zip(self._module_names, self._module_dicts, self._counts, strict=True)
+            name = next(n for n, d, c in counts if len(d) != c)
+            _raise_changed(f"a param of module {name!r}", "was added or removed", rank)
+
+    def _explain(self, current: list[Any], trainable: list[bool], rank: int) -> None:
+        for i, name in enumerate(self._names):
+            if current[i] is not self._params[i]:
                 _raise_changed(name, "was replaced by another tensor", rank)
-            elif param.requires_grad != trainable:
-                what = "was frozen (requires_grad=False)" if trainable else "was unfrozen"
+            if trainable[i] != self._trainable[i]:
+                what = "was frozen (requires_grad=False)" if self._trainable[i] else "was unfrozen"
                 _raise_changed(name, what, rank)
-        for params, count, mod_name in self._counts:
-            if len(params) != count:
-                _raise_changed(f"a param of module {mod_name!r}", "was added or removed", rank)
+
+
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 def _raise_changed(name: str, what: str, rank: int) -> None:

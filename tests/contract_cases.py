@@ -1,23 +1,22 @@
 """Rank-side code for the grad-contract tests (runs inside DistPool workers).
 
-Every case runs in the same worker process, one after another; `run_cases` catches each case's
-exception and returns its traceback so one failing case never hides another. References are
-single-process: the same model, each rank's batch pushed through its own backward, summed in
-rank order after scaling by 1/dp (exact in binary floating point for dp = 2 and 4), so at dp = 2
-the comparison can be bitwise.
+Every case runs in the same worker process, one after another, through `dist_pool.run_each`
+(RNG reset per case; an exception is returned, not raised, so one case never hides another).
+References are single-process: the same model, each rank's batch pushed through its own
+backward, summed in rank order after scaling by 1/dp (exact in binary floating point for dp = 2
+and 4), so at dp = 2 the comparison can be bitwise.
 """
 
 from __future__ import annotations
 
 import copy
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint as checkpoint
-from dist_pool import reset_rng
+from dist_pool import run_each
 from torch import nn
 
 import megabuf
@@ -378,17 +377,9 @@ SINGLE: dict[str, Callable[[], Any]] = {
 }
 
 
-def _guarded(fn: Callable[[], Any]) -> Any:
-    reset_rng()  # every case starts from the same RNG state, whatever ran before it
-    try:
-        return {"ok": fn()}
-    except Exception:  # reported per case by the parent
-        return {"error": traceback.format_exc()}
-
-
 def run_divergent() -> dict[str, Any]:
-    return {name: _guarded(lambda c=case: divergent_unused(c)) for name, case in DIVERGENT.items()}
+    return run_each({name: (divergent_unused, case) for name, case in DIVERGENT.items()})
 
 
-def run_single() -> dict[str, Any]:
-    return {name: _guarded(fn) for name, fn in SINGLE.items()}
+def run_single() -> dict[str, Any]:  # built rank-side: SINGLE holds lambdas
+    return run_each({name: (fn,) for name, fn in SINGLE.items()})

@@ -9,13 +9,12 @@ one failing case does not hide the others.
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from dist_pool import reset_rng
+from dist_pool import run_each
 from optimizer_cases import (
     TORCH_OPTIMIZERS,
     Net,
@@ -296,16 +295,12 @@ def roundtrip_case(case: dict[str, Any]) -> dict[str, Any]:
     return {"bitwise": _same(*finals)}
 
 
+KINDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "nonfinite": nonfinite_case, "unsynced": unsynced_case, "edit": edit_case,
+    "precision": precision_case, "roundtrip": roundtrip_case,
+}  # fmt: skip
+
+
 def run_contract_cases(cases: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    kinds: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-        "nonfinite": nonfinite_case, "unsynced": unsynced_case, "edit": edit_case,
-        "precision": precision_case, "roundtrip": roundtrip_case,
-    }  # fmt: skip
-    out: dict[str, Any] = {}
-    for name, (kind, case) in cases.items():
-        reset_rng()  # every case starts from the same RNG state, whatever ran before it
-        try:
-            out[name] = kinds[kind](case)
-        except Exception:  # reported by the case's own test
-            out[name] = {"exception": traceback.format_exc()}
-    return out
+    """Rank side: every case through `dist_pool.run_each` (RNG reset, exceptions returned)."""
+    return run_each({name: (KINDS[kind], case) for name, (kind, case) in cases.items()})

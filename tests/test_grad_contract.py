@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from contract_cases import DIVERGENT, SINGLE, run_divergent, run_single
+from dist_pool import case_result
 
 WORLD_SIZES = [2, 4]
 
@@ -25,9 +26,7 @@ def single(pools: Any) -> list[dict[str, Any]]:
 
 
 def _ok(results: list[dict[str, Any]], name: str) -> list[Any]:
-    for rank, per_case in enumerate(results):
-        assert "error" not in per_case[name], f"rank {rank}:\n{per_case[name]['error']}"
-    return [per_case[name]["ok"] for per_case in results]
+    return case_result(results, name)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

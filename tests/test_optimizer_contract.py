@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dist_pool import case_result
 from optimizer_contract_cases import EDITS, NONFINITE, PRECISION, ROUNDTRIP, UNSYNCED, all_cases
 from optimizer_contract_cases import run_contract_cases as _run
 
@@ -30,11 +31,7 @@ def results(pools: Any) -> list[dict[str, Any]]:
 
 
 def _per_rank(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    out = [res[name] for res in results]
-    for rank, res in enumerate(out):
-        if "exception" in res:
-            pytest.fail(f"{name} raised on rank {rank}:\n{res['exception']}")
-    return out
+    return case_result(results, name)
 
 
 def _tolerance(case: dict[str, Any], res: dict[str, Any]) -> float:
