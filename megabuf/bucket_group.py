@@ -162,21 +162,20 @@ class BucketGroup:
 
     # ---- lifecycle guards -------------------------------------------------------------------
     def _expect(self, *states: GradSyncState) -> None:
-        if self.grad_state not in states:
-            wanted = " or ".join(s.name for s in states)
-            raise RuntimeError(
-                f"megabuf: bucket group {self.group_id} grad sync is {self.grad_state.name}, "
-                f"expected {wanted} (rank {self.rank}); did you call zero_grad_buffer() "
-                "between iterations and finish_grad_sync() after backward?"
-            )
+        hint = "did you call zero_grad_buffer() between iterations and finish_grad_sync() "
+        hint += "after backward?"
+        self._guard("grad sync", self.grad_state, states, hint)
 
     def _expect_param(self, *states: ParamSyncState) -> None:
-        if self.param_state not in states:
-            wanted = " or ".join(s.name for s in states)
+        hint = "finish in-flight param gathers (model.publish_params()) before changing params"
+        self._guard("param sync", self.param_state, states, hint)
+
+    def _guard(self, what: str, state: enum.Enum, allowed: Sequence[enum.Enum], hint: str) -> None:
+        if state not in allowed:
+            wanted = " or ".join(s.name for s in allowed)
             raise RuntimeError(
-                f"megabuf: bucket group {self.group_id} param sync is {self.param_state.name}, "
-                f"expected {wanted} (rank {self.rank}); finish in-flight param gathers "
-                "(model.publish_params()) before changing params"
+                f"megabuf: bucket group {self.group_id} {what} is {state.name}, expected "
+                f"{wanted} (rank {self.rank}); {hint}"
             )
 
     # ---- observers learned or enabled at run time ------------------------------------------

@@ -76,6 +76,28 @@ def reference_grads(
     return total
 
 
+def grad_errors_per_step(
+    model: megabuf.DistributedDataParallel, ref: nn.Module, steps: int
+) -> list[float]:
+    """Train `steps` fp32 iterations; per step, max |param.grad - reference grad| over the
+    trainable params (the wrapped module and `ref` must have the same param names)."""
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    errors = []
+    for step in range(steps):
+        model.zero_grad_buffer()
+        loss_of(model, step, rank, torch.float32).backward()
+        model.finish_grad_sync()
+        reference_grads(ref, step, dp, torch.float32)
+        errors.append(
+            max(
+                (p.grad - ref.get_parameter(n).grad).abs().max().item()
+                for n, p in model.module.named_parameters()
+                if p.requires_grad
+            )
+        )
+    return errors
+
+
 def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1)
@@ -172,17 +194,7 @@ def reentrant_checkpointing() -> dict[str, Any]:
     cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=1)
     model = megabuf.DistributedDataParallel(net, cfg)
     timeline = model.enable_timeline()
-    rank, dp = dist.get_rank(), dist.get_world_size()
-    errors = []
-    for step in range(3):
-        model.zero_grad_buffer()
-        loss_of(model, step, rank, torch.float32).backward()
-        model.finish_grad_sync()
-        reference_grads(ref, step, dp, torch.float32)
-        errors.append(
-            max((p.grad - ref.get_parameter(n).grad).abs().max().item()
-                for n, p in net.named_parameters())
-        )  # fmt: skip
+    errors = grad_errors_per_step(model, ref, steps=3)
     ends = [t for g, e, t in timeline.events if e == "backward_end"]
     early = [sum(1 for g, e, t in timeline.events if e == "dispatch" and lo < t < hi)
              for lo, hi in zip([0.0, *ends[:-1]], ends)]  # fmt: skip
@@ -287,17 +299,7 @@ def one_chain_when_groups_match() -> dict[str, Any]:
     pgs = megabuf.ProcessGroups.build(ep_size=1)
     cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=1)
     model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
-    rank, dp = dist.get_rank(), dist.get_world_size()
-    errors = []
-    for step in range(2):
-        model.zero_grad_buffer()
-        loss_of(model, step, rank, torch.float32).backward()
-        model.finish_grad_sync()
-        reference_grads(ref, step, dp, torch.float32)
-        errors.append(
-            max((p.grad - ref.get_parameter(n).grad).abs().max().item()
-                for n, p in net.named_parameters() if p.requires_grad)
-        )  # fmt: skip
+    errors = grad_errors_per_step(model, ref, steps=2)
     chains = {id(g.chain) for g in model.all_bucket_groups}
     return {"chains": len(chains), "expert_groups": len(model.expert_parallel_bucket_groups),
             "errors": errors}  # fmt: skip
