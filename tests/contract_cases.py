@@ -344,6 +344,34 @@ def step_without_backward(bf16: bool) -> bool:
     return all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
 
 
+def broadcast_then_step(distributed: bool) -> dict[str, Any]:
+    """Rank 0 edits its bf16 params through `.data` (invisible to version tracking), then
+    `model.broadcast_params()`: every rank's fp32 main params must follow the broadcast values,
+    or the next step would write the stale main params back over them."""
+    torch.manual_seed(0)
+    net = Stack().to(torch.bfloat16)
+    cfg = megabuf.DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed
+    )
+    model = megabuf.DistributedDataParallel(net, cfg)
+    opt = megabuf.build_optimizer(
+        model, megabuf.OptimizerConfig(optimizer="sgd", lr=1e-30, bf16=True)
+    )
+    if dist.get_rank() == 0:
+        for p in net.parameters():
+            p.data.copy_(torch.full_like(p, 0.5))
+    model.broadcast_params()
+    model.zero_grad_buffer()
+    loss_of(model, 0, dist.get_rank(), torch.bfloat16).backward()
+    model.finish_grad_sync()
+    result = opt.step()  # lr 1e-30: params must stay exactly what was broadcast
+    model.publish_params()
+    return {
+        "ok": result.update_successful,
+        "all_half": all(bool((p == 0.5).all()) for p in net.parameters()),
+    }
+
+
 DIVERGENT: dict[str, dict[str, Any]] = {
     "sync_torch_sgd": {"optimizer": "sgd", "ddp": {}},
     "overlap_torch_sgd": {
@@ -376,6 +404,8 @@ SINGLE: dict[str, Callable[[], Any]] = {
     "bf16_accumulate_after_sync": bf16_accumulate_after_sync,
     "step_without_backward_fp32": lambda: step_without_backward(False),
     "step_without_backward_bf16": lambda: step_without_backward(True),
+    "broadcast_then_step_mixed": lambda: broadcast_then_step(False),
+    "broadcast_then_step_distopt": lambda: broadcast_then_step(True),
 }
 
 

@@ -117,9 +117,18 @@ def test_torch_optimizer_step_without_backward_leaves_params_alone(
     assert all(_ok(single, name)), name
 
 
+@pytest.mark.parametrize("name", ["broadcast_then_step_mixed", "broadcast_then_step_distopt"])
+def test_optimizer_follows_params_changed_by_broadcast_params(
+    single: list[dict[str, Any]], name: str
+) -> None:
+    for res in _ok(single, name):
+        assert res == {"ok": True, "all_half": True}, res
+
+
 def test_every_single_case_has_a_test() -> None:
     covered = {"strict_unused", "reentrant_checkpointing", "replace", "freeze", "unfreeze",
                "reset_after_exception", "fp16_reduce_scatter", "one_chain",
                "bf16_accumulate_after_sync", "step_without_backward_fp32",
-               "step_without_backward_bf16"}  # fmt: skip
+               "step_without_backward_bf16", "broadcast_then_step_mixed",
+               "broadcast_then_step_distopt"}  # fmt: skip
     assert covered == set(SINGLE)
