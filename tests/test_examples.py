@@ -1,0 +1,49 @@
+"""The shipped examples run end to end in `make test`: 2 steps each, with `--check` against
+one-process training on the global batch. Each spawns its own ranks (2 for the GPT, 4 for MoE and
+pipeline), so this module costs 30-50 s on 2 shared cores; the examples' default step counts stay in
+`make demo` and the README."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# example argv -> lines it must print: its last step, its --check (the exit code says whether the
+# check passed)
+EXAMPLES = {
+    "train_gpt": (
+        ["examples/train_gpt.py", "--steps", "2", "--check"],
+        r"done: loss \S+ -> \S+ in 2 steps",
+        r"check vs 1 process: max loss diff \S+ \(relative\); .* -> OK",
+    ),
+    "train_moe": (
+        ["examples/train_moe.py", "--steps", "2", "--check"],
+        r"(?m)^step +1 ",
+        r"--check: largest \|EP loss - one-process loss\| over 2 steps: \S+",
+    ),
+    "train_pipeline": (
+        ["examples/train_pipeline.py", "--steps", "2", "--check"],
+        r"(?m)^step +1 ",
+        r"--check: largest \|pipeline loss - one-process loss\| over 2 steps: \S+",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_trains_and_passes_its_check(name: str) -> None:
+    argv, *lines = EXAMPLES[name]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, (name, proc.returncode, output[-4000:])
+    for line in lines:
+        assert re.search(line, output), (name, line, output[-4000:])
