@@ -45,6 +45,13 @@ def mismatched_replicas_case() -> str:
     return _message(lambda: megabuf.DistributedDataParallel(TwoHeads(width)))
 
 
+def mismatched_dtype_case() -> str:
+    net = TwoHeads()
+    if dist.get_rank() == 1:
+        net.head.to(torch.float64)  # same names and shapes; a later param differs in dtype
+    return _message(lambda: megabuf.DistributedDataParallel(net))
+
+
 def extra_param_case() -> str:
     net = TwoHeads()
     if dist.get_rank() == 1:
@@ -81,6 +88,7 @@ def all_error_cases() -> dict[str, str]:
     return {
         "unused": unused_param_case(),
         "mismatch": mismatched_replicas_case(),
+        "dtype": mismatched_dtype_case(),
         "extra": extra_param_case(),
         "devices": devices_case(),
         "nan_sync": nan_case(False),
@@ -103,6 +111,13 @@ def test_replica_shape_mismatch_raises_on_every_rank(messages: list[dict[str, st
     for msgs in messages:
         assert msgs["mismatch"].startswith("ValueError"), msgs["mismatch"]
         assert "'body.weight' shape (4, 4)" in msgs["mismatch"] and "(5, 4)" in msgs["mismatch"]
+
+
+def test_replica_dtype_mismatch_raises_naming_the_param(messages: list[dict[str, str]]) -> None:
+    for msgs in messages:
+        msg = msgs["dtype"]
+        assert msg.startswith("ValueError") and "rank 1 differs" in msg, msg
+        assert "'head.weight' shape (2, 4) torch.float32" in msg and "torch.float64" in msg, msg
 
 
 def test_replica_param_count_mismatch_names_extra_param(messages: list[dict[str, str]]) -> None:
