@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-from megabuf import DistributedDataParallelConfig
+from megabuf import DistributedDataParallelConfig, OptimizerConfig
 from megabuf.process_groups import rank_layout
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the same fallback as megabuf/config.py
+    import tomli as tomllib
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -46,11 +52,40 @@ def test_from_dict_rejects_unknown_fields() -> None:
         DistributedDataParallelConfig.from_dict({"overlap_grad_reduc": True})
 
 
-@pytest.mark.parametrize("name", ["ddp", "ddp_overlap", "distopt_overlap"])
-def test_shipped_configs_load(name: str) -> None:
-    cfg = DistributedDataParallelConfig.from_toml(CONFIGS / f"{name}.toml")
-    assert cfg.use_distributed_optimizer == name.startswith("distopt")
-    assert cfg.overlap_grad_reduce == (name != "ddp")
+SHIPPED = sorted(p.name for p in CONFIGS.glob("*.toml"))
+
+
+def test_every_example_config_is_shipped() -> None:
+    assert SHIPPED == [
+        "ddp.toml", "ddp_overlap.toml", "distopt_overlap.toml", "moe.toml", "pipeline.toml"
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_config_loads_every_table_value(name: str) -> None:
+    """Every file in configs/: the [ddp] table (and the [optimizer] table where present) loads,
+    each value as written, every other field at its default."""
+    path = CONFIGS / name
+    with open(path, "rb") as f:
+        tables = tomllib.load(f)
+    for cls, table in ((DistributedDataParallelConfig, "ddp"), (OptimizerConfig, "optimizer")):
+        if table not in tables:
+            assert table == "optimizer", f"{name} has no [ddp] table"
+            continue
+        cfg = cls.from_toml(path)
+        default = cls()
+        for field in cls.__dataclass_fields__:
+            want = tables[table].get(field, getattr(default, field))
+            assert getattr(cfg, field) == want, (name, table, field)
+
+
+def test_ddp_keys_load_at_top_level_or_under_ddp(tmp_path: Path) -> None:
+    top, nested = tmp_path / "top.toml", tmp_path / "nested.toml"
+    top.write_text("overlap_grad_reduce = true\nbucket_size = 123\n")
+    nested.write_text("[ddp]\noverlap_grad_reduce = true\nbucket_size = 123\n")
+    want = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=123)
+    assert DistributedDataParallelConfig.from_toml(top) == want
+    assert DistributedDataParallelConfig.from_toml(nested) == want
 
 
 def test_bad_toml_names_the_file(tmp_path: Path) -> None:
