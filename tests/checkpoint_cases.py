@@ -1,14 +1,22 @@
-"""Rank-side code for the checkpoint tests: save at one dp size, resume at another."""
+"""Rank-side code for the checkpoint tests: save at one dp size, resume at another; pipeline
+(pp=2) and expert-parallel (ep=2) models saved and resumed at the same sizes."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
-from optimizer_cases import build_model, build_opt, train_step
+from moe_cases import build as build_moe
+from moe_cases import groups, run_step
+from optimizer_cases import Reference, build_model, build_opt, train_step
+from pipeline_cases import GCFG, MBS, global_batch
 
 import megabuf
+from megabuf.testing.models import GPT, gpt_loss
+from megabuf.testing.stages import split_gpt, stage_index
 
 SAVE_AFTER = 3  # steps 0..2 before the checkpoint
 TOTAL_STEPS = 8  # then 5 more
@@ -67,6 +75,20 @@ def save_then_continue(root: str, name: str) -> dict[str, Any]:
         "uninterrupted": final_params(model),
         "same_dp": final_params(resumed_model),
         "at_save": at_save,
+        "reference_state": _reference_state(case),
+    }
+
+
+def _reference_state(case: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """torch's optimizer state after SAVE_AFTER single-process steps on the global batch, by
+    param name: what the saved optimizer state holds, up to the dp sums' rounding."""
+    ref = Reference(case)
+    for step in range(SAVE_AFTER):
+        ref.step(step)
+    names = [n for n, _ in ref.model.named_parameters()]
+    return {
+        name: {k: v.clone() for k, v in ref.opt.state[master].items() if v.dim() > 0}
+        for name, master in zip(names, ref.masters, strict=True)
     }
 
 
@@ -109,3 +131,96 @@ def mismatch_error(root: str, label: str) -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+# ---- pipeline- and expert-parallel checkpoints (4 ranks: pp=2 x dp=2, ep=2 x expt_dp=2) -----
+Chunks = list[megabuf.DistributedDataParallel]
+ADAM = megabuf.OptimizerConfig(optimizer="adam", lr=1e-2)
+DISTOPT = megabuf.DistributedDataParallelConfig(
+    use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=300
+)
+
+
+def _pp_build() -> tuple[Chunks, megabuf.MegabufOptimizer]:
+    pgs = groups(pp_size=2)
+    stages = split_gpt(GPT(GCFG, seed=0), 2)
+    chunks = megabuf.wrap_model_chunks([stages[stage_index(pgs.pp_rank, 0, 2)]], DISTOPT, pgs)
+    return chunks, megabuf.build_optimizer(chunks, ADAM)
+
+
+def _lm_loss(targets: torch.Tensor, logits: torch.Tensor) -> Any:
+    loss = gpt_loss(logits, targets)
+    return loss, {"loss": loss.detach()}
+
+
+def _gpt_forward_step(data_iterator: Iterator[Any], model: Any) -> Any:
+    tokens, targets = next(data_iterator)
+    return model(tokens), partial(_lm_loss, targets)
+
+
+def _pp_step(chunks: Chunks, opt: megabuf.MegabufOptimizer, step: int) -> Any:
+    pgs, n_micro = chunks[0].process_groups, 2
+    x, y = global_batch(step, pgs.dp_size * n_micro * MBS)
+    rows = [pgs.dp_rank * n_micro * MBS + m * MBS for m in range(n_micro)]
+    batches = [(x[r : r + MBS], y[r : r + MBS]) for r in rows]
+    opt.zero_grad()
+    megabuf.get_forward_backward_func(2, 1)(
+        forward_step_func=_gpt_forward_step, data_iterator=iter(batches), model=chunks[0],
+        num_microbatches=n_micro, tensor_shape=(MBS, GCFG.seq_len, GCFG.d_model),
+        hooks=megabuf.default_schedule_hooks(chunks),
+    )  # fmt: skip
+    return opt.step()
+
+
+def _ep_build() -> tuple[Chunks, megabuf.MegabufOptimizer]:
+    model = build_moe({"ep": 2, "config": {"use_distributed_optimizer": True, "bucket_size": 300}})
+    return [model], megabuf.build_optimizer(model, ADAM)
+
+
+def _ep_step(chunks: Chunks, opt: megabuf.MegabufOptimizer, step: int) -> Any:
+    opt.zero_grad()
+    run_step(chunks[0], step, per_token=False)  # finalize_model_grads
+    return opt.step()
+
+
+Builder = Callable[[], tuple[Chunks, megabuf.MegabufOptimizer]]
+Stepper = Callable[[Chunks, megabuf.MegabufOptimizer, int], Any]
+PARALLEL: dict[str, tuple[Builder, Stepper]] = {
+    "pp2": (_pp_build, _pp_step),
+    "ep2": (_ep_build, _ep_step),
+}
+
+
+def _chunk_params(chunks: Chunks) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, chunk in enumerate(chunks):
+        chunk.publish_params()
+        out |= {f"{i}/{n}": p.detach().clone() for n, p in chunk.module.named_parameters()}
+    return out
+
+
+def parallel_save_then_resume(root: str, name: str) -> dict[str, Any]:
+    """Train SAVE_AFTER steps, save, continue to TOTAL_STEPS; a fresh model and optimizer load
+    the checkpoint (same pp / ep / dp sizes) and run the same remaining steps."""
+    build, step_fn = PARALLEL[name]
+    path = os.path.join(root, name)
+
+    def train(chunks: Chunks, opt: megabuf.MegabufOptimizer, steps: range) -> None:
+        for step in steps:
+            if not step_fn(chunks, opt, step)[0]:
+                raise RuntimeError(f"{name}: step {step} was skipped")
+
+    chunks, opt = build()
+    train(chunks, opt, range(SAVE_AFTER))
+    megabuf.save_checkpoint(path, chunks, opt)
+    at_save = _chunk_params(chunks)
+    train(chunks, opt, range(SAVE_AFTER, TOTAL_STEPS))
+    resumed, resumed_opt = build()
+    fresh = _chunk_params(resumed)
+    megabuf.load_checkpoint(path, resumed, resumed_opt)
+    loaded = _chunk_params(resumed)
+    train(resumed, resumed_opt, range(SAVE_AFTER, TOTAL_STEPS))
+    return {
+        "uninterrupted": _chunk_params(chunks), "resumed": _chunk_params(resumed),
+        "at_save": at_save, "fresh": fresh, "loaded": loaded,
+    }  # fmt: skip

@@ -1,5 +1,6 @@
 """Checkpoints are in model space: saved at dp=4, they resume at dp=2 and dp=1 with other bucket
-sizes, and 5 more steps give the same params as the uninterrupted run."""
+sizes, and 5 more steps give the same params as the uninterrupted run. Pipeline (pp=2) and
+expert-parallel (ep=2) models save and resume at the same sizes."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pytest
 import torch
 from checkpoint_cases import (
     MISMATCHES,
+    PARALLEL,
     VARIANTS,
     leftovers,
     mismatch_error,
+    parallel_save_then_resume,
     resume,
     save_then_continue,
 )
@@ -31,6 +34,7 @@ def saved(pools: Any, tmp_path_factory: Any) -> tuple[Path, list[dict[str, Any]]
     cases: dict[str, tuple[Any, ...]] = {
         name: (save_then_continue, str(root), name) for name in VARIANTS
     }
+    cases |= {name: (parallel_save_then_resume, str(root), name) for name in PARALLEL}
     cases["leftovers"] = (leftovers, str(root))  # after every save
     return root, pools(4).run(run_each, cases)
 
@@ -108,12 +112,51 @@ def test_loading_into_a_mismatch_says_what_does_not_match(resumed: Any, label: s
 
 def test_consolidated_state_is_param_shaped_in_model_space(saved: Any) -> None:
     """Offline, from the dp=4 files: every param's main param and Adam moments, reassembled into
-    param-shaped tensors; the fp32 main params equal the params at save time."""
+    param-shaped tensors; the fp32 main params equal the params at save time, and the moments
+    equal torch Adam's after the same steps on the global batch in one process."""
     root, per_rank = saved
-    at_save = case_result(per_rank, "fp32_adam")[0]["at_save"]
+    result = case_result(per_rank, "fp32_adam")[0]
+    at_save, reference = result["at_save"], result["reference_state"]
     state = megabuf.checkpoint.consolidated_optimizer_state(root / "fp32_adam")
     assert set(state) == set(at_save)
     for key, entry in state.items():
         assert torch.equal(entry["main"], at_save[key]), key
         for moment in ("exp_avg", "exp_avg_sq"):
+            want = reference[key][moment]
             assert entry[moment].shape == at_save[key].shape, (key, moment)
+            err = (entry[moment] - want).abs().max().item()
+            assert err <= 1e-5 * want.abs().max().item() + 1e-12, (key, moment, err)
+
+
+@pytest.mark.parametrize("name", PARALLEL)
+def test_pipeline_and_expert_parallel_checkpoints_resume_bitwise(saved: Any, name: str) -> None:
+    """pp=2 x dp=2 (1F1B, tied embeddings on both stages) and ep=2 x expt_dp=2 (MoE), each
+    with the distributed optimizer (Adam): loading restores the params at save time, and the
+    remaining steps reproduce the uninterrupted run bit for bit on every rank."""
+    _, per_rank = saved
+    for rank, res in enumerate(case_result(per_rank, name)):
+        at_save = res["at_save"]
+        assert any(not torch.equal(res["fresh"][k], at_save[k]) for k in at_save), rank
+        for key in at_save:
+            assert torch.equal(res["loaded"][key], at_save[key]), (name, rank, key)
+            assert torch.equal(res["resumed"][key], res["uninterrupted"][key]), (name, rank, key)
+
+
+def test_pipeline_and_expert_checkpoint_keys_carry_stage_and_ep_rank(saved: Any) -> None:
+    """Rank order (pp, expt_dp, ep): ranks 0-1 hold stage 0 and 2-3 stage 1; even ranks ep rank
+    0, odd ranks ep rank 1. Each rank's params at save time are the consolidated main params
+    under its stage / ep-rank key."""
+    root, per_rank = saved
+    for name, prefix_of in (
+        ("pp2", lambda rank, key: f"stage{rank // 2}/"),
+        ("ep2", lambda rank, key: f"ep{rank % 2}/" if ".experts." in key else ""),
+    ):
+        state = megabuf.checkpoint.consolidated_optimizer_state(root / name)
+        seen = set()
+        for rank, res in enumerate(case_result(per_rank, name)):
+            for key, value in res["at_save"].items():
+                local = key.split("/", 1)[1]  # "<chunk index>/<param name>"
+                full = prefix_of(rank, local) + local
+                assert torch.equal(state[full]["main"], value), (name, rank, full)
+                seen.add(full)
+        assert seen == set(state), (name, sorted(set(state) - seen))
