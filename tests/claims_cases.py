@@ -146,12 +146,28 @@ def other_optimizer_case(name: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def scaling_invariant_case() -> str:
+    """README: `check_scaling_invariant` runs on every `finalize_model_grads` call; a buffer
+    whose grads would not end at 1/dp_size makes it raise (on every rank, before any reduction)."""
+    model = _ddp(_net())
+    buf = model.buffers[0]
+    buf.gradient_scaling_factor *= 2.0  # buckets keep the right factor: inconsistent and wrong
+    x, y = make_data(0)
+    loss_fn(model(x), y).backward()
+    try:
+        megabuf.finalize_model_grads([model])
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
 def all_cases() -> dict[str, tuple[Any, ...]]:
     cases: dict[str, tuple[Any, ...]] = {
         "state_dict": (state_dict_case,),
         "broadcast": (broadcast_case,),
         "loss_scale_fp32": (loss_scale_case, False),
         "loss_scale_distopt": (loss_scale_case, True),
+        "scaling_invariant": (scaling_invariant_case,),
     }
     cases |= {f"optimizer_{n}": (other_optimizer_case, n) for n in OTHER_OPTIMIZERS}
     return cases

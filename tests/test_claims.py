@@ -70,3 +70,9 @@ def test_other_pointwise_torch_optimizer_through_distributed_optimizer(
         assert res["inner"] == [OTHER_OPTIMIZERS[name][0].__name__]
         worst = max(res["errors"].items(), key=lambda kv: kv[1])
         assert worst[1] <= FP32_ATOL * max(1.0, res["scale"]), (rank, name, worst)
+
+
+def test_finalize_checks_the_gradient_scaling_invariant(results: Any) -> None:
+    for rank, msg in enumerate(case_result(results, "scaling_invariant")):
+        assert "scales grads by [0.5, 1.0]" in msg and f"rank {rank}" in msg, msg
+        assert "[Note: gradient scaling]" in msg, msg
