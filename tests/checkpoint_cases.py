@@ -224,3 +224,18 @@ def parallel_save_then_resume(root: str, name: str) -> dict[str, Any]:
         "uninterrupted": _chunk_params(chunks), "resumed": _chunk_params(resumed),
         "at_save": at_save, "fresh": fresh, "loaded": loaded,
     }  # fmt: skip
+
+
+def parallel_mismatch_error(root: str, name: str) -> str:
+    """The pp=2 / ep=2 checkpoints loaded at pp=1 / ep=1 (the whole GPT, all experts local):
+    the ValueError's message."""
+    if name == "pp2":
+        chunks = megabuf.wrap_model_chunks([GPT(GCFG, seed=0)], DISTOPT, groups())
+    else:
+        chunks = [build_moe({"ep": 1, "config": {"use_distributed_optimizer": True}})]
+    opt = megabuf.build_optimizer(chunks, ADAM)
+    try:
+        megabuf.load_checkpoint(os.path.join(root, name), chunks, opt)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"

@@ -15,6 +15,7 @@ from checkpoint_cases import (
     VARIANTS,
     leftovers,
     mismatch_error,
+    parallel_mismatch_error,
     parallel_save_then_resume,
     resume,
     save_then_continue,
@@ -49,6 +50,7 @@ def resumed(request: Any, saved: Any, pools: Any) -> tuple[int, list[dict[str, A
         name: (resume, str(root), name, bucket_size) for name in VARIANTS
     }
     cases |= {label: (mismatch_error, str(root), label) for label in MISMATCHES}
+    cases |= {f"{n}_at_1": (parallel_mismatch_error, str(root), n) for n in PARALLEL}
     return world_size, pools(world_size).run(run_each, cases)
 
 
@@ -160,3 +162,12 @@ def test_pipeline_and_expert_checkpoint_keys_carry_stage_and_ep_rank(saved: Any)
                 assert torch.equal(state[full]["main"], value), (name, rank, full)
                 seen.add(full)
         assert seen == set(state), (name, sorted(set(state) - seen))
+
+
+@pytest.mark.parametrize(("name", "entry"), [("pp2", "blocks.0."), ("ep2", "moe.experts.")])
+def test_pipeline_and_expert_sizes_must_match_at_load(resumed: Any, name: str, entry: str) -> None:
+    """Saved at pp=2 / ep=2, loaded at pp=1 / ep=1: a ValueError naming the missing entries."""
+    _, per_rank = resumed
+    for msg in case_result(per_rank, f"{name}_at_1"):
+        assert "missing entries" in msg and entry in msg, msg
+        assert "same pipeline / expert-parallel sizes" in msg, msg
