@@ -161,6 +161,21 @@ def scaling_invariant_case() -> str:
     return "no error"
 
 
+def fp32_in_place_case() -> dict[str, Any]:
+    """FP32Optimizer's docstring: the inner optimizer steps the model params themselves (no fp32
+    copy), so a step moves the module's params with no copy-back."""
+    model = _ddp(_net(), overlap_grad_reduce=True, bucket_size=90)
+    opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig(optimizer="sgd", lr=0.1))
+    stepped_ptrs = {mp.main.data_ptr() for mp in opt.main_params}
+    param_ptrs = {p.data_ptr() for p in model.module.parameters()}
+    train_step(model, opt, 0)
+    return {
+        "kind": type(opt).__name__, "copies": sum(mp.is_copy for mp in opt.main_params),
+        "same_memory": stepped_ptrs == param_ptrs,
+        "main_param_nbytes": opt.memory_report().main_param_nbytes,
+    }  # fmt: skip
+
+
 def all_cases() -> dict[str, tuple[Any, ...]]:
     cases: dict[str, tuple[Any, ...]] = {
         "state_dict": (state_dict_case,),
@@ -168,6 +183,7 @@ def all_cases() -> dict[str, tuple[Any, ...]]:
         "loss_scale_fp32": (loss_scale_case, False),
         "loss_scale_distopt": (loss_scale_case, True),
         "scaling_invariant": (scaling_invariant_case,),
+        "fp32_in_place": (fp32_in_place_case,),
     }
     cases |= {f"optimizer_{n}": (other_optimizer_case, n) for n in OTHER_OPTIMIZERS}
     return cases

@@ -7,8 +7,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from claims_cases import LOSS_SCALE, OTHER_OPTIMIZERS, all_cases
 from dist_pool import case_result, run_each
+
+import megabuf
 
 FP32_ATOL = 1e-5  # dp sums in another order than the global batch's, a few steps
 
@@ -76,3 +79,28 @@ def test_finalize_checks_the_gradient_scaling_invariant(results: Any) -> None:
     for rank, msg in enumerate(case_result(results, "scaling_invariant")):
         assert "scales grads by [0.5, 1.0]" in msg and f"rank {rank}" in msg, msg
         assert "[Note: gradient scaling]" in msg, msg
+
+
+def test_fp32_optimizer_steps_the_model_params_themselves(results: Any) -> None:
+    for res in case_result(results, "fp32_in_place"):
+        assert res["kind"] == "FP32Optimizer", res
+        assert res["copies"] == 0 and res["same_memory"], res
+        assert res["main_param_nbytes"] == 0, res
+
+
+def test_init_distributed_without_torchrun_env_says_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert not dist.is_initialized()  # the test process itself never joins a group
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match=r"torchrun's environment; missing \['RANK'"):
+        megabuf.init_distributed()
+
+
+def test_model_chunks_need_pipeline_parallelism() -> None:
+    with pytest.raises(ValueError, match="chunks > 1 need pipeline parallelism"):
+        megabuf.get_forward_backward_func(1, 2)
+    assert megabuf.get_forward_backward_func(2, 2).__name__.endswith("with_interleaving")
+    assert megabuf.get_forward_backward_func(2, 1).__name__.endswith("without_interleaving")
+    assert megabuf.get_forward_backward_func(1, 1).__name__.endswith("no_pipelining")
