@@ -176,6 +176,20 @@ def fp32_in_place_case() -> dict[str, Any]:
     }  # fmt: skip
 
 
+def builder_choice_case() -> dict[str, str]:
+    """README: `build_optimizer` picks the class from the chunks' DDP config and param dtypes."""
+    picks = {}
+    for label, dtype, ddp in (
+        ("fp32", torch.float32, {}),
+        ("bf16", torch.bfloat16, {"grad_reduce_in_fp32": True}),
+        ("bf16_distopt", torch.bfloat16, {"use_distributed_optimizer": True}),
+    ):
+        model = _ddp(_net().to(dtype), **ddp)
+        cfg = megabuf.OptimizerConfig(bf16=dtype == torch.bfloat16)
+        picks[label] = type(megabuf.build_optimizer(model, cfg)).__name__
+    return picks
+
+
 def all_cases() -> dict[str, tuple[Any, ...]]:
     cases: dict[str, tuple[Any, ...]] = {
         "state_dict": (state_dict_case,),
@@ -184,6 +198,7 @@ def all_cases() -> dict[str, tuple[Any, ...]]:
         "loss_scale_distopt": (loss_scale_case, True),
         "scaling_invariant": (scaling_invariant_case,),
         "fp32_in_place": (fp32_in_place_case,),
+        "builder_choice": (builder_choice_case,),
     }
     cases |= {f"optimizer_{n}": (other_optimizer_case, n) for n in OTHER_OPTIMIZERS}
     return cases

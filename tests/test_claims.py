@@ -88,6 +88,15 @@ def test_fp32_optimizer_steps_the_model_params_themselves(results: Any) -> None:
         assert res["main_param_nbytes"] == 0, res
 
 
+def test_build_optimizer_picks_the_class_from_config_and_dtypes(results: Any) -> None:
+    for picks in case_result(results, "builder_choice"):
+        assert picks == {
+            "fp32": "FP32Optimizer",
+            "bf16": "MixedPrecisionOptimizer",
+            "bf16_distopt": "DistributedOptimizer",
+        }, picks
+
+
 def test_init_distributed_without_torchrun_env_says_what_is_missing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
