@@ -35,13 +35,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
 # All-reduce (no padding): the whole buffer, 824 B per step whatever the buckets; with
 #   bucket_size=100, reverse order p3 (5) + p2 (64) + p1 (37) = 106 closes bucket 0, p0 (100) is
 #   bucket 1: two calls of 424 B and 400 B.
-# Distributed optimizer, bucket_size=100, dp 2 or 4 (pad multiple lcm(dp, 128) = 128): p3 at
-#   [0, 5), p2 at [64, 128), p1 at [128, 165) -> bucket 0 padded to [0, 256); p0 at [256, 356)
-#   -> bucket 1 padded to [256, 384). Per step, per rank:
+# Distributed optimizer, bucket_size=100, dp 2 or 4 (params start at multiples of 64, buckets
+#   end at multiples of lcm(dp, 128) = 128): p3 at [0, 5), p2 at [64, 128) -> 128 elements
+#   close bucket 0 = [0, 128); p1 at [128, 165), p0 at [192, 292) -> bucket 1 padded to
+#   [128, 384). Per step, per rank:
 #   reduce-scatter (gloo: all-to-all of the whole bucket into a scratch of its size):
-#     in 256*4 + 128*4 = 1536 B, out (scratch) 1536 B;
+#     in 128*4 + 256*4 = 1536 B, out (scratch) 1536 B;
 #   all-gather (gloo: point-to-point, this rank's shard isend to each of dp-1 peers, one irecv
-#     from each): shards 256/dp + 128/dp elements -> (dp-1) * 1536/dp B each way:
+#     from each): shards 128/dp + 256/dp elements -> (dp-1) * 1536/dp B each way:
 #     dp 2: 768 B, dp 4: 3 * 384 = 1152 B.
 # Ring figure (a model of the wire): all-reduce 2(dp-1)/dp * 824 = 824 (dp 2) or 1236 (dp 4);
 #   reduce-scatter and all-gather (dp-1)/dp * 1536 = 768 (dp 2) or 1152 (dp 4) each.
