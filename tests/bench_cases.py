@@ -116,3 +116,29 @@ def ddp_layouts(model_name: str, configs: dict[str, dict[str, Any]]) -> dict[str
         order = [bucket_of[id(g.buckets[0])] for chain in model._chains for g in chain.groups]
         out[name] = {"buffers": buffers, "order": order}
     return out
+
+
+def memory_figures(bf16: bool) -> dict[str, int]:
+    """KnownNet with the distributed optimizer (bucket_size 100, AdamW) after one step: this
+    rank's `memory_report()` (figures by hand in test_oracles.py)."""
+    module = KnownNet().to(torch.bfloat16) if bf16 else KnownNet()
+    config = megabuf.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, bucket_size=100, grad_reduce_in_fp32=bf16
+    )
+    model = megabuf.DistributedDataParallel(module, config)
+    opt = megabuf.build_optimizer(
+        model, megabuf.OptimizerConfig(optimizer="adamw", lr=1e-3, bf16=bf16)
+    )
+    opt.zero_grad()
+    model(torch.ones(4)).backward()
+    model.finish_grad_sync()
+    opt.step()
+    report = opt.memory_report()
+    return {
+        "owned_numel": report.owned_numel,
+        "shard_numel": report.shard_numel,
+        "main_param_nbytes": report.main_param_nbytes,
+        "state_nbytes": report.state_nbytes,
+        "param_buffer_nbytes": report.param_buffer_nbytes,
+        "grad_buffer_nbytes": report.grad_buffer_nbytes,
+    }

@@ -10,7 +10,8 @@
   high NCCL bus bandwidth); shard r of a bucket is its r-th 1/dp; unsharded: no padding.
 The result is a per-element owner map (which param, or padding, in which bucket); from it the
 test reads off param slots, buckets, shard ranges and each rank's pieces, and compares them with
-`compute_layout` / `shard_pieces` / the planner's buffers over a sweep.
+`compute_layout` / `shard_pieces` / the planner's buffers over a sweep. Last, the distributed
+optimizer's `memory_report()` on real ranks against figures worked out by hand.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 import pytest
 import torch
+from bench_cases import memory_figures
+from dist_pool import case_result, run_each
 
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.layout import compute_layout, shard_pieces
@@ -204,3 +207,35 @@ def test_planned_buffers_match_the_reference(dp: int) -> None:
         assert buf.layout.numel == len(owner)
         seen.extend(buf.param_ids)
     assert sorted(seen) == list(range(len(specs)))  # every param in exactly one buffer
+
+
+# KnownNet (fp32 params of 100, 37, 64, 5 elements) at dp 2, bucket_size 100, distributed
+# optimizer: bucket 0 = [0, 128) holds p3 [0, 5) and p2 [64, 128); bucket 1 = [128, 384) holds
+# p1 [128, 165) and p0 [192, 292) (see the hand test above). Rank 0's shards: [0, 64) and
+# [128, 256): p3 (5) + p1 (37) + p0's first 64 = 106 elements; rank 1's: [64, 128) and
+# [256, 384): p2 (64) + p0's last 36 = 100. Each rank's shards hold 64 + 128 = 192 elements.
+# AdamW keeps two fp32 moments per owned element (8 B); fp32 params are stepped in place (no
+# main-param copy), bf16 params get fp32 main params (4 B per owned element); param_data is
+# 384 elements of the param dtype, grad_data 384 fp32 (grad_reduce_in_fp32 with bf16).
+def memory_by_hand(rank: int, bf16: bool) -> dict[str, int]:
+    owned = (106, 100)[rank]
+    return {
+        "owned_numel": owned,
+        "shard_numel": 192,
+        "main_param_nbytes": 4 * owned if bf16 else 0,
+        "state_nbytes": 8 * owned,
+        "param_buffer_nbytes": 384 * (2 if bf16 else 4),
+        "grad_buffer_nbytes": 384 * 4,
+    }
+
+
+@pytest.fixture(scope="module")
+def memory(pools: Any) -> list[Any]:
+    cases = {f"bf16={bf16}": (memory_figures, bf16) for bf16 in (False, True)}
+    return pools(2).run(run_each, cases)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_memory_report_matches_figures_by_hand(memory: Any, bf16: bool) -> None:
+    for rank, got in enumerate(case_result(memory, f"bf16={bf16}")):
+        assert got == memory_by_hand(rank, bf16), rank
