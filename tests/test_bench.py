@@ -183,10 +183,16 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
     for name in ("megabuf_ar_overlap", "megabuf_distopt_overlap"):
         by_op = rows[name]["bytes_by_op"]
         layout = rows[name]["theoretical_bytes_layout"]
+        # at dp 2 `layout` (the ring figure over the padded buffers, 2 * 1/2 of them) is the
+        # padded grad bytes themselves: all-reduced whole, or handed whole to the all-to-all
+        # reduce-scatter, half of them (this rank's shard) isent to the one peer
+        handed = rows[name]["handed_bytes_by_op"]
         if name == "megabuf_ar_overlap":
             assert by_op == {"all_reduce": layout}
+            assert handed == {"all_reduce": layout}
         else:  # (the distributed optimizer also all-reduces the grad norm: a few bytes)
             assert by_op["reduce_scatter"] + by_op["all_gather"] == layout, by_op
+            assert (handed["reduce_scatter"], 2 * handed["all_gather"]) == (layout, layout)
         assert rows[name]["overlap"]["steps"] == 2
     assert (tmp_path / "trace" / "gpt_tiny_megabuf_ar_overlap_rank1.json").exists()
     assert "megabuf_distopt_overlap" in proc.stdout and "x DDP" in proc.stdout
