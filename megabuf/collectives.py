@@ -1,8 +1,9 @@
 """Every torch.distributed call megabuf makes, as thin typed wrappers.
 
 Each wrapper takes an explicit group and `async_op` (point-to-point `send`/`recv` are always
-async), returns a `PendingCollective` (finish it with `.wait()`), counts the bytes this rank
-sends in `Collectives.stats`, and runs the same code at world size 1.
+async), returns a `PendingCollective` (finish it with `.wait()`), counts in `Collectives.stats`
+the bytes of the tensors it hands to torch.distributed (see `CommStats`), and runs the same code
+at world size 1.
 Tests may subclass `Collectives` to intercept or fake any call.
 
 [Note: collective strategies]
@@ -48,22 +49,54 @@ FALLBACK_STRATEGY = CollectiveStrategy(reduce_scatter="native", all_gather="nati
 
 @dataclass
 class CommStats:
-    """Bytes this rank put on the wire and calls made, per operation name."""
+    """What this rank handed to torch.distributed, per operation name.
 
-    bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    Counted from the real arguments of each `dist.*` call, never from a formula:
+    `input_nbytes` is the bytes of the tensors passed as data this rank contributes (the
+    all-reduced tensor, the reduce-scatter input, each isend piece of a point-to-point
+    all-gather, the broadcast tensor on its source, ...) and `output_nbytes` the bytes of the
+    tensors passed for the call to write into (the in-place all-reduced tensor again, the
+    all-to-all scratch of a gloo reduce-scatter, each irecv piece, ...). A tensor that is both
+    (in-place all-reduce) counts in both. What then crosses the wire depends on the backend's
+    algorithm; `ring_nbytes` is the textbook figure for these calls (a model, not a
+    measurement): 2(n-1)/n of the tensor for an all-reduce, (n-1)/n of the full tensor for a
+    reduce-scatter or all-gather, the rows addressed to other ranks for an all-to-all, the
+    tensor for a send or a broadcast from this rank. `calls` counts `Collectives` operations
+    (one p2p all-gather is one call, whatever its number of isend/irecv pieces).
+    """
+
+    input_nbytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    output_nbytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    ring_nbytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    def record(self, op: str, nbytes: int) -> None:
-        self.bytes_sent[op] += nbytes
+    def record(self, op: str, *, input_nbytes: int, output_nbytes: int, ring_nbytes: int) -> None:
+        self.input_nbytes[op] += input_nbytes
+        self.output_nbytes[op] += output_nbytes
+        self.ring_nbytes[op] += ring_nbytes
         self.calls[op] += 1
 
     @property
+    def total_input_nbytes(self) -> int:
+        return sum(self.input_nbytes.values())
+
+    @property
+    def total_ring_nbytes(self) -> int:
+        return sum(self.ring_nbytes.values())
+
+    @property
+    def bytes_sent(self) -> dict[str, int]:
+        """The ring figure per op, under its old name (`ring_nbytes`)."""
+        return self.ring_nbytes
+
+    @property
     def total_bytes_sent(self) -> int:
-        return sum(self.bytes_sent.values())
+        """The ring figure in all, under its old name (`total_ring_nbytes`)."""
+        return self.total_ring_nbytes
 
     def reset(self) -> None:
-        self.bytes_sent.clear()
-        self.calls.clear()
+        for counts in (self.input_nbytes, self.output_nbytes, self.ring_nbytes, self.calls):
+            counts.clear()
 
 
 @dataclass
@@ -115,7 +148,8 @@ def _nbytes(t: Tensor) -> int:
 
 
 class Collectives:
-    """The collective layer. One instance per engine; `stats` counts bytes sent by this rank."""
+    """The collective layer. One instance per engine; `stats` counts the bytes this rank hands
+    to torch.distributed (and the ring figure for them)."""
 
     def __init__(self, strategies: dict[str, CollectiveStrategy] | None = None) -> None:
         self.strategies = dict(STRATEGIES if strategies is None else strategies)
@@ -149,7 +183,11 @@ class Collectives:
     ) -> PendingCollective:
         """Sum (or average) `tensor` in place across `group`."""
         size = dist.get_world_size(group)
-        self.stats.record("all_reduce", 2 * (size - 1) * _nbytes(tensor) // size)
+        nbytes = _nbytes(tensor)
+        self.stats.record(
+            "all_reduce", input_nbytes=nbytes, output_nbytes=nbytes,
+            ring_nbytes=2 * (size - 1) * nbytes // size,
+        )  # fmt: skip
         op, divide = self._avg_plan(tensor, size, average, self.strategy(group).has_avg)
         with torch.profiler.record_function("megabuf::all_reduce"):
             work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
@@ -178,18 +216,25 @@ class Collectives:
                 f"megabuf: reduce_scatter input has {input.numel()} elements, expected "
                 f"{output.numel()} x group size {size}"
             )
-        self.stats.record("reduce_scatter", (size - 1) * _nbytes(output))
-        strategy = self.strategy(group)
+        strategy, ring = self.strategy(group), (size - 1) * _nbytes(output)
         with torch.profiler.record_function("megabuf::reduce_scatter"):
             if strategy.reduce_scatter == "all_to_all":
                 if scratch is None:
                     scratch = torch.empty_like(input)
+                self._record_reduce_scatter(input, scratch, ring)
                 _, divide = self._avg_plan(input, size, average, native_avg=False)  # local sum
                 work = dist.all_to_all_single(scratch, input, group=group, async_op=async_op)
                 return self._pending("reduce_scatter", work, output, scratch, divide, scale)
+            self._record_reduce_scatter(input, output, ring)
             op, divide = self._avg_plan(input, size, average, strategy.has_avg)
             work = dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
         return self._pending("reduce_scatter", work, output, None, divide, scale)
+
+    def _record_reduce_scatter(self, input: Tensor, landing: Tensor, ring_nbytes: int) -> None:
+        self.stats.record(
+            "reduce_scatter", input_nbytes=_nbytes(input), output_nbytes=_nbytes(landing),
+            ring_nbytes=ring_nbytes,
+        )  # fmt: skip
 
     def all_gather(
         self, output: Tensor, input: Tensor, group: Group, *, async_op: bool = True, tag: int = 0
@@ -201,20 +246,29 @@ class Collectives:
                 f"megabuf: all_gather output has {output.numel()} elements, expected "
                 f"{input.numel()} x group size {size}"
             )
-        self.stats.record("all_gather", (size - 1) * _nbytes(input))
+        ring = (size - 1) * _nbytes(input)
         with torch.profiler.record_function("megabuf::all_gather"):
             if self.strategy(group).all_gather != "p2p":
+                self.stats.record(
+                    "all_gather", input_nbytes=_nbytes(input), output_nbytes=_nbytes(output),
+                    ring_nbytes=ring,
+                )  # fmt: skip
                 work = dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
                 return self._pending("all_gather", work, None, None, 1)
             chunks = output.view(size, -1)
             if chunks[rank].data_ptr() != input.data_ptr():
                 chunks[rank].copy_(input)
             ops = []
+            sent = received = 0
             for peer in range(size):
                 if peer != rank:
                     peer_global = dist.get_global_rank(group, peer) if group else peer
                     ops.append(dist.P2POp(dist.isend, input, peer_global, group, tag))
                     ops.append(dist.P2POp(dist.irecv, chunks[peer], peer_global, group, tag))
+                    sent, received = sent + _nbytes(input), received + _nbytes(chunks[peer])
+            self.stats.record(
+                "all_gather", input_nbytes=sent, output_nbytes=received, ring_nbytes=ring
+            )
             handles = dist.batch_isend_irecv(ops) if ops else []
         pending = PendingCollective("all_gather", list(handles))
         if not async_op:
@@ -224,8 +278,11 @@ class Collectives:
     def broadcast(self, tensor: Tensor, src_group_rank: int, group: Group) -> None:
         """Synchronously copy `tensor` from group rank `src_group_rank` to every rank."""
         src = dist.get_global_rank(group, src_group_rank) if group else src_group_rank
+        nbytes = _nbytes(tensor)
         if dist.get_rank() == src:
-            self.stats.record("broadcast", _nbytes(tensor))
+            self.stats.record("broadcast", input_nbytes=nbytes, output_nbytes=0, ring_nbytes=nbytes)
+        else:
+            self.stats.record("broadcast", input_nbytes=0, output_nbytes=nbytes, ring_nbytes=0)
         with torch.profiler.record_function("megabuf::broadcast"):
             dist.broadcast(tensor, src=src, group=group)
 
@@ -252,7 +309,10 @@ class Collectives:
                 )
         row_nbytes = _nbytes(input) // max(1, input.shape[0]) if input.dim() else 0
         kept = input_split_sizes[rank] if input_split_sizes is not None else input.shape[0] // size
-        self.stats.record("all_to_all", (input.shape[0] - kept) * row_nbytes)
+        self.stats.record(
+            "all_to_all", input_nbytes=_nbytes(input), output_nbytes=_nbytes(output),
+            ring_nbytes=(input.shape[0] - kept) * row_nbytes,
+        )  # fmt: skip
         with torch.profiler.record_function("megabuf::all_to_all"):
             work = dist.all_to_all_single(
                 output, input, output_split_sizes, input_split_sizes, group=group,
@@ -266,7 +326,8 @@ class Collectives:
         """Asynchronous point-to-point send to group rank `dst_group_rank` (pipelines). The
         returned record owns `tensor` until `wait()`: do not modify it before then."""
         dst = dist.get_global_rank(group, dst_group_rank) if group else dst_group_rank
-        self.stats.record("send", _nbytes(tensor))
+        nbytes = _nbytes(tensor)
+        self.stats.record("send", input_nbytes=nbytes, output_nbytes=0, ring_nbytes=nbytes)
         with torch.profiler.record_function("megabuf::send"):
             work = dist.isend(tensor, dst=dst, group=group, tag=tag)
         # `output` keeps the sent tensor alive until wait(); nothing is written into it.
@@ -277,26 +338,35 @@ class Collectives:
     ) -> PendingCollective:
         """Asynchronous point-to-point receive into `tensor` from group rank `src_group_rank`."""
         src = dist.get_global_rank(group, src_group_rank) if group else src_group_rank
-        self.stats.record("recv", 0)
+        self.stats.record("recv", input_nbytes=0, output_nbytes=_nbytes(tensor), ring_nbytes=0)
         with torch.profiler.record_function("megabuf::recv"):
             work = dist.irecv(tensor, src=src, group=group, tag=tag)
         return PendingCollective("recv", [work] if work is not None else [], output=tensor)
 
     def all_reduce_max(self, tensor: Tensor, group: Group) -> None:
         """Synchronous elementwise max across the group (e.g. found-inf flags)."""
-        self.stats.record("all_reduce", _nbytes(tensor))
+        size, nbytes = dist.get_world_size(group), _nbytes(tensor)
+        self.stats.record(
+            "all_reduce", input_nbytes=nbytes, output_nbytes=nbytes,
+            ring_nbytes=2 * (size - 1) * nbytes // size,
+        )  # fmt: skip
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
     def barrier(self, group: Group) -> None:
         """Synchronous: return once every rank of the group has called it (checkpoint I/O)."""
-        self.stats.record("barrier", 0)
+        self.stats.record("barrier", input_nbytes=0, output_nbytes=0, ring_nbytes=0)
         with torch.profiler.record_function("megabuf::barrier"):
             dist.barrier(group=group)
 
     def all_gather_object(self, obj: Any, group: Group) -> list[Any]:
         """Every rank's `obj`, in group-rank order (pickled; for set-up checks, not hot paths)."""
-        self.stats.record("all_gather_object", len(pickle.dumps(obj)))
-        out: list[Any] = [None] * dist.get_world_size(group)
+        # torch pickles `obj` itself; its pickle is the closest count of what is handed over
+        size, nbytes = dist.get_world_size(group), len(pickle.dumps(obj))
+        self.stats.record(
+            "all_gather_object", input_nbytes=nbytes, output_nbytes=0,
+            ring_nbytes=(size - 1) * nbytes,
+        )  # fmt: skip
+        out: list[Any] = [None] * size
         dist.all_gather_object(out, obj, group=group)
         return out
 

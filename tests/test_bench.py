@@ -1,5 +1,6 @@
-"""Benchmark plumbing: the byte counter's exact counts on a known layout (against the ring
-formulas), the timeline of a real DDP, the report helpers, and a `--quick` run end to end."""
+"""Benchmark plumbing: the byte counter's counts of what each call handed to torch.distributed
+(figures worked out by hand below, never from megabuf's layout or formulas), the timeline of a
+real DDP, the report helpers, and a `--quick` run end to end."""
 
 from __future__ import annotations
 
@@ -12,18 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench_cases import STEPS, count_bytes
+from bench_cases import STEPS, count_bytes, wrapper_bytes
 from dist_pool import case_result, run_each
 
 from megabuf.bench.options import parse_options
 from megabuf.bench.report import Progress, add_ratios, combine_ranks, results_table
 
 REPO = Path(__file__).resolve().parents[1]
-UNPADDED = 206 * 4  # KnownNet payload, bytes
-PADDED = 384 * 4  # its sharded buffer at bucket_size=100 (see test_inspect.py), bytes
 CONFIGS: dict[str, dict[str, Any]] = {
     "ar_sync": {},
-    "ar_overlap": {"overlap_grad_reduce": True, "bucket_size": 100},  # buckets of 106 and 100
+    "ar_overlap": {"overlap_grad_reduce": True, "bucket_size": 100},
     "distopt": {"use_distributed_optimizer": True, "bucket_size": 100},
     "distopt_overlap": {
         "use_distributed_optimizer": True,
@@ -32,41 +31,74 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 
-
-def ring(nbytes: int, dp: int, halves: int) -> int:
-    return halves * (dp - 1) * nbytes // dp
+# KnownNet: fp32 params of 100, 37, 64, 5 elements (registration order) = 206 elements = 824 B.
+# All-reduce (no padding): the whole buffer, 824 B per step whatever the buckets; with
+#   bucket_size=100, reverse order p3 (5) + p2 (64) + p1 (37) = 106 closes bucket 0, p0 (100) is
+#   bucket 1: two calls of 424 B and 400 B.
+# Distributed optimizer, bucket_size=100, dp 2 or 4 (params start at multiples of 64, buckets
+#   end at multiples of lcm(dp, 128) = 128): p3 at [0, 5), p2 at [64, 128) -> 128 elements
+#   close bucket 0 = [0, 128); p1 at [128, 165), p0 at [192, 292) -> bucket 1 padded to
+#   [128, 384). Per step, per rank:
+#   reduce-scatter (gloo: all-to-all of the whole bucket into a scratch of its size):
+#     in 128*4 + 256*4 = 1536 B, out (scratch) 1536 B;
+#   all-gather (gloo: point-to-point, this rank's shard isend to each of dp-1 peers, one irecv
+#     from each): shards 128/dp + 256/dp elements -> (dp-1) * 1536/dp B each way:
+#     dp 2: 768 B, dp 4: 3 * 384 = 1152 B.
+# Ring figure (a model of the wire): all-reduce 2(dp-1)/dp * 824 = 824 (dp 2) or 1236 (dp 4);
+#   reduce-scatter and all-gather (dp-1)/dp * 1536 = 768 (dp 2) or 1152 (dp 4) each.
+HANDED: dict[tuple[int, str], dict[str, tuple[int, int, int, int]]] = {}
+for _dp, _ag, _ar_ring in ((2, 768, 824), (4, 1152, 1236)):  # (in, out, ring, calls) per step
+    HANDED[_dp, "ar_sync"] = {"all_reduce": (824, 824, _ar_ring, 1)}
+    HANDED[_dp, "ar_overlap"] = {"all_reduce": (824, 824, _ar_ring, 2)}
+    for _name in ("distopt", "distopt_overlap"):
+        HANDED[_dp, _name] = {
+            "reduce_scatter": (1536, 1536, _ag, 2),
+            "all_gather": (_ag, _ag, _ag, 2),
+        }
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda dp: f"dp{dp}")
 def counted(request: Any, pools: Any) -> tuple[int, list[dict[str, Any]]]:
-    cases = {name: (count_bytes, values) for name, values in CONFIGS.items()}
+    cases: dict[str, Any] = {name: (count_bytes, values) for name, values in CONFIGS.items()}
+    cases["wrappers"] = (wrapper_bytes,)
     return request.param, pools(request.param).run(run_each, cases)
 
 
-# by hand: 206 fp32 elements all-reduced at dp=2 = 824 B; shards of 64 + 128
-BY_HAND = {(2, "ar_sync"): ("all_reduce", 824), (2, "distopt"): ("reduce_scatter", 768)}
-
-
 @pytest.mark.parametrize("name", CONFIGS)
-def test_bytes_sent_match_the_ring_formulas(counted: Any, name: str) -> None:
+def test_bytes_handed_to_torch_distributed(counted: Any, name: str) -> None:
     dp, per_rank = counted
+    expected = {op: tuple(STEPS * v for v in per_step) for op, per_step in HANDED[dp, name].items()}
     for rank, res in enumerate(case_result(per_rank, name)):
-        per_step = {op: b // STEPS for op, b in res["bytes"].items()}
-        if name.startswith("ar_"):
-            assert per_step == {"all_reduce": ring(UNPADDED, dp, 2)}, rank
-            assert res["calls"] == {"all_reduce": STEPS * (2 if name == "ar_overlap" else 1)}
-        else:
-            assert per_step == {
-                "reduce_scatter": ring(PADDED, dp, 1),
-                "all_gather": ring(PADDED, dp, 1),
-            }, (name, rank)
-            assert res["calls"] == {"reduce_scatter": 2 * STEPS, "all_gather": 2 * STEPS}
-            # the same split in two; more than the unpadded all-reduce by exactly the padding
-            padding = ring(PADDED - UNPADDED, dp, 2)
-            assert sum(per_step.values()) == ring(UNPADDED, dp, 2) + padding
-        if (dp, name) in BY_HAND:
-            op, nbytes = BY_HAND[dp, name]
-            assert per_step[op] == nbytes, (name, rank)
+        keys = ("input", "output", "ring", "calls")
+        got = {op: tuple(res[k][op] for k in keys) for op in res["calls"]}
+        assert got == expected, (name, rank)
+
+
+def wrapper_figures(dp: int, rank: int) -> dict[str, tuple[int, int, int, int]]:
+    """By hand, per op (input, output, ring bytes, calls) for `wrapper_bytes` on `rank`."""
+    peers = dp - 1
+    return {
+        # 10 fp32 + 6 bf16 = 52 B in place; ring 2(dp-1)/dp each: 2*40*p//dp + 2*12*p//dp
+        "all_reduce": (52, 52, 2 * peers * 40 // dp + 2 * peers * 12 // dp, 2),
+        # input 3*dp fp32; gloo lands it whole in a scratch of the same size; ring (dp-1)*12
+        "reduce_scatter": (12 * dp, 12 * dp, 12 * peers, 1),
+        # 5 fp32 (20 B) isend to each peer, one 20 B irecv from each
+        "all_gather": (20 * peers, 20 * peers, 20 * peers, 1),
+        # (2*dp, 3) fp64 in and out; rows for other ranks: 2*(dp-1) rows of 24 B
+        "all_to_all": (48 * dp, 48 * dp, 48 * peers, 1),
+        # 7 fp32 from rank 0, received by the others
+        "broadcast": (28, 0, 28, 1) if rank == 0 else (0, 28, 0, 1),
+        "barrier": (0, 0, 0, 1),
+        "max_all_reduce": (8, 8, 2 * peers * 8 // dp, 1),
+        **({"send": (72, 0, 72, 1)} if rank == 0 else {}),
+        **({"recv": (0, 72, 0, 1)} if rank == 1 else {}),
+    }
+
+
+def test_each_wrapper_counts_its_arguments(counted: Any) -> None:
+    dp, per_rank = counted
+    for rank, got in enumerate(case_result(per_rank, "wrappers")):
+        assert {op: tuple(v) for op, v in got.items()} == wrapper_figures(dp, rank), rank
 
 
 # The first overlapped iteration learns each param's grad arrivals and dispatches at
@@ -151,10 +183,16 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
     for name in ("megabuf_ar_overlap", "megabuf_distopt_overlap"):
         by_op = rows[name]["bytes_by_op"]
         layout = rows[name]["theoretical_bytes_layout"]
+        # at dp 2 `layout` (the ring figure over the padded buffers, 2 * 1/2 of them) is the
+        # padded grad bytes themselves: all-reduced whole, or handed whole to the all-to-all
+        # reduce-scatter, half of them (this rank's shard) isent to the one peer
+        handed = rows[name]["handed_bytes_by_op"]
         if name == "megabuf_ar_overlap":
             assert by_op == {"all_reduce": layout}
+            assert handed == {"all_reduce": layout}
         else:  # (the distributed optimizer also all-reduces the grad norm: a few bytes)
             assert by_op["reduce_scatter"] + by_op["all_gather"] == layout, by_op
+            assert (handed["reduce_scatter"], 2 * handed["all_gather"]) == (layout, layout)
         assert rows[name]["overlap"]["steps"] == 2
     assert (tmp_path / "trace" / "gpt_tiny_megabuf_ar_overlap_rank1.json").exists()
     assert "megabuf_distopt_overlap" in proc.stdout and "x DDP" in proc.stdout

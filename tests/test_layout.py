@@ -30,6 +30,29 @@ def test_reverse_order_and_bucket_closing() -> None:
     assert not layout.sharded
 
 
+def test_boundaries_by_hand() -> None:
+    # closes at exactly bucket_size: c(7) + b(7) = 14 >= 14; a(7) alone
+    layout = compute_layout([7, 7, 7], bucket_size=14)
+    assert [(b.start, b.end, b.param_ids) for b in layout.buckets] == [
+        (0, 14, (2, 1)),
+        (14, 21, (0,)),
+    ]
+    # sharded, already aligned: 64-element params need no padding, 128 is a whole bucket
+    layout = compute_layout([64, 64], bucket_size=None, dp_size=2, sharded=True)
+    assert [(s.start, s.end) for s in layout.params] == [(64, 128), (0, 64)]
+    assert layout.numel == 128 and layout.padding_numel == 0
+    # one element past 64: the next param starts at 128; the bucket ends at lcm(3, 128) = 384
+    layout = compute_layout([1, 65], bucket_size=None, dp_size=3, sharded=True)
+    assert [(s.start, s.end) for s in layout.params] == [(128, 129), (0, 65)]
+    assert layout.numel == 384
+    # dp 3's shards of [0, 384) are 128 each: rank 1's is [128, 256), starting with param 0;
+    # rank 2's holds only padding
+    pieces = [(p.param_id, p.param_end, p.buffer_start, p.shard_offset)
+              for p in shard_pieces(layout, 1, 3)]  # fmt: skip
+    assert pieces == [(0, 1, 128, 0)]
+    assert shard_pieces(layout, 2, 3) == ()
+
+
 def test_one_bucket_when_bucket_size_none() -> None:
     layout = compute_layout([10, 20, 30], bucket_size=None)
     assert len(layout.buckets) == 1 and layout.buckets[0].numel == 60

@@ -1,4 +1,6 @@
-"""ProcessGroups.build on real gloo ranks matches the documented rank order (rank_layout)."""
+"""ProcessGroups.build on real gloo ranks, and the pure rank_layout, against rank lists written
+out by hand from [Note: rank order] in megabuf/process_groups.py:
+rank = pp_rank * dp_size + dp_rank, dp_rank = expt_dp_rank * ep_size + ep_rank (ep fastest)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,42 @@ from dist_pool import case_result, run_each
 from megabuf import ProcessGroups
 from megabuf.process_groups import rank_layout
 
+Groups = list[list[int]]
+# (world, pp_size, ep_size) -> every group of each kind, by hand.
+EXPECTED: dict[tuple[int, int, int], dict[str, Groups]] = {
+    # dp 4: one stage of 4; ep 1: each rank alone holds all experts
+    (4, 1, 1): {"dp": [[0, 1, 2, 3]], "ep": [[0], [1], [2], [3]], "expt_dp": [[0, 1, 2, 3]],
+                "pp": [[0], [1], [2], [3]], "embd": [[0], [1], [2], [3]]},
+    # 2 stages of dp 2: stage 0 = ranks 0, 1; stage 1 = ranks 2, 3; pp pairs dp_rank-wise
+    (4, 2, 1): {"dp": [[0, 1], [2, 3]], "ep": [[0], [1], [2], [3]], "expt_dp": [[0, 1], [2, 3]],
+                "pp": [[0, 2], [1, 3]], "embd": [[0, 2], [1, 3]]},
+    # dp 4 = expt_dp 2 x ep 2: ep neighbours (0,1) (2,3); same expert shard at stride 2
+    (4, 1, 2): {"dp": [[0, 1, 2, 3]], "ep": [[0, 1], [2, 3]], "expt_dp": [[0, 2], [1, 3]],
+                "pp": [[0], [1], [2], [3]], "embd": [[0], [1], [2], [3]]},
+    # 2 stages of dp 2 = ep 2: every expert held once per stage, so expt_dp is each rank alone
+    (4, 2, 2): {"dp": [[0, 1], [2, 3]], "ep": [[0, 1], [2, 3]], "expt_dp": [[0], [1], [2], [3]],
+                "pp": [[0, 2], [1, 3]], "embd": [[0, 2], [1, 3]]},
+    # the Note's example: pp 2 x dp 4, ep 2
+    (8, 2, 2): {"dp": [[0, 1, 2, 3], [4, 5, 6, 7]], "ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                "expt_dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                "pp": [[0, 4], [1, 5], [2, 6], [3, 7]], "embd": [[0, 4], [1, 5], [2, 6], [3, 7]]},
+    # 4 stages of dp 2: embd joins only the first and last stage (ranks 2-5 are in none)
+    (8, 4, 1): {"dp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                "ep": [[0], [1], [2], [3], [4], [5], [6], [7]],
+                "expt_dp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                "pp": [[0, 2, 4, 6], [1, 3, 5, 7]], "embd": [[0, 6], [1, 7]]},
+    # one stage, dp 8 = expt_dp 2 x ep 4
+    (8, 1, 4): {"dp": [list(range(8))], "ep": [[0, 1, 2, 3], [4, 5, 6, 7]],
+                "expt_dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+                "pp": [[r] for r in range(8)], "embd": [[r] for r in range(8)]},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("key", EXPECTED, ids=lambda k: "world{}_pp{}_ep{}".format(*k))
+def test_rank_layout_matches_the_hand_written_table(key: tuple[int, int, int]) -> None:
+    world, pp_size, ep_size = key
+    assert rank_layout(world, pp_size=pp_size, ep_size=ep_size) == EXPECTED[key]
+
 
 def my_groups(pp_size: int, ep_size: int) -> dict[str, list[int] | None]:
     pgs = ProcessGroups.build(pp_size=pp_size, ep_size=ep_size)
@@ -20,10 +58,11 @@ def my_groups(pp_size: int, ep_size: int) -> dict[str, list[int] | None]:
     }
     out["embd"] = dist.get_process_group_ranks(pgs.embd) if pgs.embd is not None else None
     out["pp_ranks"] = list(pgs.pp_ranks)
+    out["sizes"] = [pgs.dp_size, pgs.dp_rank, pgs.pp_size, pgs.pp_rank]
     return out
 
 
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (pp_size, ep_size)
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (pp_size, ep_size) at world 4
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +72,16 @@ def results(pools: Any) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize(("pp_size", "ep_size"), LAYOUTS, ids=[f"pp{p}_ep{e}" for p, e in LAYOUTS])
-def test_groups_follow_rank_layout(results: Any, pp_size: int, ep_size: int) -> None:
-    expected = rank_layout(4, pp_size=pp_size, ep_size=ep_size)
+def test_built_groups_match_the_hand_written_table(
+    results: Any, pp_size: int, ep_size: int
+) -> None:
+    table = EXPECTED[4, pp_size, ep_size]
+    dp_size = 4 // pp_size
     for rank, got in enumerate(case_result(results, f"pp{pp_size}_ep{ep_size}")):
         for name in ("dp", "expt_dp", "ep", "pp"):
-            mine = next(r for r in expected[name] if rank in r)
-            assert got[name] == mine, (pp_size, ep_size, rank, name)
-        assert got["pp_ranks"] == next(r for r in expected["pp"] if rank in r)
-        if pp_size == 1:
-            assert got["embd"] is None
-        else:
-            assert got["embd"] == next(r for r in expected["embd"] if rank in r)
+            mine = [group for group in table[name] if rank in group]
+            assert [got[name]] == mine, (pp_size, ep_size, rank, name)
+        assert got["pp_ranks"] == got["pp"]
+        # pp 1: no embd group at all; pp 2: first and last stage = the whole pipeline
+        assert got["embd"] == (None if pp_size == 1 else got["pp"]), rank
+        assert got["sizes"] == [dp_size, rank % dp_size, pp_size, rank // dp_size], rank

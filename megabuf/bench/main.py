@@ -130,8 +130,9 @@ def print_report(opts: BenchOptions, rows: list[dict[str, Any]], seconds: float)
         f"\n{opts.world_size} ranks, {opts.warmup} warm-up + {opts.steps} timed steps, "
         f"AdamW {OPTIMIZER_KWARGS}; 'x DDP' is relative to torch DDP with "
         "gradient_as_bucket_view=True, 'x floor' to the run without communication; theory = "
-        "ring-optimal bytes per rank (measured 'sent' only for megabuf, counted by its "
-        f"collective layer); check = max |param - single-process step| (tolerance {CHECK_ATOL}). "
+        "ring-optimal bytes per rank for the model's params; ring = the same figure for the calls "
+        "megabuf's collective layer made (tensor sizes as handed over, padding included; megabuf "
+        f"only); check = max |param - single-process step| (tolerance {CHECK_ATOL}). "
         f"Took {seconds:.0f} s. JSON lines: {opts.out}"
     )
     backend = "nccl" if torch.cuda.is_available() else "gloo"

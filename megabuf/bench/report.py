@@ -122,7 +122,7 @@ def _cells(row: dict[str, Any], tolerance: float) -> list[str]:
 
 HEADER = [
     "model", "system", "step ms", "x DDP", "x floor", "samples/s", "peak RSS MiB",
-    "opt state MiB", "sent MB/step", "theory MB/step", "exposed comm ms", "other CPU %", "check",
+    "opt state MiB", "ring MB/step", "theory MB/step", "exposed comm ms", "other CPU %", "check",
 ]  # fmt: skip
 PHASE_HEADER = ["model", "system", "zero_grad ms", "forward ms", "backward ms", "grad sync ms",
                 "optimizer ms"]  # fmt: skip

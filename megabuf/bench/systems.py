@@ -4,8 +4,9 @@ communication (the floor), and megabuf (all-reduce and distributed optimizer, ov
 Every builder takes the same freshly built module (same seed on every rank) and returns an
 `Engine`: the callable to run forward on, the optimizer, the hooks of megabuf's per-step contract
 (`zero_grad`, `finish_sync`, `after_step`) and how to read full params back for the check.
-Bytes on the wire are counted by megabuf's collective layer for megabuf systems; for the torch
-peers `theoretical_nbytes` gives the ring figure (marked as theoretical in the table).
+`theoretical_nbytes` is the ring figure for the model's params, for every system; for megabuf
+systems the collective layer also counts the tensors each call handed to torch.distributed and
+the ring figure for those calls (padding included).
 """
 
 from __future__ import annotations

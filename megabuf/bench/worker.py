@@ -174,9 +174,12 @@ def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, A
         padded = sum(b.numel * b.grad_data.element_size() for b in buckets)
         out["theoretical_bytes_layout"] = 2 * (job_dp_size() - 1) * padded // job_dp_size()
     if engine.collectives is not None:
+        # bytes_per_step / bytes_by_op: the ring figure of the calls megabuf made (the table's
+        # "ring MB/step"); handed_bytes_by_op: the tensors it handed to torch.distributed.
         stats = engine.collectives.stats
-        out["bytes_per_step"] = stats.total_bytes_sent // job.steps
-        out["bytes_by_op"] = {k: v // job.steps for k, v in stats.bytes_sent.items()}
+        out["bytes_per_step"] = stats.total_ring_nbytes // job.steps
+        out["bytes_by_op"] = {k: v // job.steps for k, v in stats.ring_nbytes.items()}
+        out["handed_bytes_by_op"] = {k: v // job.steps for k, v in stats.input_nbytes.items()}
     if engine.ddp is not None and engine.ddp.timeline is not None:
         out["overlap"] = analyze(engine.ddp.timeline.events).to_dict()
         out["timeline_events"] = list(engine.ddp.timeline.events)
