@@ -41,6 +41,9 @@ _MALLOC_ENV = {
     "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
 }
 _REAP_TIMEOUT_S = 10.0
+# A rank that already reported success is only tearing down (gloo, interpreter exit): give it
+# longer, or a loaded machine turns a good run into a failure.
+_EXIT_TIMEOUT_S = 60.0
 
 
 class SpawnError(RuntimeError):
@@ -212,7 +215,7 @@ def _describe_exit(code: int | None) -> str:
 
 def _check_exit_codes(procs: list[BaseProcess]) -> None:
     for rank, proc in enumerate(procs):
-        proc.join(_REAP_TIMEOUT_S)
+        proc.join(_EXIT_TIMEOUT_S)
         if proc.exitcode != 0:
             raise SpawnError(
                 rank, f"reported success but ended with {_describe_exit(proc.exitcode)}"
