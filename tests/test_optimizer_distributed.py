@@ -238,16 +238,18 @@ def test_fp16_overflow_backs_off_until_steps_succeed(results: Any, name: str) ->
     for out in outs:
         assert not out["oks"][0] and all(out["oks"][-3:]), (world_size, name, out["oks"])
         assert out["scales"][-1] < FP16_SCALER["initial_scale"]
-        assert out["oks"] == outs[0]["oks"]  # every rank skipped the same steps
         worst = _worst(out["errors"])
         assert worst[1] <= FP16_ULPS * out["scale"], (world_size, name, worst)
+    if world_size > 1:  # every rank skipped the same steps (each saw its own slice's overflow)
+        assert len({tuple(out["oks"]) for out in outs}) == 1, [out["oks"] for out in outs]
 
 
 @pytest.mark.parametrize("name", MEMORY_CASES)
 def test_per_rank_optimizer_bytes_are_exact(results: Any, name: str) -> None:
     """Adam: 8 state bytes per owned element (+ 4 for an fp32 main copy of bf16 params, 0 for fp32
-    params whose buffer is stepped in place); owned + padding = 1/dp of the padded buffers; the
-    ranks' state adds up to exactly the unsharded torch optimizer's state."""
+    params whose buffer is stepped in place); every rank's shard (owned + padding, the report's
+    padding being the difference) is 1/dp of the padded buffers; the ranks' owned elements and
+    state add up to exactly the unsharded params and torch optimizer's state."""
     world_size, per_rank = results
     outs = case_result(per_rank, name)
     reports = [res["report"] for res in outs]
@@ -257,12 +259,9 @@ def test_per_rank_optimizer_bytes_are_exact(results: Any, name: str) -> None:
         assert rep.state_nbytes == 8 * rep.owned_numel, (name, rep)
         assert rep.main_param_nbytes == main_bytes_per_elem * rep.owned_numel, (name, rep)
         assert rep.shard_numel == first["numel_padded"] // world_size, (name, rep)
-        assert rep.owned_numel + rep.padding_numel == rep.shard_numel
         assert rep.optimizer_nbytes <= (8 + main_bytes_per_elem + 4) * rep.shard_numel
     assert sum(r.owned_numel for r in reports) == first["numel_unpadded"], name
     assert sum(r.state_nbytes for r in reports) == first["ref_state_nbytes"], name
-    padding = first["numel_padded"] - first["numel_unpadded"]
-    assert sum(r.padding_numel for r in reports) == padding, name
 
 
 MISUSE_MESSAGES = {
