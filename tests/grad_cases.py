@@ -222,5 +222,6 @@ def grad_case(case: dict[str, Any]) -> dict[str, Any]:
         "linked": linked,
         "frozen_ok": frozen_ok,
         "grad_copies": {} if distopt else grad_copies(model),
+        "reduce_scatter": model.collectives.strategy(model.process_groups.dp).reduce_scatter,
         "all_params": sorted(names.values()),
     }

@@ -312,6 +312,11 @@ def master_errors(opt: Any, ref: Reference, steps: int) -> dict[str, tuple[float
     return out
 
 
+def _strategy(model: megabuf.DistributedDataParallel) -> tuple[str, str]:
+    strategy = model.collectives.strategy(model.process_groups.dp)
+    return strategy.reduce_scatter, strategy.all_gather
+
+
 def equality_case(case: dict[str, Any]) -> dict[str, Any]:
     """N steps of megabuf vs the single-process torch optimizer."""
     model = build_model(case)
@@ -332,6 +337,7 @@ def equality_case(case: dict[str, Any]) -> dict[str, Any]:
     return {
         "errors": param_errors(model, ref), "norms": norms, "zeros": zeros, "scale": scale,
         "domains": domains, "masters": masters, "ulps": bf16_param_ulps(model, ref) if bf16 else {},
+        "strategy": _strategy(model),
     }  # fmt: skip
 
 
@@ -362,6 +368,7 @@ def overlap_case(case: dict[str, Any]) -> dict[str, Any]:
         "bitwise": bitwise, "lazy": lazy, "errors": errors,
         "masters": master_errors(opt, ref, case.get("steps", 4)) if bf16 else {},
         "ulps": bf16_param_ulps(model, ref) if bf16 else {},
+        "strategy": _strategy(model),
     }  # fmt: skip
 
 

@@ -88,6 +88,8 @@ def test_grads_match_single_process_reference(results: Any, name: str) -> None:
             f"{name} rank {rank}: {worst[0]} off by {err:.3g}, {worst[1]:.3g}x its bound"
         )
         assert res["linked"], f"{name}: param.grad is not the main_grad view"
+        want = "native" if name.startswith("native_") else "all_to_all"
+        assert res["reduce_scatter"] == want, f"{name} ran the {res['reduce_scatter']} strategy"
     # the shards of all ranks cover every param
     checked = set().union(*(res["errors"] for res in per_rank))
     assert checked == set(per_rank[0]["all_params"]), name

@@ -155,7 +155,10 @@ def _worst(errors: dict[str, float]) -> tuple[str, float]:
 
 def _check_params(case: dict[str, Any], res: dict[str, Any], where: str) -> None:
     """fp32: every param within FP32_ATOL of the reference. bf16: every fp32 master element
-    within its bound and every bf16 param within one ulp ([Note: bf16 optimizer bound])."""
+    within its bound and every bf16 param within one ulp ([Note: bf16 optimizer bound]). And the
+    case ran the collective strategy it names (native_*: NCCL's, on gloo)."""
+    want = ("native", "native") if case.get("native") else ("all_to_all", "p2p")
+    assert res["strategy"] == want, f"{where}: ran the {res['strategy']} strategy"
     if not case.get("bf16"):
         worst = _worst(res["errors"])
         assert worst[1] <= FP32_ATOL, f"{where}: {worst} > {FP32_ATOL:.3g}"
