@@ -3,6 +3,25 @@
 Every case builds the same model on every rank, trains it with megabuf DDP + a megabuf optimizer
 on this rank's slice of the global batch, trains a deep copy with the plain torch optimizer on the
 whole global batch in one process, and returns the largest deviation per param.
+
+[Note: bf16 optimizer bound]
+A bf16 model's grads on the global batch and on a rank's slice round differently (one bf16
+rounding of a different sum: ~2**-8 of the grad), and Adam turns a grad near 0 into a step of
++-lr whose sign that rounding decides, so a global-batch reference only bounds the params to a
+few bf16 ulps: more than one optimizer step (lr 1e-2), which a dropped or doubled step would
+hide in. So bf16 cases compare against a reference that performs the identical bf16 operations
+(`Reference` with `slices`): every rank's slice goes through the same bf16 forward and backward
+in this process (the same kernels on the same bits: the same local grads), their fp32 copies
+are averaged, and torch's optimizer steps fp32 masters. The one free choice left is the order in
+which the fp32 sum over dp ranks is taken (gloo's all-reduce, all-to-all + local sum or native
+reduce-scatter); at dp <= 2 it is order-free. The bound per master element is
+    BF16_MASTER_C * u32 * steps * (|master| + lr)
+(u32 = 2**-24: a few fp32 roundings per step of the master and of an update of size ~lr).
+Observed: 0 (bitwise) at dp 1, 2 and 4 on both gloo strategies. A dropped or doubled Adam step
+moves elements by ~lr, about 10**4 times this bound. A different sum order at dp 4 could move a
+master across a bf16 rounding boundary and change the next forward; the bound then fails and the
+reference must sum in that order (it is bitwise today, so such a change is visible).
+The bf16 params are their masters rounded: compared to within one bf16 ulp (2**-7 relative).
 """
 
 from __future__ import annotations
@@ -14,16 +33,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from grad_cases import NATIVE_GLOO
 from torch import nn
 
 import megabuf
 from megabuf.bucket_group import ParamSyncState
+from megabuf.collectives import Collectives
 from megabuf.layout import shard_pieces
 from megabuf.optimizer import DynamicGradScaler
 
 GLOBAL_BATCH = 16
 DIM = 12
 OUT = 3
+FP32_U = 2.0**-24  # fp32 unit roundoff
+BF16_MASTER_C = 8.0  # [Note: bf16 optimizer bound]
 TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
     "adamw": torch.optim.AdamW,
@@ -151,7 +174,8 @@ def build_model(case: dict[str, Any], **ddp_overrides: Any) -> megabuf.Distribut
     if case.get("expert"):  # ep=1: expert params replicated over expt_dp == dp
         megabuf.mark_expert_parallel(net.tail.parameters())
     cfg = megabuf.DistributedDataParallelConfig.from_dict({**case["ddp"], **ddp_overrides})
-    return megabuf.DistributedDataParallel(net, cfg)
+    collectives = Collectives(NATIVE_GLOO) if case.get("native") else None
+    return megabuf.DistributedDataParallel(net, cfg, collectives=collectives)
 
 
 def build_opt(model: megabuf.DistributedDataParallel, case: dict[str, Any]) -> Any:
@@ -201,7 +225,12 @@ def _poison_own_grad(model: megabuf.DistributedDataParallel) -> None:
 
 
 class Reference:
-    """Single process, global batch; bf16 models keep fp32 master copies (mixed precision)."""
+    """Single process; bf16/fp16 models keep fp32 master copies (mixed precision).
+
+    fp32 and fp16 models take their grads from one backward on the global batch. bf16 models
+    (`sliced`) take them as megabuf's ranks do: the bf16 backward of every dp rank's slice, run
+    here one after another (the same kernels on the same inputs: the same bits), converted to
+    fp32 and averaged in rank order; see [Note: bf16 optimizer bound]."""
 
     def __init__(self, case: dict[str, Any]) -> None:
         torch.manual_seed(0)
@@ -209,7 +238,9 @@ class Reference:
         if case.get("bf16") or case.get("fp16"):
             self.model.to(torch.bfloat16 if case.get("bf16") else torch.float16)
         self.params = list(self.model.parameters())
+        self.names = [name for name, _ in self.model.named_parameters()]
         self.masters = [p.detach().float().clone() for p in self.params]
+        self.slices = dist.get_world_size() if case.get("bf16") else 1
         name = case.get("optimizer", "adam")
         kwargs = optimizer_kwargs(name, case)
         by_param = dict(zip(self.params, self.masters, strict=True))
@@ -220,12 +251,20 @@ class Reference:
         self.opt = TORCH_OPTIMIZERS[name](groups, **kwargs)
         self.clip = case.get("clip", 0.0)
 
+    def _grads(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        n = x.shape[0] // self.slices
+        total = [torch.zeros_like(m) for m in self.masters]
+        for r in range(self.slices):
+            self.model.zero_grad()
+            loss_fn(self.model(x[r * n : (r + 1) * n]), y[r * n : (r + 1) * n]).backward()
+            for acc, p in zip(total, self.params, strict=True):
+                acc.add_(p.grad.float())
+        return [acc.mul_(1.0 / self.slices) for acc in total]  # a power of 2: exact
+
     def step(self, step: int) -> tuple[float, int]:
         x, y = make_data(step)
-        self.model.zero_grad()
-        loss_fn(self.model(x), y).backward()
-        for master, p in zip(self.masters, self.params, strict=True):
-            master.grad = p.grad.float()
+        for master, grad in zip(self.masters, self._grads(x, y), strict=True):
+            master.grad = grad
         zeros = sum(int((m.grad == 0).sum()) for m in self.masters)
         norm = torch.nn.utils.clip_grad_norm_(self.masters, self.clip or math.inf)
         self.opt.step()
@@ -244,6 +283,40 @@ def param_errors(model: megabuf.DistributedDataParallel, ref: Reference) -> dict
     }
 
 
+def bf16_param_ulps(model: megabuf.DistributedDataParallel, ref: Reference) -> dict[str, float]:
+    """Per bf16 param: max |megabuf param - reference param| in bf16 ulps of the reference value
+    (at most 2**-7 of it): both are their fp32 masters rounded to bf16."""
+    model.publish_params()
+    ref_params = dict(ref.model.named_parameters())
+    out = {}
+    for name, p in model.module.named_parameters():
+        want = ref_params[name].detach().float()
+        diff = (p.detach().float() - want).abs()
+        out[name] = (diff / (want.abs() * 2.0**-7 + 1e-30)).max().item()
+    return out
+
+
+def master_errors(opt: Any, ref: Reference, steps: int) -> dict[str, tuple[float, float]]:
+    """Per param: (max |megabuf fp32 main param - reference master|, max of that over the
+    element's bound), on the pieces this rank steps; see [Note: bf16 optimizer bound]."""
+    masters = dict(zip(ref.names, ref.masters, strict=True))
+    lrs = {id(m): g["lr"] for g in ref.opt.param_groups for m in g["params"]}
+    out: dict[str, tuple[float, float]] = {}
+    for mp in opt.main_params:
+        want = masters[mp.key].flatten()[mp.param_start : mp.param_end]
+        diff = (mp.main.detach().flatten() - want).abs()
+        bound = BF16_MASTER_C * FP32_U * steps * (want.abs() + lrs[id(masters[mp.key])])
+        err, ratio = diff.max().item(), (diff / bound).max().item()
+        old = out.get(mp.key, (0.0, 0.0))
+        out[mp.key] = (max(old[0], err), max(old[1], ratio))
+    return out
+
+
+def _strategy(model: megabuf.DistributedDataParallel) -> tuple[str, str]:
+    strategy = model.collectives.strategy(model.process_groups.dp)
+    return strategy.reduce_scatter, strategy.all_gather
+
+
 def equality_case(case: dict[str, Any]) -> dict[str, Any]:
     """N steps of megabuf vs the single-process torch optimizer."""
     model = build_model(case)
@@ -259,9 +332,12 @@ def equality_case(case: dict[str, Any]) -> dict[str, Any]:
         zeros.append((n_zeros, ref_zeros))
     scale = max(p.abs().max().item() for p in ref.model.parameters())
     domains = [d.kind for d in opt.domains]
+    bf16 = case.get("bf16")
+    masters = master_errors(opt, ref, case.get("steps", 3)) if bf16 else {}
     return {
         "errors": param_errors(model, ref), "norms": norms, "zeros": zeros, "scale": scale,
-        "domains": domains,
+        "domains": domains, "masters": masters, "ulps": bf16_param_ulps(model, ref) if bf16 else {},
+        "strategy": _strategy(model),
     }  # fmt: skip
 
 
@@ -287,7 +363,13 @@ def overlap_case(case: dict[str, Any]) -> dict[str, Any]:
         name: (p - q).abs().max().item()
         for (name, q), p in zip(ref.model.named_parameters(), finals[1], strict=True)
     }
-    return {"bitwise": bitwise, "lazy": lazy, "errors": errors}
+    bf16 = case.get("bf16")
+    return {
+        "bitwise": bitwise, "lazy": lazy, "errors": errors,
+        "masters": master_errors(opt, ref, case.get("steps", 4)) if bf16 else {},
+        "ulps": bf16_param_ulps(model, ref) if bf16 else {},
+        "strategy": _strategy(model),
+    }  # fmt: skip
 
 
 def memory_case(case: dict[str, Any]) -> dict[str, Any]:

@@ -19,11 +19,10 @@ from optimizer_cases import (
 )
 
 FP32_ATOL = 1e-6
-# bf16 params (fp32 main params and grads): megabuf's local bf16 backward on a slice of the batch
-# vs the reference's bf16 backward on all of it round differently; allow two bf16 ulps at the
-# largest param magnitude (2 * 2**-8 * scale). bf16 Adam cases use eps=1e-4: with eps=1e-8 Adam
-# turns an element whose grad is ~0 into a +-lr step whose sign bf16 rounding can flip.
-BF16_ULPS = 2 * 2.0**-8
+# bf16 params (fp32 main params and grads) are checked element by element against a reference
+# doing the same bf16 arithmetic: fp32 masters within a few fp32 roundings per step, bf16 params
+# within one bf16 ulp ([Note: bf16 optimizer bound] in optimizer_cases.py). bf16 Adam cases keep
+# eps=1e-4 from the global-batch reference they used to have.
 NORM_RTOL = 1e-5
 
 DISTOPT = {"use_distributed_optimizer": True}
@@ -93,6 +92,24 @@ OVERLAP_CASES: dict[str, dict[str, Any]] = {
         "ddp": {**OVERLAP, **BF16_DDP},
     },
 }
+# gloo forced onto NCCL's strategy (native reduce-scatter and all-gather, emulated AVG), same
+# references: reduce-scatter, grad-reduce overlap, average_in_collective, overlap_param_gather.
+NATIVE_EQUAL = {
+    f"native_{name}": {**EQUAL[name], "native": True}
+    for name in ["distopt_adam_fp32", "distopt_adamw_fp32_overlap", "distopt_adamw_bf16"]
+}
+NATIVE_EQUAL["native_distopt_adam_avg"] = {
+    "optimizer": "adam",
+    "native": True,
+    "ddp": {**OVERLAP, "average_in_collective": True},
+}
+EQUAL.update(NATIVE_EQUAL)
+OVERLAP_CASES.update(
+    {
+        f"native_{name}": {**OVERLAP_CASES[name], "native": True}
+        for name in ["overlap_registration_order", "overlap_bf16"]
+    }
+)
 SCALER = {"initial_scale": 1024.0, "hysteresis": 1, "growth_interval": 2}
 SCALER_CASES: dict[str, dict[str, Any]] = {
     "scaler_distopt": {"steps": 6, "poison_step": 2, "scaler": SCALER, "ddp": DISTOPT},
@@ -132,12 +149,24 @@ def results(request: Any, pools: Any) -> tuple[int, list[dict[str, Any]]]:
     return request.param, pools(request.param).run(run_each, all_cases())
 
 
-def _tolerance(case: dict[str, Any], res: dict[str, Any]) -> float:
-    return BF16_ULPS * res.get("scale", 1.0) if case.get("bf16") else FP32_ATOL
-
-
 def _worst(errors: dict[str, float]) -> tuple[str, float]:
     return max(errors.items(), key=lambda kv: kv[1])
+
+
+def _check_params(case: dict[str, Any], res: dict[str, Any], where: str) -> None:
+    """fp32: every param within FP32_ATOL of the reference. bf16: every fp32 master element
+    within its bound and every bf16 param within one ulp ([Note: bf16 optimizer bound]). And the
+    case ran the collective strategy it names (native_*: NCCL's, on gloo)."""
+    want = ("native", "native") if case.get("native") else ("all_to_all", "p2p")
+    assert res["strategy"] == want, f"{where}: ran the {res['strategy']} strategy"
+    if not case.get("bf16"):
+        worst = _worst(res["errors"])
+        assert worst[1] <= FP32_ATOL, f"{where}: {worst} > {FP32_ATOL:.3g}"
+        return
+    name, (err, ratio) = max(res["masters"].items(), key=lambda kv: kv[1][1])
+    assert ratio <= 1.0, f"{where}: master of {name} off by {err:.3g}, {ratio:.3g}x its bound"
+    worst = _worst(res["ulps"])
+    assert worst[1] <= 1.0, f"{where}: bf16 param {worst[0]} off by {worst[1]:.3g} ulps"
 
 
 @pytest.mark.parametrize("name", EQUAL)
@@ -147,9 +176,7 @@ def test_params_match_single_process_torch_optimizer(results: Any, name: str) ->
     world_size, per_rank = results
     case = EQUAL[name]
     for rank, res in enumerate(case_result(per_rank, name)):
-        worst = _worst(res["errors"])
-        tol = _tolerance(case, res)
-        assert worst[1] <= tol, f"dp={world_size} rank {rank} {name}: {worst} > {tol:.3g}"
+        _check_params(case, res, f"dp={world_size} rank {rank} {name}")
 
 
 @pytest.mark.parametrize("name", EQUAL)
@@ -157,13 +184,10 @@ def test_grad_norm_and_zero_count_match_torch(results: Any, name: str) -> None:
     """The returned global grad norm equals clip_grad_norm_'s on the reference; num_zeros equals
     the reference's count of zero grad elements (the `dead` param, counted once over ranks)."""
     world_size, per_rank = results
-    case = EQUAL[name]
     for res in case_result(per_rank, name):
-        rtol = 1e-2 if case.get("bf16") else NORM_RTOL
         for got, want in res["norms"]:
-            assert got == pytest.approx(want, rel=rtol), (world_size, name)
-        if not case.get("bf16"):
-            assert all(got == want for got, want in res["zeros"]), (world_size, name)
+            assert got == pytest.approx(want, rel=NORM_RTOL), (world_size, name)
+        assert all(got == want for got, want in res["zeros"]), (world_size, name, res["zeros"])
 
 
 @pytest.mark.parametrize(
@@ -193,9 +217,7 @@ def test_overlap_param_gather_is_bitwise_equal_and_lazy(results: Any, name: str)
     for rank, out in enumerate(case_result(per_rank, name)):
         assert out["bitwise"], f"dp={world_size} rank {rank} {name}: on != off"
         assert out["lazy"], f"{name}: params were gathered eagerly with overlap_param_gather"
-        worst = _worst(out["errors"])
-        tol = BF16_ULPS * 2 if case.get("bf16") else FP32_ATOL
-        assert worst[1] <= tol, f"dp={world_size} {name} vs reference: {worst}"
+        _check_params(case, out, f"dp={world_size} rank {rank} {name} vs reference")
 
 
 @pytest.mark.parametrize("name", SCALER_CASES)
@@ -219,16 +241,18 @@ def test_fp16_overflow_backs_off_until_steps_succeed(results: Any, name: str) ->
     for out in outs:
         assert not out["oks"][0] and all(out["oks"][-3:]), (world_size, name, out["oks"])
         assert out["scales"][-1] < FP16_SCALER["initial_scale"]
-        assert out["oks"] == outs[0]["oks"]  # every rank skipped the same steps
         worst = _worst(out["errors"])
         assert worst[1] <= FP16_ULPS * out["scale"], (world_size, name, worst)
+    if world_size > 1:  # every rank skipped the same steps (each saw its own slice's overflow)
+        assert len({tuple(out["oks"]) for out in outs}) == 1, [out["oks"] for out in outs]
 
 
 @pytest.mark.parametrize("name", MEMORY_CASES)
 def test_per_rank_optimizer_bytes_are_exact(results: Any, name: str) -> None:
     """Adam: 8 state bytes per owned element (+ 4 for an fp32 main copy of bf16 params, 0 for fp32
-    params whose buffer is stepped in place); owned + padding = 1/dp of the padded buffers; the
-    ranks' state adds up to exactly the unsharded torch optimizer's state."""
+    params whose buffer is stepped in place); every rank's shard (owned + padding, the report's
+    padding being the difference) is 1/dp of the padded buffers; the ranks' owned elements and
+    state add up to exactly the unsharded params and torch optimizer's state."""
     world_size, per_rank = results
     outs = case_result(per_rank, name)
     reports = [res["report"] for res in outs]
@@ -238,12 +262,9 @@ def test_per_rank_optimizer_bytes_are_exact(results: Any, name: str) -> None:
         assert rep.state_nbytes == 8 * rep.owned_numel, (name, rep)
         assert rep.main_param_nbytes == main_bytes_per_elem * rep.owned_numel, (name, rep)
         assert rep.shard_numel == first["numel_padded"] // world_size, (name, rep)
-        assert rep.owned_numel + rep.padding_numel == rep.shard_numel
         assert rep.optimizer_nbytes <= (8 + main_bytes_per_elem + 4) * rep.shard_numel
     assert sum(r.owned_numel for r in reports) == first["numel_unpadded"], name
     assert sum(r.state_nbytes for r in reports) == first["ref_state_nbytes"], name
-    padding = first["numel_padded"] - first["numel_unpadded"]
-    assert sum(r.padding_numel for r in reports) == padding, name
 
 
 MISUSE_MESSAGES = {
