@@ -18,7 +18,7 @@ from optimizer_contract_cases import run_contract_cases as _run
 from megabuf.optimizer import StepResult
 
 FP32_ATOL = 1e-6
-BF16_ULPS = 2 * 2.0**-8  # as in test_optimizer_distributed.py: two bf16 ulps at the largest param
+BF16_ULPS = 2 * 2.0**-8  # two bf16 ulps at the largest param: these cases edit params, not the math
 # fp32 main params vs the reference's fp32 masters after sub-ulp SGD steps: the grads differ in
 # bf16 rounding only (~1% of an update); losing the fp32 part would cost a whole update or more.
 PRECISION_RTOL = 0.05
