@@ -17,9 +17,10 @@ ranks only leaves its peers in a collective: gloo's timeout or `timeout_s` then 
 [Note: clean worker state]
 Workers live for the whole session, so a case must not see what an earlier one left behind:
 - RNG: `run_each` reseeds before every case.
-- Process groups: every `dist.new_group` a job or case makes (`ProcessGroups.build` makes new
-  gloo groups, each with its sockets and threads, on every call) is destroyed after it succeeds
-  on every rank, so the number of live groups stays flat over a session (`live_group_count`).
+- Process groups: `ProcessGroups.build` makes new gloo groups on every call (never destroyed,
+  each with its sockets and threads: a few per call, alive until the worker exits), so
+  `moe_cases.groups` caches them per worker and cases reuse them. A group is thus shared by
+  cases as WORLD is, and what a case leaves in flight on it is handled as below.
 - Collectives in flight: a case that raised may leave an async collective (or a send) issued on
   some ranks only, which would pair with the next case's first collective on the same group and
   hand it wrong data or hang it. So after a case fails on any rank (agreed over a control group of
@@ -71,40 +72,14 @@ def _worker(rank: int, world_size: int, port: int, backend: str, inbox: Any, out
         if job is None:
             break
         fn, args = job
-        groups_before = _live_groups()
         try:
             outbox.put((rank, True, fn(*args)))
         except BaseException:  # report everything to the parent
             outbox.put((rank, False, traceback.format_exc()))
-            continue  # the parent restarts the pool: no cleanup, peers may still use the groups
-        _destroy_groups_since(groups_before)
     dist.destroy_process_group()
 
 
 _CONTROL: Any = None  # rank side: a gloo group over all ranks that no case uses
-
-
-def _live_groups() -> list[Any]:
-    """Rank side: the process groups this rank is a member of, oldest first (torch keeps them in
-    a private map; without it nothing is cleaned up)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    world = getattr(c10d, "_world", None)
-    return list(getattr(world, "pg_map", {}))
-
-
-def live_group_count() -> int:
-    """Rank side: how many process groups this rank holds (WORLD and the control group count)."""
-    return len(_live_groups())
-
-
-def _destroy_groups_since(before: list[Any]) -> None:
-    """Rank side: destroy the groups created since `before` was taken, newest first."""
-    import torch.distributed as dist
-
-    known = set(map(id, before))
-    for group in reversed([g for g in _live_groups() if id(g) not in known]):
-        dist.destroy_process_group(group)
 
 
 def _any_rank_failed(failed: bool) -> list[int]:
@@ -208,7 +183,6 @@ def run_each(cases: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (fn, *args) in cases.items():
         reset_rng()
-        groups_before = _live_groups()
         try:
             out[name] = fn(*args)
         except Exception:  # one case's error must not hide the others'
@@ -220,7 +194,6 @@ def run_each(cases: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
                 "may have left collectives in flight that would pair with this case's"
             )
             return out | {later: skipped for later in cases if later not in out}
-        _destroy_groups_since(groups_before)
     return out
 
 

@@ -8,9 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from dist_pool import CaseFailure, DistPool, live_group_count, run_each
-
-from megabuf.process_groups import ProcessGroups
+from dist_pool import CaseFailure, DistPool, run_each
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +32,6 @@ def sum_of_ones() -> list[float]:
     return ones.tolist()
 
 
-def build_groups_and_count() -> int:
-    ProcessGroups.build(pp_size=2)  # new gloo groups on every call
-    return live_group_count()
-
-
 def test_a_run_after_a_failed_run_with_a_collective_in_flight_is_clean(pool: DistPool) -> None:
     assert pool.run(sum_of_ones) == [[2.0] * 4] * 2
     with pytest.raises(RuntimeError, match="planted failure"):
@@ -56,13 +49,3 @@ def test_a_sweep_stops_after_a_failed_case_and_the_next_run_is_clean(pool: DistP
         assert isinstance(results["good"], CaseFailure)
         assert "not run: case 'bad' failed on ranks [0]" in results["good"].traceback
     assert pool.run(run_each, {"good": (sum_of_ones,)}) == [{"good": [2.0] * 4}] * 2
-
-
-def test_groups_made_by_a_job_or_case_are_destroyed_after_it(pool: DistPool) -> None:
-    before = pool.run(live_group_count)
-    during = pool.run(build_groups_and_count)
-    assert all(d > b for d, b in zip(during, before, strict=True))  # the case made groups
-    assert pool.run(live_group_count) == before
-    sweep = {"a": (build_groups_and_count,), "b": (build_groups_and_count,)}
-    assert pool.run(run_each, sweep) == [{"a": d, "b": d} for d in during]  # no growth
-    assert pool.run(live_group_count) == before
