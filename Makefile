@@ -29,7 +29,8 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(VPY) -m megabuf.bench
 
-# Planted bugs the suite must catch (tests/mutants.py); not part of `make test`.
+# Planted bugs the suite must catch (tests/mutants.py); not part of `make test`. ~15 min on 2
+# shared cores (a surviving mutant costs a full-suite run, ~4 min);
 # MUTANTS_ARGS=--quick runs only each mutant's relevant test files.
 mutants: $(STAMP)
 	$(VPY) tests/mutants.py $(MUTANTS_ARGS)

@@ -87,6 +87,14 @@ MUTANTS = (
         ("tests/test_ddp_grads.py",),
     ),
     Mutant(
+        "expert-scale-1-over-expt-dp",
+        "gradient scaling: expert grads too are scaled by 1/dp_size, not 1/expt_dp_size",
+        "megabuf/ddp.py",
+        "        return 1.0 / dp_size, 1.0 / dp_size\n",
+        "        return 1.0 / dp_size, 1.0 / dist.get_world_size(self.process_groups.expt_dp)\n",
+        ("tests/test_moe.py", "tests/test_accumulate.py"),
+    ),
+    Mutant(
         "pre-scale-skipped",
         "gradient scaling: all-reduced buckets are scaled before the sum",
         "megabuf/bucket_group.py",
