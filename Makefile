@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv test demo lint bench clean
+.PHONY: venv test demo lint bench mutants clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -28,6 +28,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) -m megabuf.bench
+
+# Planted bugs the suite must catch (tests/mutants.py); not part of `make test`. ~15 min on 2
+# shared cores (a surviving mutant costs a full-suite run, ~4 min);
+# MUTANTS_ARGS=--quick runs only each mutant's relevant test files.
+mutants: $(STAMP)
+	$(VPY) tests/mutants.py $(MUTANTS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

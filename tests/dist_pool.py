@@ -13,6 +13,20 @@ same RNG seeds, and a case that raises becomes a `CaseFailure` (its traceback) w
 cases still run. The test side turns one case's per-rank results back into values with
 `case_result`, which fails that case's test with the rank's traceback. (A case that raises on some
 ranks only leaves its peers in a collective: gloo's timeout or `timeout_s` then ends the sweep.)
+
+[Note: clean worker state]
+Workers live for the whole session, so a case must not see what an earlier one left behind:
+- RNG: `run_each` reseeds before every case.
+- Process groups: `ProcessGroups.build` makes new gloo groups on every call (never destroyed,
+  each with its sockets and threads: a few per call, alive until the worker exits), so
+  `moe_cases.groups` caches them per worker and cases reuse them. A group is thus shared by
+  cases as WORLD is, and what a case leaves in flight on it is handled as below.
+- Collectives in flight: a case that raised may leave an async collective (or a send) issued on
+  some ranks only, which would pair with the next case's first collective on the same group and
+  hand it wrong data or hang it. So after a case fails on any rank (agreed over a control group of
+  its own, created at start-up, that no case uses), `run_each` runs no further case in that
+  sweep (they become `CaseFailure`s saying so), and after a `run` in which any rank raised or any
+  case failed, the pool is restarted before the next `run`.
 """
 
 from __future__ import annotations
@@ -51,6 +65,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, inbox: Any, out
     dist.init_process_group(
         backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
     )
+    global _CONTROL
+    _CONTROL = dist.new_group(backend="gloo")  # see [Note: clean worker state]
     while True:
         job = inbox.get()
         if job is None:
@@ -61,6 +77,22 @@ def _worker(rank: int, world_size: int, port: int, backend: str, inbox: Any, out
         except BaseException:  # report everything to the parent
             outbox.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+
+
+_CONTROL: Any = None  # rank side: a gloo group over all ranks that no case uses
+
+
+def _any_rank_failed(failed: bool) -> list[int]:
+    """Rank side: the ranks on which the last case failed, agreed over the control group."""
+    import torch
+    import torch.distributed as dist
+
+    if _CONTROL is None:  # not in a pool worker: only this rank's own outcome is known
+        return [dist.get_rank()] if failed else []
+    flags = torch.zeros(dist.get_world_size(_CONTROL))
+    flags[dist.get_rank(_CONTROL)] = float(failed)
+    dist.all_reduce(flags, group=_CONTROL)
+    return [r for r, f in enumerate(flags.tolist()) if f]
 
 
 class DistPool:
@@ -108,8 +140,11 @@ class DistPool:
                 ) from None
             (results if ok else failures)[rank] = value
         if failures:
+            self.close()  # [Note: clean worker state]: collectives may be left in flight
             rank = min(failures)
             raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{failures[rank]}")
+        if any(_has_case_failure(v) for v in results.values()):
+            self.close()
         return [results[r] for r in range(self.world_size)]
 
     def close(self) -> None:
@@ -137,8 +172,14 @@ def reset_rng(seed: int = 0) -> None:
         sys.modules["numpy"].random.seed(seed)
 
 
+def _has_case_failure(result: Any) -> bool:
+    return isinstance(result, dict) and any(isinstance(v, CaseFailure) for v in result.values())
+
+
 def run_each(cases: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
-    """Rank side of a sweep: `{name: (fn, *args)}` -> `{name: fn(*args) or a CaseFailure}`."""
+    """Rank side of a sweep: `{name: (fn, *args)}` -> `{name: fn(*args) or a CaseFailure}`.
+
+    After a case that failed on any rank, the rest are not run ([Note: clean worker state])."""
     out: dict[str, Any] = {}
     for name, (fn, *args) in cases.items():
         reset_rng()
@@ -146,6 +187,13 @@ def run_each(cases: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
             out[name] = fn(*args)
         except Exception:  # one case's error must not hide the others'
             out[name] = CaseFailure(traceback.format_exc())
+        failed_ranks = _any_rank_failed(isinstance(out[name], CaseFailure))
+        if failed_ranks:
+            skipped = CaseFailure(
+                f"not run: case {name!r} failed on ranks {failed_ranks} earlier in this sweep and "
+                "may have left collectives in flight that would pair with this case's"
+            )
+            return out | {later: skipped for later in cases if later not in out}
     return out
 
 

@@ -1,0 +1,294 @@
+"""Mutation check (`make mutants`): does the test suite catch small planted bugs?
+
+Each mutant is one exact text patch of one file under `megabuf/` that breaks one core rule. For
+each, `megabuf/` is copied to a temporary directory, the patch applied (the old text must occur
+exactly once there: the list fails loudly when it drifts from the code), and pytest runs against
+the copy (`PYTHONPATH=<tmp>`, `python -P` so the working tree's own `megabuf` is not imported):
+first the mutant's most relevant test files, then, if they all pass, the rest of the suite. A
+mutant is "caught" when a test fails, "survived" when everything passes. Exit status 1 if any
+mutant survived (or its run errored).
+
+    python tests/mutants.py                # every mutant; survivors cost a full suite run each
+    python tests/mutants.py --quick        # relevant test files only (a survivor may be a miss)
+    python tests/mutants.py --only NAME... # some mutants; --list prints them
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    rule: str  # the core rule the patch breaks
+    path: str  # relative to the repository root, under megabuf/
+    old: str  # must occur exactly once in `path`
+    new: str
+    tests: tuple[str, ...] = ()  # most relevant test files, run first to fail fast
+
+
+MUTANTS = (
+    Mutant(
+        "expert-norm-not-over-ep",
+        "global grad norm: expert parts are summed over expt_dp, ep and pp",
+        "megabuf/optimizer/distributed.py",
+        "(pgs.expt_dp, pgs.ep, pgs.pp)",
+        "(pgs.expt_dp, pgs.pp)",
+        ("tests/test_moe.py", "tests/test_optimizer_contract.py"),
+    ),
+    Mutant(
+        "dispatch-in-readiness-order",
+        "bucket groups are dispatched in chain order on every rank",
+        "megabuf/bucket_group.py",
+        "and self.groups[self.next_index].all_ready:\n"
+        "            self.groups[self.next_index].start_grad_sync()\n"
+        "            self.next_index += 1\n",
+        "and False:\n"
+        "            pass\n"
+        "        for group in self.groups:\n"
+        "            if group.all_ready and group.grad_state is GradSyncState.IDLE:\n"
+        "                group.start_grad_sync()\n",
+        ("tests/test_bucket_state.py", "tests/test_grad_contract.py"),
+    ),
+    Mutant(
+        "tokens-not-summed-over-dp",
+        "per-token loss: the token count is summed over dp",
+        "megabuf/finalize.py",
+        "    collectives.all_reduce(total, pgs.dp, async_op=False)\n",
+        "    total *= pgs.dp_size\n",
+        ("tests/test_pipeline.py", "tests/test_moe.py"),
+    ),
+    Mutant(
+        "no-grad-copy-for-bf16",
+        "grad contract: params whose dtype differs from the grad dtype get a .grad copy",
+        "megabuf/ddp.py",
+        "            param.grad = param.main_grad.to(param.dtype)  # type: ignore[attr-defined]\n",
+        "            continue\n",
+        ("tests/test_grad_contract.py", "tests/test_ddp_grads.py"),
+    ),
+    Mutant(
+        "dense-scale-not-1-over-dp",
+        "gradient scaling: every buffer ends at 1/dp_size",
+        "megabuf/ddp.py",
+        "        return 1.0 / dp_size, 1.0 / dp_size\n",
+        "        return 1.0, 1.0 / dp_size\n",
+        ("tests/test_ddp_grads.py",),
+    ),
+    Mutant(
+        "expert-scale-1-over-expt-dp",
+        "gradient scaling: expert grads too are scaled by 1/dp_size, not 1/expt_dp_size",
+        "megabuf/ddp.py",
+        "        return 1.0 / dp_size, 1.0 / dp_size\n",
+        "        return 1.0 / dp_size, 1.0 / dist.get_world_size(self.process_groups.expt_dp)\n",
+        ("tests/test_moe.py", "tests/test_accumulate.py"),
+    ),
+    Mutant(
+        "pre-scale-skipped",
+        "gradient scaling: all-reduced buckets are scaled before the sum",
+        "megabuf/bucket_group.py",
+        "                bucket.grad_data.mul_(scale)\n",
+        "                pass\n",
+        ("tests/test_ddp_grads.py",),
+    ),
+    Mutant(
+        "avg-never-divided",
+        "an emulated AVG (gloo) is a SUM then a divide by the group size",
+        "megabuf/collectives.py",
+        "        return dist.ReduceOp.SUM, size\n",
+        "        return dist.ReduceOp.SUM, 1\n",
+        ("tests/test_ddp_grads.py", "tests/test_accumulate.py"),
+    ),
+    Mutant(
+        "shard-piece-off-by-one",
+        "ranges: a rank's shard pieces cover its shard exactly",
+        "megabuf/layout.py",
+        "start, end = max(slot.start, lo), min(slot.end, hi)",
+        "start, end = max(slot.start, lo), min(slot.end, hi - 1)",
+        ("tests/test_layout.py", "tests/test_optimizer_distributed.py"),
+    ),
+    Mutant(
+        "bucket-pad-ignores-dp",
+        "padding: sharded buckets are padded to a multiple of lcm(dp_size, 128)",
+        "megabuf/layout.py",
+        "    multiple = math.lcm(dp_size, BUCKET_ALIGN_NUMEL)\n",
+        "    multiple = BUCKET_ALIGN_NUMEL\n",
+        ("tests/test_layout.py", "tests/test_plan.py"),
+    ),
+    Mutant(
+        "param-start-not-aligned",
+        "padding: with the distributed optimizer each param starts at a multiple of 64",
+        "megabuf/layout.py",
+        "start = _round_up(cursor, PARAM_ALIGN_NUMEL) if sharded else cursor",
+        "start = cursor",
+        ("tests/test_layout.py", "tests/test_plan.py"),
+    ),
+    Mutant(
+        "ready-after-first-arrival",
+        "readiness: a group is ready after each param's learned number of arrivals",
+        "megabuf/bucket_group.py",
+        "if expected is None or self._arrivals[i] != expected[i]:",
+        "if expected is None or self._arrivals[i] != 1:",
+        ("tests/test_grad_contract.py", "tests/test_bucket_state.py"),
+    ),
+    Mutant(
+        "unwritten-grads-not-zeroed",
+        "zeroing: a param without a grad this iteration reduces zeros, not stale values",
+        "megabuf/bucket_group.py",
+        "            self.params_list[i].main_grad.zero_()  # type: ignore[attr-defined]\n",
+        "            pass\n",
+        ("tests/test_grad_contract.py", "tests/test_bucket_state.py"),
+    ),
+    Mutant(
+        "first-grad-added-not-copied",
+        "zeroing: the first grad after zero_grad_buffer() overwrites main_grad",
+        "megabuf/hooks.py",
+        "                main_grad.copy_(grad)  # first grad since zero_grad_buffer(): overwrite\n",
+        "                main_grad.add_(grad)\n",
+        ("tests/test_ddp_grads.py", "tests/test_grad_contract.py"),
+    ),
+    Mutant(
+        "clip-never-applied",
+        "clipping: grads are scaled by max_norm / (norm + eps) when that is below 1",
+        "megabuf/optimizer/clip.py",
+        "            torch._foreach_mul_(list(grads), coef)\n",
+        "            pass\n",
+        ("tests/test_optimizer_units.py", "tests/test_optimizer_distributed.py"),
+    ),
+    Mutant(
+        "loss-scale-not-unscaled",
+        "loss scaling: grads are multiplied by 1/scale before the step",
+        "megabuf/optimizer/grad_scaler.py",
+        "        return self._scale.double().reciprocal().float()\n",
+        "        return torch.ones_like(self._scale)\n",
+        ("tests/test_optimizer_units.py", "tests/test_optimizer_distributed.py"),
+    ),
+    Mutant(
+        "found-inf-not-over-dp",
+        "a non-finite step is skipped on every rank (inf flag max-reduced over dp)",
+        "megabuf/optimizer/base.py",
+        "            for group in (self.process_groups.dp, self.process_groups.pp):\n",
+        "            for group in (self.process_groups.pp,):\n",
+        ("tests/test_optimizer_distributed.py", "tests/test_optimizer_contract.py"),
+    ),
+)
+
+PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")
+
+
+def patched(mutant: Mutant, root: Path = REPO) -> str:
+    """The text of `mutant.path` under `root` with the patch applied; raises unless the old text
+    occurs exactly once (the list must follow the code)."""
+    text = (root / mutant.path).read_text()
+    count = text.count(mutant.old)
+    if count != 1:
+        raise SystemExit(
+            f"mutants: {mutant.name}: the old text occurs {count} times in {mutant.path} "
+            f"(expected exactly once); update MUTANTS to match the code:\n{mutant.old}"
+        )
+    return text.replace(mutant.old, mutant.new)
+
+
+def plant(mutant: Mutant, root: Path) -> None:
+    """Copy megabuf/ under `root` and apply the patch there."""
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(REPO / "megabuf", root / "megabuf", ignore=ignore)
+    (root / mutant.path).write_text(patched(mutant, root))
+
+
+def pytest_run(root: Path, args: list[str], timeout_s: float) -> tuple[str, str]:
+    """(outcome, detail): outcome 'caught' (a test failed), 'passed', 'timeout' or 'error'."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    try:
+        proc = subprocess.run(
+            [sys.executable, *PYTEST, *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return "timeout", f"no result within {timeout_s:.0f}s"
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.MULTILINE)
+    if proc.returncode == 0:
+        return "passed", ""
+    if proc.returncode == 1 and failed:
+        return "caught", failed[0]
+    return "error", f"pytest exit {proc.returncode}:\n{(proc.stdout + proc.stderr)[-2000:]}"
+
+
+def check_imports_copy(root: Path) -> None:
+    """The runs must import the mutated copy, not the working tree's or an installed megabuf."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    code = "import megabuf; print(megabuf.__file__)"
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    if not out.stdout.strip().startswith(str(root)):
+        raise SystemExit(f"mutants: tests would import {out.stdout.strip()!r}, not {root}")
+
+
+def run_mutant(mutant: Mutant, quick: bool, timeout_s: float) -> tuple[str, str]:
+    with tempfile.TemporaryDirectory(prefix=f"megabuf-mutant-{mutant.name}-") as tmp:
+        root = Path(tmp)
+        plant(mutant, root)
+        check_imports_copy(root)
+        outcome, detail = "passed", ""
+        if mutant.tests:
+            outcome, detail = pytest_run(root, list(mutant.tests), timeout_s)
+        if outcome == "passed" and not quick:
+            rest = [f"--ignore={t}" for t in mutant.tests]
+            outcome, detail = pytest_run(root, ["tests", *rest], timeout_s)
+    return ("survived" if outcome == "passed" else outcome), detail
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="relevant test files only")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants")
+    parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run")
+    opts = parser.parse_args()
+    chosen = [m for m in MUTANTS if not opts.only or m.name in opts.only]
+    unknown = set(opts.only or ()) - {m.name for m in MUTANTS}
+    if unknown:
+        raise SystemExit(f"mutants: unknown names {sorted(unknown)}; see --list")
+    for m in chosen:
+        patched(m)  # every patch applies before anything runs
+    if opts.list:
+        for m in chosen:
+            print(f"{m.name:30} {m.path:36} {m.rule}")
+        return 0
+    start, outcomes = time.monotonic(), {}
+    for m in chosen:
+        t0 = time.monotonic()
+        outcome, detail = run_mutant(m, opts.quick, opts.timeout)
+        outcomes[m.name] = outcome
+        print(f"{outcome:9} {m.name:30} {time.monotonic() - t0:6.0f}s  {m.rule}", flush=True)
+        if detail:
+            print(f"          {detail}", flush=True)
+    caught = sum(o in ("caught", "timeout") for o in outcomes.values())
+    survived = [n for n, o in outcomes.items() if o == "survived"]
+    errors = [n for n, o in outcomes.items() if o == "error"]
+    print(
+        f"{caught}/{len(outcomes)} caught ('timeout' counts: the suite did not pass), "
+        f"survived: {survived or 'none'}, errors: {errors or 'none'}, "
+        f"{time.monotonic() - start:.0f}s{' (--quick)' if opts.quick else ''}"
+    )
+    return 1 if survived or errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
