@@ -23,10 +23,12 @@ Workers live for the whole session, so a case must not see what an earlier one l
   cases as WORLD is, and what a case leaves in flight on it is handled as below.
 - Collectives in flight: a case that raised may leave an async collective (or a send) issued on
   some ranks only, which would pair with the next case's first collective on the same group and
-  hand it wrong data or hang it. So after a case fails on any rank (agreed over a control group of
-  its own, created at start-up, that no case uses), `run_each` runs no further case in that
-  sweep (they become `CaseFailure`s saying so), and after a `run` in which any rank raised or any
-  case failed, the pool is restarted before the next `run`.
+  hand it wrong data or hang it. So after a case fails on *some* ranks but not all (agreed over a
+  control group of its own, created at start-up, that no case uses), `run_each` runs no further
+  case in that sweep (they become `CaseFailure`s saying so). A case that failed on every rank
+  (an assertion or a named error, the usual failure) leaves no peer inside a collective, so the
+  sweep goes on and one failing case hides no other. After a `run` in which any rank raised or
+  any case failed, the pool is restarted before the next `run`.
 """
 
 from __future__ import annotations
@@ -93,6 +95,12 @@ def _any_rank_failed(failed: bool) -> list[int]:
     flags[dist.get_rank(_CONTROL)] = float(failed)
     dist.all_reduce(flags, group=_CONTROL)
     return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 class DistPool:
@@ -179,7 +187,8 @@ def _has_case_failure(result: Any) -> bool:
 def run_each(cases: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
     """Rank side of a sweep: `{name: (fn, *args)}` -> `{name: fn(*args) or a CaseFailure}`.
 
-    After a case that failed on any rank, the rest are not run ([Note: clean worker state])."""
+    After a case that failed on some ranks but not all, the rest are not run ([Note: clean worker
+    state])."""
     out: dict[str, Any] = {}
     for name, (fn, *args) in cases.items():
         reset_rng()
@@ -188,7 +197,7 @@ def run_each(cases: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
         except Exception:  # one case's error must not hide the others'
             out[name] = CaseFailure(traceback.format_exc())
         failed_ranks = _any_rank_failed(isinstance(out[name], CaseFailure))
-        if failed_ranks:
+        if failed_ranks and len(failed_ranks) < _world_size():
             skipped = CaseFailure(
                 f"not run: case {name!r} failed on ranks {failed_ranks} earlier in this sweep and "
                 "may have left collectives in flight that would pair with this case's"

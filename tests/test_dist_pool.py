@@ -40,7 +40,20 @@ def test_a_run_after_a_failed_run_with_a_collective_in_flight_is_clean(pool: Dis
     assert pool.run(sum_of_ones) == [[2.0] * 4] * 2
 
 
-def test_a_sweep_stops_after_a_failed_case_and_the_next_run_is_clean(pool: DistPool) -> None:
+def raise_everywhere() -> None:
+    raise ValueError("planted failure on every rank")
+
+
+def test_a_case_failing_on_every_rank_hides_no_other(pool: DistPool) -> None:
+    cases = {"bad": (raise_everywhere,), "good": (sum_of_ones,)}
+    for results in pool.run(run_each, cases):
+        assert isinstance(results["bad"], CaseFailure), results
+        assert results["good"] == [2.0] * 4, results
+
+
+def test_a_sweep_stops_after_a_case_failed_on_some_ranks_and_the_next_run_is_clean(
+    pool: DistPool,
+) -> None:
     cases = {"bad": (raise_after_async_all_reduce,), "good": (sum_of_ones,)}
     per_rank = pool.run(run_each, cases)
     assert isinstance(per_rank[0]["bad"], CaseFailure)
