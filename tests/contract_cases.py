@@ -219,6 +219,29 @@ def strict_unused() -> str:
     return "no error"
 
 
+def strict_mode_cost() -> dict[str, int]:
+    """error_on_unused_params with every param used: the same collectives plus one all-reduce of
+    dp_size x (number of trainable params) fp32 flags."""
+    counts = {}
+    for strict in (False, True):
+        torch.manual_seed(0)
+        net = BranchNet()
+        net.never.requires_grad_(False)
+        cfg = megabuf.DistributedDataParallelConfig(
+            overlap_grad_reduce=True, bucket_size=1, error_on_unused_params=strict
+        )
+        model = megabuf.DistributedDataParallel(net, cfg)
+        x, y = data(0, dist.get_rank())
+        model.collectives.stats.reset()
+        ((model(x, True) - y) ** 2).mean().backward()  # every rank uses head_b
+        model.finish_grad_sync()
+        stats = model.collectives.stats
+        counts[f"calls_{strict}"] = stats.calls["all_reduce"]
+        counts[f"bytes_{strict}"] = stats.input_nbytes["all_reduce"]
+    counts["n_trainable"] = len(model.param_to_name)
+    return counts
+
+
 def changed_after_wrap(change: str) -> str:
     torch.manual_seed(0)
     net = BranchNet()
@@ -404,6 +427,7 @@ SINGLE: dict[str, Callable[[], Any]] = {
     "bf16_accumulate_after_sync": bf16_accumulate_after_sync,
     "step_without_backward_fp32": lambda: step_without_backward(False),
     "step_without_backward_bf16": lambda: step_without_backward(True),
+    "strict_mode_cost": strict_mode_cost,
     "broadcast_then_step_mixed": lambda: broadcast_then_step(False),
     "broadcast_then_step_distopt": lambda: broadcast_then_step(True),
 }

@@ -56,6 +56,14 @@ def test_strict_mode_raises_on_every_rank_naming_params_and_ranks(
         assert "head_a" not in msg and "body" not in msg, msg
 
 
+def test_strict_mode_costs_one_small_all_reduce(single: list[dict[str, Any]]) -> None:
+    dp = len(single)
+    for res in _ok(single, "strict_mode_cost"):
+        assert res["calls_True"] == res["calls_False"] + 1, res
+        flags_nbytes = 4 * dp * res["n_trainable"]  # fp32 flag per (dp rank, trainable param)
+        assert res["bytes_True"] == res["bytes_False"] + flags_nbytes, res
+
+
 def test_reentrant_checkpointing_with_overlap_matches_reference(
     single: list[dict[str, Any]],
 ) -> None:
@@ -130,5 +138,5 @@ def test_every_single_case_has_a_test() -> None:
                "reset_after_exception", "fp16_reduce_scatter", "one_chain",
                "bf16_accumulate_after_sync", "step_without_backward_fp32",
                "step_without_backward_bf16", "broadcast_then_step_mixed",
-               "broadcast_then_step_distopt"}  # fmt: skip
+               "broadcast_then_step_distopt", "strict_mode_cost"}  # fmt: skip
     assert covered == set(SINGLE)
