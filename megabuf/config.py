@@ -6,8 +6,12 @@ rejected at construction with a ValueError naming the fields involved.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import itertools
 import sys
+import textwrap
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,6 +50,35 @@ def dataclass_from_toml(
         raise ValueError(f"megabuf: bad [{table}] table in config file {path}: {exc}") from exc
 
 
+def document_fields(cls: type[T]) -> type[T]:
+    """Append each field's attribute docstring (the string literal right after the field) to the
+    class docstring, so `help(cls)` shows what every field means. Without the source (a frozen
+    build) the docstring is left as it is."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return cls
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    lines = []
+    for node, nxt in itertools.pairwise(body):
+        doc = _string_literal(nxt)
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and doc:
+            default = ast.unparse(node.value) if node.value is not None else "required"
+            lines.append(f"{node.target.id} = {default}")
+            lines.extend("    " + line for line in inspect.cleandoc(doc).splitlines())
+    if lines:
+        cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\nFields:\n\n" + "\n".join(lines)
+    return cls
+
+
+def _string_literal(node: ast.stmt) -> str | None:
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+        value = node.value.value
+        return value if isinstance(value, str) else None
+    return None
+
+
+@document_fields
 @dataclass(frozen=True, kw_only=True)
 class DistributedDataParallelConfig:
     """Configuration of megabuf's data-parallel engine (Megatron-LM field names)."""

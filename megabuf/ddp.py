@@ -48,10 +48,24 @@ BACKWARD_END_GROUP_ID = -1  # group id of the timeline's "backward_end" marker
 
 
 class DistributedDataParallel(nn.Module):
-    """Megatron-style data parallelism for any module; see README for the lifecycle per step.
+    """Megatron-style data parallelism for any module: grads accumulate into contiguous
+    buffers (`param.main_grad` views) and are reduced bucket group by bucket group.
 
-    `collectives`: the layer every collective goes through (default: a new `Collectives`);
-    tests pass a subclass to count or intercept calls.
+    Per step: `zero_grad_buffer()`; forward; backward; `finish_grad_sync()`; optimizer step
+    (README "Using it" and "The gradient contract"). Construction is collective: every rank of
+    the process groups must wrap the same model (checked; raises naming the first difference),
+    and dp-rank 0's params and buffers are broadcast to the others.
+
+    Args:
+        module: the model, all params on one device. Params are bound at wrapping: replacing,
+            adding, freezing or unfreezing one afterwards raises at the next finish_grad_sync().
+        ddp_config: a `DistributedDataParallelConfig` (default: all fields at their defaults,
+            i.e. synchronous all-reduce, one bucket per buffer).
+        process_groups: the `ProcessGroups` to reduce over (default: `ProcessGroups.default()`,
+            the whole world as dp; build with `ProcessGroups.build(pp_size=, ep_size=)`).
+        disable_bucketing: one bucket group per kind (dense / expert) instead of one per bucket.
+        collectives: the layer every collective goes through (default: a new `Collectives`);
+            tests pass a subclass to count or intercept calls.
     """
 
     def __init__(
@@ -198,13 +212,14 @@ class DistributedDataParallel(nn.Module):
 
     def start_grad_sync(self) -> None:
         """Dispatch every reduction not yet dispatched, in chain order (e.g. from a pipeline's
-        grad_sync_func)."""
+        grad_sync_func). Collective: every dp rank must call it."""
         for chain in self._chains:
             chain.dispatch_rest()
 
     def finish_grad_sync(self) -> None:
         """Dispatch what backward did not (unused params are zero-filled), wait for every
-        reduction, and hand out the grads: see [Note: grad contract]."""
+        reduction, and hand out the grads: see [Note: grad contract]. Collective: every dp rank
+        must call it once per iteration."""
         if self.timeline is not None:
             self.timeline.record(BACKWARD_END_GROUP_ID, "backward_end")
         self._structure.check(self.rank)
@@ -324,7 +339,8 @@ class DistributedDataParallel(nn.Module):
 
     # ---- params -------------------------------------------------------------------------------
     def broadcast_params(self) -> None:
-        """Copy dp-rank-0's params (expert params: expt_dp-rank-0's) and buffers to all ranks."""
+        """Copy dp-rank-0's params (expert params: expt_dp-rank-0's) and buffers to all ranks.
+        Collective: every rank must call it."""
         pgs = self.process_groups
         with torch.no_grad():
             for _, param in _unique_named_parameters(self.module):
@@ -353,7 +369,8 @@ class DistributedDataParallel(nn.Module):
 
     def publish_params(self) -> None:
         """Finish every pending param gather: call before reading params outside forward
-        (evaluation code that bypasses forward, checkpoint saving). state_dict() calls it."""
+        (evaluation code that bypasses forward, checkpoint saving). state_dict() calls it.
+        Collective with the distributed optimizer: every dp rank must call it."""
         for group in self.all_bucket_groups:
             group.finish_param_sync(skip_next_bucket_dispatch=True)
 
@@ -366,10 +383,17 @@ class DistributedDataParallel(nn.Module):
             self.start_param_sync(force_sync=True)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """The wrapped module's state dict (its keys, no `module.` prefix), after publishing
+        params. Collective with the distributed optimizer (see publish_params): every dp rank
+        must call it, not only the one that saves."""
         self.publish_params()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Copy values into the wrapped module's params and buffers (its keys). megabuf's
+        optimizers notice the change (param versions) and reload their fp32 main params.
+        Collective with the distributed optimizer (it publishes params first): every dp rank
+        must call it."""
         if assign:
             raise ValueError(
                 "megabuf: load_state_dict(assign=True) would detach params from the buffers; "

@@ -26,7 +26,14 @@ def build_optimizer(
 ) -> MegabufOptimizer:
     """DistributedOptimizer when the chunks' DDP config says use_distributed_optimizer, else
     MixedPrecisionOptimizer (bf16/fp16 params) or FP32Optimizer. Dense and expert params get
-    separate inner optimizers stepped under one global grad norm."""
+    separate inner optimizers stepped under one global grad norm.
+
+    `param_groups` is torch's format, over the wrapped model's trainable params: None (one
+    group of every param), an iterable of params, or an iterable of dicts
+    `{"params": [p, ...], <hyperparameter>: value, ...}` whose hyperparameters override the
+    config's for that group (e.g. `{"params": no_decay, "weight_decay": 0.0}`). Every trainable
+    param must be in exactly one group; anything else raises a ValueError naming the group.
+    """
     chunks = as_chunks(model_chunks)
     flags = {c.ddp_config.use_distributed_optimizer for c in chunks}
     if len(flags) > 1:

@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 
-from megabuf.config import dataclass_from_dict, dataclass_from_toml
+from megabuf.config import dataclass_from_dict, dataclass_from_toml, document_fields
 
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
 
 
+@document_fields
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """Configuration of the optimizer megabuf builds around DDP model chunks."""

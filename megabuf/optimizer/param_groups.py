@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -88,6 +89,12 @@ def resolve_param_groups(
 def _assign(
     param: nn.Parameter, index: int, group_of: dict[nn.Parameter, int], names: dict[Any, str]
 ) -> None:
+    if not isinstance(param, torch.Tensor):
+        raise ValueError(
+            f"megabuf: param group {index} holds a {type(param).__name__}, not a param; give "
+            "param groups as torch does: an iterable of params, or of dicts like "
+            "{'params': [p, ...], 'lr': 1e-3} (a list of lists is neither)"
+        )
     if param not in names:
         raise ValueError(
             f"megabuf: param group {index} holds a param of shape {tuple(param.shape)} that is "
