@@ -8,8 +8,11 @@ group) and formats the result. `tests/test_inspect.py` checks it against a real 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -86,6 +89,20 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _import_from_cwd(module_name: str) -> ModuleType:
+    """Import `module_name` the way `python -m` would see it: the current directory first (a
+    console script like `megabuf` does not put it on sys.path)."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
 def load_model(spec: str, seed: int = 0) -> nn.Module:
     """A preset name of `megabuf.testing` ("gpt_small", ...) or "package.module:factory"."""
     if ":" not in spec:
@@ -93,7 +110,7 @@ def load_model(spec: str, seed: int = 0) -> nn.Module:
 
         return build_model(spec, seed=seed)
     module_name, _, factory_name = spec.partition(":")
-    factory = getattr(importlib.import_module(module_name), factory_name, None)
+    factory = getattr(_import_from_cwd(module_name), factory_name, None)
     if not callable(factory):
         raise ValueError(f"megabuf: {spec!r}: {module_name} has no callable {factory_name!r}")
     model = factory()

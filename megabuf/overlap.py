@@ -144,8 +144,11 @@ class OverlapReport:
             "median_dispatched_before_backward_end": early,
         }
 
+    def __str__(self) -> str:
+        return self.format()
+
     def format(self) -> str:
-        """A short human-readable summary (medians over steps, milliseconds)."""
+        """A short human-readable summary (medians over steps, milliseconds); also `str()`."""
         if not self.steps:
             return "overlap report: no complete steps recorded"
         d = self.to_dict()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +152,18 @@ def test_ddp_builds_the_plan_inspect_prints(pools: Any) -> None:
     assert len(ep1["chains"]) == 1 and any(e for _, e, _ in ep1["groups"])  # merged chain
     ep2 = per_rank[0]["ep2_bf16_experts_small_buckets"]["ddp"]
     assert len(ep2["chains"]) == 2 and len({b[1] for b in ep2["buffers"]}) == 2
+
+
+def test_cli_finds_a_factory_module_in_the_current_directory(tmp_path: Path) -> None:
+    """`megabuf inspect mymodel:make` from the directory holding mymodel.py, as `python -m`
+    would find it (a console script does not put the current directory on sys.path)."""
+    (tmp_path / "mymodel_for_inspect.py").write_text(
+        "from torch import nn\n\ndef make():\n    return nn.Linear(3, 5)\n"
+    )
+    script = Path(sys.executable).with_name("megabuf")
+    proc = subprocess.run(
+        [str(script), "inspect", "mymodel_for_inspect:make", "--dp-size", "2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "20 params" in proc.stdout, proc.stdout  # 3 x 5 weight + 5 bias

@@ -67,6 +67,7 @@ def test_split_and_median_over_mixed_steps() -> None:
     assert d["median_exposed_ms"] == pytest.approx(3000.0)
     text = report.format()
     assert "3 steps, 2 bucket groups" in text and "3000.00 ms" in text
+    assert str(report) == text  # print(report) reads like the summary, not a dataclass repr
 
 
 def test_incomplete_last_step_is_dropped_and_bad_steps_raise() -> None:
