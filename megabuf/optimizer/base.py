@@ -65,8 +65,15 @@ _UNSYNCED = {
 }
 
 
-class MegabufOptimizer:
-    """Base class; subclasses decide which main params a rank owns and how params are published."""
+class MegabufOptimizer(torch.optim.Optimizer):
+    """Base class; subclasses decide which main params a rank owns and how params are published.
+
+    It is a `torch.optim.Optimizer` for `isinstance` checks, so `torch.optim.lr_scheduler.*`
+    accept it: `param_groups` are the inner optimizers' own group dicts (dense groups, then
+    expert groups), so one scheduler drives both, and `defaults` are the first inner
+    optimizer's. torch's Optimizer constructor does not run: megabuf's `step()` contract,
+    `zero_grad()` and model-space `state_dict()` replace torch's.
+    """
 
     sharded = False  # main params are shards of the buffers (memory_report counts shard padding)
 
@@ -102,6 +109,10 @@ class MegabufOptimizer:
         self._norm_kinds = self._model_wide_kinds()
         self._copied_grads = False
         self._versions = ModelParamVersions(self.main_params)
+        # what torch's schedulers read besides param_groups (OneCycleLR: momentum / betas)
+        self.defaults: dict[str, Any] = (
+            dict(self.domains[0].optimizer.defaults) if self.domains else {}
+        )
 
     def _model_wide_kinds(self) -> tuple[DomainKind, ...]:
         """Kinds present on *any* rank. Every rank must join every norm reduction, even a
@@ -144,8 +155,11 @@ class MegabufOptimizer:
         return [mp for d in self.domains for mp in d.main_params]
 
     @torch.no_grad()
-    def step(self) -> StepResult:
-        """See [Note: optimizer step]."""
+    def step(self, closure: None = None) -> StepResult:  # type: ignore[override]
+        """See [Note: optimizer step]. `closure` exists for torch's signature; it must be None
+        (the loss comes from the training loop, the grads from the buffers)."""
+        if closure is not None:
+            raise ValueError("megabuf: optimizer.step() takes no closure; run backward first")
         with torch.profiler.record_function("megabuf::optimizer_step"):
             self._check_grads_synced()
             self._versions.reload_edited()
@@ -260,7 +274,7 @@ class MegabufOptimizer:
             chunk.zero_grad_buffer()
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         """Every inner group (dense groups, then expert groups): LR schedules edit these."""
         return [g for d in self.domains for g in d.optimizer.param_groups]
 
