@@ -206,7 +206,7 @@ def _print_summary(
     stats = getattr(getattr(model, "collectives", None), "stats", None)
     if stats is not None:
         calls = dict(stats.calls)
-        log(f"rank 0 sent {stats.total_bytes_sent / 1e6:.1f} MB in collectives {calls}")
+        log(f"rank 0 sent {stats.total_ring_nbytes / 1e6:.1f} MB in collectives {calls}")
 
 
 def run_check(

@@ -92,10 +92,10 @@ def train(config_path: Path, steps_override: int | None) -> list[float]:
         losses.append(float(loss.item()))
         if pgs.dp_rank == 0 and (step % 10 == 0 or step == steps - 1):
             print(f"step {step:3d}  loss {losses[-1]:.4f}  grad norm {grad_norm:.4f}", flush=True)
-    sent = model.collectives.stats.bytes_sent
+    sent = model.collectives.stats.ring_nbytes
     if pgs.dp_rank == 0:
         print(f"rank 0 sent {sent.get('all_to_all', 0)} B of tokens (all-to-all), "
-              f"{model.collectives.stats.total_bytes_sent} B in all")  # fmt: skip
+              f"{model.collectives.stats.total_ring_nbytes} B in all")  # fmt: skip
     return losses
 
 

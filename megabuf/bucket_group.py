@@ -157,6 +157,13 @@ class BucketGroup:
         self._param_work: SyncWork | None = None
         # grad arrivals per param per iteration; None until learned ([Note: grad readiness])
         self._expected_arrivals: list[int] | None = None
+        n = len(self.params_list)
+        self._all_unwritten = b"\x01" * n
+        self._no_arrivals = [0] * n
+        # 1 = main_grad holds stale values (see [Note: grad accumulation into main_grad]);
+        # both are reset in place every iteration, never reallocated
+        self._unwritten = bytearray(self._all_unwritten)
+        self._arrivals = list(self._no_arrivals)
         self.is_last_microbatch = True
         self._clear_iteration()
 
@@ -201,12 +208,11 @@ class BucketGroup:
     def _clear_iteration(self) -> None:
         self._clear_readiness()
         self.is_last_microbatch = True
-        # 1 = main_grad holds stale values (see [Note: grad accumulation into main_grad])
-        self._unwritten = bytearray(b"\x01" * len(self.params_list))
+        self._unwritten[:] = self._all_unwritten
         self.unused_indices: tuple[int, ...] = ()  # unwritten when dispatched (zero-filled)
 
     def _clear_readiness(self) -> None:
-        self._arrivals = [0] * len(self.params_list)
+        self._arrivals[:] = self._no_arrivals
         self._num_pending = len(self.params_list)
         self.grad_state = GradSyncState.IDLE
 

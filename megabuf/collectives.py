@@ -77,22 +77,8 @@ class CommStats:
         self.calls[op] += 1
 
     @property
-    def total_input_nbytes(self) -> int:
-        return sum(self.input_nbytes.values())
-
-    @property
     def total_ring_nbytes(self) -> int:
         return sum(self.ring_nbytes.values())
-
-    @property
-    def bytes_sent(self) -> dict[str, int]:
-        """The ring figure per op, under its old name (`ring_nbytes`)."""
-        return self.ring_nbytes
-
-    @property
-    def total_bytes_sent(self) -> int:
-        """The ring figure in all, under its old name (`total_ring_nbytes`)."""
-        return self.total_ring_nbytes
 
     def reset(self) -> None:
         for counts in (self.input_nbytes, self.output_nbytes, self.ring_nbytes, self.calls):
@@ -183,11 +169,7 @@ class Collectives:
     ) -> PendingCollective:
         """Sum (or average) `tensor` in place across `group`."""
         size = dist.get_world_size(group)
-        nbytes = _nbytes(tensor)
-        self.stats.record(
-            "all_reduce", input_nbytes=nbytes, output_nbytes=nbytes,
-            ring_nbytes=2 * (size - 1) * nbytes // size,
-        )  # fmt: skip
+        self._record_all_reduce(tensor, size)
         op, divide = self._avg_plan(tensor, size, average, self.strategy(group).has_avg)
         with torch.profiler.record_function("megabuf::all_reduce"):
             work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
@@ -229,6 +211,13 @@ class Collectives:
             op, divide = self._avg_plan(input, size, average, strategy.has_avg)
             work = dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
         return self._pending("reduce_scatter", work, output, None, divide, scale)
+
+    def _record_all_reduce(self, tensor: Tensor, size: int) -> None:
+        nbytes = _nbytes(tensor)  # in place: handed over as input and written as output
+        self.stats.record(
+            "all_reduce", input_nbytes=nbytes, output_nbytes=nbytes,
+            ring_nbytes=2 * (size - 1) * nbytes // size,
+        )  # fmt: skip
 
     def _record_reduce_scatter(self, input: Tensor, landing: Tensor, ring_nbytes: int) -> None:
         self.stats.record(
@@ -345,11 +334,7 @@ class Collectives:
 
     def all_reduce_max(self, tensor: Tensor, group: Group) -> None:
         """Synchronous elementwise max across the group (e.g. found-inf flags)."""
-        size, nbytes = dist.get_world_size(group), _nbytes(tensor)
-        self.stats.record(
-            "all_reduce", input_nbytes=nbytes, output_nbytes=nbytes,
-            ring_nbytes=2 * (size - 1) * nbytes // size,
-        )  # fmt: skip
+        self._record_all_reduce(tensor, dist.get_world_size(group))
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
     def barrier(self, group: Group) -> None:

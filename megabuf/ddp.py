@@ -96,7 +96,6 @@ class DistributedDataParallel(nn.Module):
         check_replicas_match(named, pgs.dp, self.collectives)
         trainable = [(n, p) for n, p in named if p.requires_grad]
         self.param_to_name = {p: n for n, p in trainable}
-        self._registration_index = {p: i for i, (_, p) in enumerate(trainable)}
         params = [p for _, p in trainable]
         self.plan: Plan = build_plan(
             param_specs(trainable),
@@ -234,16 +233,18 @@ class DistributedDataParallel(nn.Module):
         if not self.ddp_config.use_distributed_optimizer:
             self._expose_grads()
 
-    @property
-    def grads_synced(self) -> bool:
-        """True between finish_grad_sync() and the next zero_grad_buffer() or backward."""
-        return all(g.grad_state is GradSyncState.SYNCED for g in self.all_bucket_groups)
+    def unsynced_group(self) -> BucketGroup | None:
+        """A bucket group whose grads are not this iteration's reduced grads (its sync is not
+        SYNCED: no finish_grad_sync() since zero_grad_buffer() or since a backward), or None."""
+        return next(
+            (g for g in self.all_bucket_groups if g.grad_state is not GradSyncState.SYNCED), None
+        )
 
     def _raise_on_unused_params(self) -> None:
         """error_on_unused_params: every dp rank learns which params got no grad on which rank
         (one small MAX all-reduce after all reductions finished, so collectives stay paired)."""
         pgs = self.process_groups
-        index = self._registration_index
+        index = {p: i for i, p in enumerate(self.param_to_name)}  # registration order
         device = self._all_buffers[0].grad_data.device if self._all_buffers else None
         flags = torch.zeros(pgs.dp_size, len(index), device=device)
         for group in self.all_bucket_groups:

@@ -87,14 +87,6 @@ class Plan:
     groups: tuple[GroupPlan, ...]  # by group id
     chains: tuple[tuple[int, ...], ...]  # group ids of each chain, in dispatch order
 
-    @property
-    def dense_buffers(self) -> tuple[BufferPlan, ...]:
-        return tuple(b for b in self.buffers if not b.expert)
-
-    @property
-    def expert_buffers(self) -> tuple[BufferPlan, ...]:
-        return tuple(b for b in self.buffers if b.expert)
-
 
 def dtype_key(dtype: torch.dtype, config: DistributedDataParallelConfig) -> DtypeKey:
     """(param dtype, grad dtype) of a param: the key of the buffer it lives in."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from contract_cases import replay_average
 from dist_pool import run_each
 from grad_cases import grad_errors
 from moe_cases import CFG, GLOBAL_BATCH, _loss, groups, reference_name
@@ -36,30 +37,11 @@ def _data(step: int, rank: int, rows: int = ROWS) -> tuple[torch.Tensor, torch.T
     return torch.randn(rows, DIM, generator=g), torch.randn(rows, DIM, generator=g)
 
 
-def _grads(net: nn.Module) -> dict[str, torch.Tensor]:
-    """Current .grad of every param (zeros where autograd left None: an unused param)."""
-    return {
-        n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-        for n, p in net.named_parameters()
-    }
-
-
-def _average(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """sum_r g_r * (1/dp) in rank order: what a dp all-reduce of pre-scaled grads computes."""
-    scale = 1.0 / len(per_rank)
-    return {n: sum(g[n] * scale for g in per_rank) for n in per_rank[0]}  # type: ignore[misc]
-
-
 def _replay(
     ref: nn.Module, backward_of_rank: Callable[[nn.Module, int], None]
 ) -> dict[str, torch.Tensor]:
     """Reference grads: every rank's backward replayed on `ref` in this process, averaged."""
-    per_rank = []
-    for r in range(dist.get_world_size()):
-        ref.zero_grad(set_to_none=True)
-        backward_of_rank(ref, r)
-        per_rank.append(_grads(ref))
-    return _average(per_rank)
+    return replay_average(ref, backward_of_rank, dist.get_world_size())
 
 
 # ---- 1. dispatch order --------------------------------------------------------------------------

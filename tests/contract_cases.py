@@ -59,18 +59,28 @@ def loss_of(model: nn.Module, step: int, rank: int, dtype: torch.dtype) -> torch
     return ((model(x, uses_b(rank)).float() - y.float()) ** 2).mean()
 
 
-def reference_grads(
-    ref: nn.Module, step: int, dp: int, dtype: torch.dtype
+def replay_average(
+    ref: nn.Module, backward_of_rank: Callable[[nn.Module, int], Any], dp: int
 ) -> dict[str, torch.Tensor]:
-    """ref's .grad = sum over ranks r (in order) of grad(L_r) / dp, never None; returns the
-    fp32 sums."""
+    """Reference grads: every rank's backward replayed on `ref` in this process, summed over
+    ranks r in order as fp32 grad_r * (1/dp) (zero where rank r left a param unused): what a dp
+    all-reduce of pre-scaled grads computes, bitwise at dp 2."""
     total = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in ref.named_parameters()}
     for r in range(dp):
         ref.zero_grad(set_to_none=True)
-        loss_of(ref, step, r, dtype).backward()
+        backward_of_rank(ref, r)
         for n, p in ref.named_parameters():
             if p.grad is not None:
                 total[n] += p.grad.float() * (1.0 / dp)
+    return total
+
+
+def reference_grads(
+    ref: nn.Module, step: int, dp: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """ref's .grad = `replay_average` of the contract loss (in ref's dtype), never None;
+    returns the fp32 sums."""
+    total = replay_average(ref, lambda m, r: loss_of(m, step, r, dtype).backward(), dp)
     for n, p in ref.named_parameters():
         p.grad = total[n].to(p.dtype)
     return total
@@ -201,22 +211,36 @@ def reentrant_checkpointing() -> dict[str, Any]:
     return {"errors": errors, "early_dispatches": early, "groups": len(model.bucket_groups)}
 
 
+def branch_net_without_never() -> BranchNet:
+    """BranchNet (seeded) with `never` frozen: every trainable param is used on some rank."""
+    torch.manual_seed(0)
+    net = BranchNet()
+    net.never.requires_grad_(False)
+    return net
+
+
+def error_of(fn: Callable[[], Any]) -> str:
+    """The message of the RuntimeError `fn` raises, or "no error"."""
+    try:
+        fn()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
 def strict_unused() -> str:
     cfg = megabuf.DistributedDataParallelConfig(
         overlap_grad_reduce=True, bucket_size=1, error_on_unused_params=True
     )
-    torch.manual_seed(0)
-    net = BranchNet()
-    net.never.requires_grad_(False)
-    model = megabuf.DistributedDataParallel(net, cfg)
-    for step in range(2):
-        model.zero_grad_buffer()
-        loss_of(model, step, dist.get_rank(), torch.float32).backward()
-        try:
+    model = megabuf.DistributedDataParallel(branch_net_without_never(), cfg)
+
+    def two_steps() -> None:
+        for step in range(2):
+            model.zero_grad_buffer()
+            loss_of(model, step, dist.get_rank(), torch.float32).backward()
             model.finish_grad_sync()
-        except RuntimeError as exc:
-            return str(exc)
-    return "no error"
+
+    return error_of(two_steps)
 
 
 def strict_mode_cost() -> dict[str, int]:
@@ -224,13 +248,10 @@ def strict_mode_cost() -> dict[str, int]:
     dp_size x (number of trainable params) fp32 flags."""
     counts = {}
     for strict in (False, True):
-        torch.manual_seed(0)
-        net = BranchNet()
-        net.never.requires_grad_(False)
         cfg = megabuf.DistributedDataParallelConfig(
             overlap_grad_reduce=True, bucket_size=1, error_on_unused_params=strict
         )
-        model = megabuf.DistributedDataParallel(net, cfg)
+        model = megabuf.DistributedDataParallel(branch_net_without_never(), cfg)
         x, y = data(0, dist.get_rank())
         model.collectives.stats.reset()
         ((model(x, True) - y) ** 2).mean().backward()  # every rank uses head_b
@@ -243,9 +264,7 @@ def strict_mode_cost() -> dict[str, int]:
 
 
 def changed_after_wrap(change: str) -> str:
-    torch.manual_seed(0)
-    net = BranchNet()
-    net.never.requires_grad_(False)
+    net = branch_net_without_never()
     model = megabuf.DistributedDataParallel(net)
     if change == "replace":
         net.head_a.weight = nn.Parameter(net.head_a.weight.detach().clone())
@@ -254,11 +273,7 @@ def changed_after_wrap(change: str) -> str:
     elif change == "unfreeze":
         net.never.weight.requires_grad_(True)
     loss_of(model, 0, dist.get_rank(), torch.float32).backward()
-    try:
-        model.finish_grad_sync()
-    except RuntimeError as exc:
-        return str(exc)
-    return "no error"
+    return error_of(model.finish_grad_sync)
 
 
 def reset_after_exception() -> dict[str, Any]:
@@ -314,9 +329,7 @@ def fp16_reduce_scatter_no_overflow() -> dict[str, float]:
 def one_chain_when_groups_match() -> dict[str, Any]:
     """ep_size 1: expert-parallel params reduce over the dp group itself, so dense and expert
     bucket groups share one dispatch chain."""
-    torch.manual_seed(0)
-    net = BranchNet()
-    net.never.requires_grad_(False)
+    net = branch_net_without_never()
     megabuf.mark_expert_parallel(net.head_b.parameters())
     ref = copy.deepcopy(net)
     pgs = megabuf.ProcessGroups.build(ep_size=1)

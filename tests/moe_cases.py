@@ -89,7 +89,7 @@ def grads_case(case: dict[str, Any]) -> dict[str, Any]:
             g.collective_group is model.process_groups.expt_dp
             for g in model.expert_parallel_bucket_groups
         ),
-        "all_to_all_bytes": model.collectives.stats.bytes_sent.get("all_to_all", 0),
+        "all_to_all_bytes": model.collectives.stats.ring_nbytes.get("all_to_all", 0),
     }
 
 

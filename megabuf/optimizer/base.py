@@ -165,7 +165,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
             self._versions.reload_edited()
             self._copied_grads = any([mp.attach_grad() for mp in self.main_params])
             grads = [mp.main.grad for mp in self.main_params if mp.main.grad is not None]
-            if self.grad_scaler is not None and self._scaler_found_inf(grads):
+            if self._scaler_found_inf(grads):
                 return self._skip(None)
             parts = self._norm_parts()
             grad_norm = global_grad_norm(parts, self.collectives, device=self.device)
@@ -202,9 +202,8 @@ class MegabufOptimizer(torch.optim.Optimizer):
     def _check_grads_synced(self) -> None:
         """See [Note: optimizer step], point 0."""
         for i, chunk in enumerate(self.model_chunks):
-            for group in chunk.all_bucket_groups:
-                if group.grad_state is GradSyncState.SYNCED:
-                    continue
+            group = chunk.unsynced_group()
+            if group is not None:
                 names = [group.param_to_name.get(p, "?") for p in group.params_list[:3]]
                 raise RuntimeError(
                     f"megabuf: optimizer step() on rank {dist.get_rank()}: model chunk {i}, "
@@ -215,11 +214,13 @@ class MegabufOptimizer(torch.optim.Optimizer):
                 )
 
     def _scaler_found_inf(self, grads: list[torch.Tensor]) -> bool:
-        """Unscale grads, agree on inf/NaN over all ranks and let the scaler react."""
-        if self.grad_scaler is None:
+        """With a grad scaler: unscale grads, agree on inf/NaN over all ranks, let the scaler
+        react. Without one: False (non-finite grads are caught by the norm check instead)."""
+        scaler = self.grad_scaler
+        if scaler is None:
             return False
-        found_inf = self._unscale_and_check(grads)
-        self.grad_scaler.update(found_inf)
+        found_inf = self._unscale_and_check(scaler, grads)
+        scaler.update(found_inf)
         return found_inf
 
     @staticmethod
@@ -244,14 +245,12 @@ class MegabufOptimizer(torch.optim.Optimizer):
             parts.append(NormPart(grads, self._norm_groups(kind)))
         return parts
 
-    def _unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
-        if self.grad_scaler is None:
-            return False
+    def _unscale_and_check(self, scaler: GradScaler, grads: list[torch.Tensor]) -> bool:
         with torch.profiler.record_function("megabuf::unscale_and_check"):
             found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
             if grads:
                 torch._amp_foreach_non_finite_check_and_unscale_(
-                    grads, found_inf, self.grad_scaler.inv_scale.to(self.device)
+                    grads, found_inf, scaler.inv_scale.to(self.device)
                 )
             for group in (self.process_groups.dp, self.process_groups.pp):
                 if dist.get_world_size(group) > 1:
