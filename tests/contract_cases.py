@@ -272,6 +272,14 @@ def changed_after_wrap(change: str) -> str:
         net.head_a.bias.requires_grad_(False)
     elif change == "unfreeze":
         net.never.weight.requires_grad_(True)
+    elif change == "add_param":
+        net.head_a.extra = nn.Parameter(torch.zeros(3))
+    elif change == "add_module":
+        net.head_c = nn.Linear(DIM, 3)
+    elif change == "remove":
+        net.head_a.bias = None  # F.linear runs without it
+    elif change == "add_parameterless_module":
+        net.act = nn.Tanh()  # harmless: no param megabuf would miss
     loss_of(model, 0, dist.get_rank(), torch.float32).backward()
     return error_of(model.finish_grad_sync)
 
@@ -434,6 +442,10 @@ SINGLE: dict[str, Callable[[], Any]] = {
     "replace": lambda: changed_after_wrap("replace"),
     "freeze": lambda: changed_after_wrap("freeze"),
     "unfreeze": lambda: changed_after_wrap("unfreeze"),
+    "add_param": lambda: changed_after_wrap("add_param"),
+    "add_module": lambda: changed_after_wrap("add_module"),
+    "remove": lambda: changed_after_wrap("remove"),
+    "add_parameterless_module": lambda: changed_after_wrap("add_parameterless_module"),
     "reset_after_exception": reset_after_exception,
     "fp16_reduce_scatter": fp16_reduce_scatter_no_overflow,
     "one_chain": one_chain_when_groups_match,

@@ -11,6 +11,9 @@ import pytest
 import torch
 from contract_cases import DIVERGENT, SINGLE, run_divergent, run_single
 from dist_pool import case_result
+from torch import nn
+
+from megabuf.replicas import ParamStructure
 
 WORLD_SIZES = [2, 4]
 
@@ -80,6 +83,9 @@ def test_reentrant_checkpointing_with_overlap_matches_reference(
         ("replace", "'head_a.weight' was replaced"),
         ("freeze", "'head_a.bias' was frozen"),
         ("unfreeze", "'never.weight' was unfrozen"),
+        ("add_param", "'head_a.extra' was added"),
+        ("add_module", "'head_c.weight' was added"),
+        ("remove", "'head_a.bias' was removed"),
     ],
 )
 def test_params_changed_after_wrapping_raise_naming_the_param(
@@ -87,6 +93,35 @@ def test_params_changed_after_wrapping_raise_naming_the_param(
 ) -> None:
     for rank, msg in enumerate(_ok(single, change)):
         assert words in msg and f"rank {rank}" in msg and "wrap" in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [("del_submodule", "'0.weight' was removed"), ("new_submodule", "'2.weight' was added")],
+)
+def test_param_structure_names_params_of_submodules_added_or_removed(
+    change: str, words: str
+) -> None:  # pure: the check itself, no process group
+    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+    structure = ParamStructure(model)
+    if change == "del_submodule":
+        del model[0]
+    else:
+        model.append(nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match=words):
+        structure.check(rank=0)
+    harmless = nn.Sequential(nn.Linear(2, 2))
+    structure = ParamStructure(harmless)
+    harmless.append(nn.ReLU())
+    structure.check(rank=0)  # a module without params changes nothing megabuf is bound to
+    structure.check(rank=0)
+
+
+def test_a_module_without_params_added_after_wrapping_is_harmless(
+    single: list[dict[str, Any]],
+) -> None:
+    for msg in _ok(single, "add_parameterless_module"):
+        assert msg == "no error", msg
 
 
 def test_reset_iter_state_after_exception_in_backward(single: list[dict[str, Any]]) -> None:
@@ -136,6 +171,7 @@ def test_optimizer_follows_params_changed_by_broadcast_params(
 def test_every_single_case_has_a_test() -> None:
     covered = {"strict_unused", "reentrant_checkpointing", "replace", "freeze", "unfreeze",
                "reset_after_exception", "fp16_reduce_scatter", "one_chain",
+               "add_param", "add_module", "remove", "add_parameterless_module",
                "bf16_accumulate_after_sync", "step_without_backward_fp32",
                "step_without_backward_bf16", "broadcast_then_step_mixed",
                "broadcast_then_step_distopt", "strict_mode_cost"}  # fmt: skip
