@@ -56,3 +56,26 @@ def scheduled_lrs(kind: str, distributed: bool) -> dict[str, Any]:
         "resumed_last_lr": resumed.get_last_lr(),
         "last_lr": scheduler.get_last_lr(),
     }
+
+
+def amp_grad_scaler(bf16: bool) -> dict[str, Any]:
+    """torch.amp.GradScaler.step(megabuf optimizer): a named error, params untouched."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2).to(torch.bfloat16 if bf16 else torch.float32)
+    model = megabuf.DistributedDataParallel(
+        net, megabuf.DistributedDataParallelConfig(grad_reduce_in_fp32=bf16)
+    )
+    opt = megabuf.build_optimizer(
+        model, megabuf.OptimizerConfig(optimizer="sgd", lr=0.1, bf16=bf16)
+    )
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = net.weight.detach().clone()
+    opt.zero_grad()
+    scaler.scale(model(torch.ones(3, 4, dtype=net.weight.dtype)).float().sum()).backward()
+    model.finish_grad_sync()
+    try:
+        scaler.step(opt)
+        message = "no error"
+    except ValueError as exc:
+        message = str(exc)
+    return {"message": message, "unchanged": bool(torch.equal(before, net.weight))}

@@ -76,6 +76,9 @@ class MegabufOptimizer(torch.optim.Optimizer):
     """
 
     sharded = False  # main params are shards of the buffers (memory_report counts shard padding)
+    # torch.amp.GradScaler then hands itself to step() instead of unscaling grads it cannot see
+    # (fp32 main-param copies get their grads inside step()): step() refuses it by name.
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -155,11 +158,19 @@ class MegabufOptimizer(torch.optim.Optimizer):
         return [mp for d in self.domains for mp in d.main_params]
 
     @torch.no_grad()
-    def step(self, closure: None = None) -> StepResult:  # type: ignore[override]
+    def step(self, closure: None = None, *, grad_scaler: Any = None) -> StepResult:  # type: ignore[override]
         """See [Note: optimizer step]. `closure` exists for torch's signature; it must be None
-        (the loss comes from the training loop, the grads from the buffers)."""
+        (the loss comes from the training loop, the grads from the buffers). `grad_scaler` is
+        what `torch.amp.GradScaler.step(opt)` passes: refused, see the error."""
         if closure is not None:
             raise ValueError("megabuf: optimizer.step() takes no closure; run backward first")
+        if grad_scaler is not None:
+            raise ValueError(
+                "megabuf: torch.amp.GradScaler cannot drive a megabuf optimizer: its fp32 main "
+                "params get their grads inside step(), so the scaler would step on scaled grads. "
+                "Use megabuf's loss scaling: OptimizerConfig(fp16=True) (dynamic) or "
+                "loss_scale=..., with opt.scale_loss(loss).backward() and opt.step()"
+            )
         with torch.profiler.record_function("megabuf::optimizer_step"):
             self._check_grads_synced()
             self._versions.reload_edited()
