@@ -228,6 +228,11 @@ class BucketGroup:
             self._unwritten[i] = 0
         return bool(first)
 
+    def mark_unwritten(self, i: int) -> None:
+        """Param `i`'s main_grad no longer counts as written (its exposed `.grad` was set to
+        None): its next grad overwrites it, and without one it is zero-filled at dispatch."""
+        self._unwritten[i] = 1
+
     def zero_unwritten_grads(self) -> None:
         """Zero the main_grad of params that got no grad since zero_grad_buffer(), and remember
         which they were (`unused_indices`)."""

@@ -108,6 +108,14 @@ class DistributedDataParallelConfig:
     """Before each collective, check the bucket for NaN/Inf and raise naming the bucket, its
     params and the rank (costs one reduction over the bucket)."""
 
+    sync_grads_at_backward_end: bool = True
+    """On (default, as torch DDP): a backward that runs with grad sync on (outside `no_sync()`,
+    `require_backward_grad_sync` True) finishes the grad sync before it returns (an autograd
+    end-of-backward callback runs `finish_grad_sync()`), so a torch-DDP loop needs no megabuf
+    call; an explicit `finish_grad_sync()` afterwards is a no-op. Off: only
+    `finish_grad_sync()` finishes it, so the last buckets' reductions overlap whatever runs
+    before that call (Megatron's loop). megabuf's pipeline schedules defer it themselves
+    (`model.deferred_grad_sync()`), whatever this flag says."""
     error_on_unused_params: bool = False
     """Strict mode. Off (default): a trainable param that gets no gradient in an iteration on
     some or all ranks is zero-filled and reduced like any other, in the fixed dispatch order on

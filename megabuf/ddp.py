@@ -10,8 +10,12 @@ a forward (evaluation, metrics) in between changes nothing. A backward in betwee
 on top, as plain PyTorch would: the copies are dropped by a one-shot hook just before that
 backward's first grad reaches them. With `error_on_unused_params` a param that got no gradient
 on some rank instead makes `finish_grad_sync()` raise on every rank, naming it and the ranks.
-With the distributed optimizer only this rank's shard of each bucket is reduced; megabuf's
-optimizer reads it from the buffer.
+With the distributed optimizer only this rank's shard of each bucket is reduced, so `.grad`
+stays None (a torch optimizer or `clip_grad_norm_` cannot see partial grads; a torch optimizer
+stepping such params raises, see grads.py); megabuf's optimizer reads the shard from the buffer.
+When the grad sync finishes: with `sync_grads_at_backward_end` (default) at the end of every
+backward run with grad sync on, as torch DDP; otherwise at `finish_grad_sync()`. What a later
+backward does with grads the user cleared or changed: [Note: grads the user changed].
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook
-from torch.utils.hooks import RemovableHandle
+from torch.autograd import Variable
 
+from megabuf import torch_compat
 from megabuf.bucket_group import BucketGroup, DispatchChain, GradSyncState, ParamSyncState, Timeline
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig
+from megabuf.grads import ExposedGrads, find_tensors, refuse_foreign_optimizers
 from megabuf.hooks import ParamGatherHooks, register_grad_hooks
 from megabuf.plan import GroupPlan, Plan, build_plan
 from megabuf.process_groups import ProcessGroups
@@ -51,21 +56,29 @@ class DistributedDataParallel(nn.Module):
     """Megatron-style data parallelism for any module: grads accumulate into contiguous
     buffers (`param.main_grad` views) and are reduced bucket group by bucket group.
 
-    Per step: `zero_grad_buffer()`; forward; backward; `finish_grad_sync()`; optimizer step
-    (README "Using it" and "The gradient contract"). Construction is collective: every rank of
-    the process groups must wrap the same model (checked; raises naming the first difference),
-    and dp-rank 0's params and buffers are broadcast to the others.
+    Per step: `zero_grad_buffer()` (or the optimizer's `zero_grad()`); forward; backward,
+    which finishes the grad sync (`sync_grads_at_backward_end`; otherwise call
+    `finish_grad_sync()`); optimizer step (README "Using it", "The gradient contract" and
+    "Porting from torch DDP"). Construction is collective: every rank of the process groups must
+    wrap the same model (checked; raises naming the first difference), and dp-rank 0's params
+    and buffers are broadcast to the others.
 
     Args:
         module: the model, all params on one device. Params are bound at wrapping: replacing,
-            adding, freezing or unfreezing one afterwards raises at the next finish_grad_sync().
+            adding, freezing or unfreezing one afterwards raises at the next grad sync.
         ddp_config: a `DistributedDataParallelConfig` (default: all fields at their defaults,
-            i.e. synchronous all-reduce, one bucket per buffer).
+            i.e. synchronous all-reduce, one bucket per buffer, sync at backward end). torch's
+            second positional argument, `device_ids`, is also accepted here.
         process_groups: the `ProcessGroups` to reduce over (default: `ProcessGroups.default()`,
             the whole world as dp; build with `ProcessGroups.build(pp_size=, ep_size=)`).
         disable_bucketing: one bucket group per kind (dense / expert) instead of one per bucket.
         collectives: the layer every collective goes through (default: a new `Collectives`);
             tests pass a subclass to count or intercept calls.
+        **torch_ddp_args: any argument of `torch.nn.parallel.DistributedDataParallel`
+            (`device_ids`, `output_device`, `broadcast_buffers`, `process_group`,
+            `bucket_cap_mb`, `find_unused_parameters`, `static_graph`, ...): honoured, accepted
+            where megabuf already behaves so, or rejected naming the megabuf way; see
+            [Note: torch DDP arguments] in torch_compat.py and README "Porting from torch DDP".
     """
 
     def __init__(
@@ -76,20 +89,24 @@ class DistributedDataParallel(nn.Module):
         process_groups: ProcessGroups | None = None,
         disable_bucketing: bool = False,
         collectives: Collectives | None = None,
+        **torch_ddp_args: Any,
     ) -> None:
         super().__init__()
+        options = torch_compat.resolve(module, ddp_config, process_groups, torch_ddp_args)
         self.module = module
-        self.ddp_config = ddp_config or DistributedDataParallelConfig()
-        self.process_groups = process_groups or ProcessGroups.default()
+        self.ddp_config = options.ddp_config
+        self.process_groups = options.process_groups or ProcessGroups.default()
         self.disable_bucketing = disable_bucketing
         self.collectives = collectives if collectives is not None else Collectives()
+        self.sync_buffers_in_forward = options.sync_buffers_in_forward
         self.rank = dist.get_rank()
-        self._exposed_grad_copies: list[nn.Parameter] = []
-        self._drop_copies_handle: RemovableHandle | None = None
-        self._build()
+        self._require_sync = True  # torch's require_backward_grad_sync
+        self._defer_depth = 0  # deferred_grad_sync() nesting
+        self._sync_queued = False  # an end-of-backward callback is queued
+        self._build(options.init_sync)
 
     # ---- construction -------------------------------------------------------------------------
-    def _build(self) -> None:
+    def _build(self, init_sync: bool) -> None:
         pgs = self.process_groups
         named = _unique_named_parameters(self.module)
         check_devices(named)
@@ -114,16 +131,28 @@ class DistributedDataParallel(nn.Module):
         )
         self.expert_parallel_buffers = [b for b, e in zip(self._all_buffers, expert) if e]
         self._wire_groups()
-        self._linked_params = [p for p in params if p.main_grad.dtype == p.dtype]  # type: ignore[attr-defined]
-        self._mismatched_params = [p for p in params if p.main_grad.dtype != p.dtype]  # type: ignore[attr-defined]
-        self._grad_hook_handles = register_grad_hooks(params, self.param_to_bucket_group)
+        self._grads = self._exposed_grads(params)
+        self._grad_hook_handles = register_grad_hooks(
+            params, self.param_to_bucket_group, set(self._grads.linked), self._on_grad
+        )
+        self._module_buffers = list(self.module.buffers())
         self.param_gather_hooks = ParamGatherHooks(self.module, self.param_to_bucket_group)
         if self.ddp_config.overlap_param_gather:
             self.param_gather_hooks.enable()
         self._structure = ParamStructure(self.module)
-        self.broadcast_params()
+        if init_sync:
+            self.broadcast_params()
         for buf in self._all_buffers:
             logger.debug("megabuf: %s", buf.describe())
+
+    def _exposed_grads(self, params: Sequence[nn.Parameter]) -> ExposedGrads:
+        """[Note: grad contract]: nothing is exposed with the distributed optimizer."""
+        if self.ddp_config.use_distributed_optimizer:
+            refuse_foreign_optimizers(self.param_to_name)
+            return ExposedGrads([], [], self.param_to_bucket_group)
+        same = [p for p in params if p.main_grad.dtype == p.dtype]  # type: ignore[attr-defined]
+        other = [p for p in params if p.main_grad.dtype != p.dtype]  # type: ignore[attr-defined]
+        return ExposedGrads(same, other, self.param_to_bucket_group)
 
     def _scaling_factors(self) -> tuple[float, float]:
         """Every grad ends up averaged over the dense dp group: expert grads already hold the
@@ -191,23 +220,92 @@ class DistributedDataParallel(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        """The wrapped module's forward. A training forward (grad enabled, grad sync on) first
+        broadcasts dp-rank 0's module buffers (`broadcast_buffers`, torch's default; collective),
+        and its outputs arm the end-of-backward grad sync."""
+        self._before_forward()
+        output = self.module(*args, **kwargs)
+        if torch.is_grad_enabled() and self._sync_at_backward_end():
+            self._watch_outputs(output)
+        return output
+
+    @torch.compiler.disable
+    def _before_forward(self) -> None:
+        self._sync_queued = False  # a callback never runs after a backward that raised
+        if self.sync_buffers_in_forward and torch.is_grad_enabled() and self._require_sync:
+            with torch.no_grad():
+                for tensor in self._module_buffers:
+                    self.collectives.broadcast(tensor, 0, self.process_groups.dp)
+
+    @torch.compiler.disable
+    def _watch_outputs(self, output: Any) -> None:
+        """The first output grad of a backward queues the sync callback, on the outermost
+        backward (a param hook inside a reentrant checkpoint would queue it on the inner one)."""
+        for tensor in find_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(self._on_output_grad)
 
     # ---- grad sync ----------------------------------------------------------------------------
     @property
     def all_bucket_groups(self) -> list[BucketGroup]:
         return self.bucket_groups + self.expert_parallel_bucket_groups
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag: False makes backward only accumulate (as inside `no_sync()`)."""
+        return self._require_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._require_sync = bool(value)
+        for group in self.all_bucket_groups:
+            group.is_last_microbatch = self._require_sync
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate grads without reducing (all micro-batches but the last)."""
-        for group in self.all_bucket_groups:
-            group.is_last_microbatch = False
+        before = self._require_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            for group in self.all_bucket_groups:
-                group.is_last_microbatch = True
+            self.require_backward_grad_sync = before
+
+    @contextmanager
+    def deferred_grad_sync(self) -> Iterator[None]:
+        """Backwards ending inside this block leave the grad sync to `finish_grad_sync()` (the
+        last buckets' reductions overlap whatever runs before it; pipeline schedules use it)."""
+        self._defer_depth += 1
+        try:
+            yield
+        finally:
+            self._defer_depth -= 1
+
+    def _sync_at_backward_end(self) -> bool:
+        cfg = self.ddp_config
+        return cfg.sync_grads_at_backward_end and self._require_sync and not self._defer_depth
+
+    def _on_grad(self) -> None:
+        """Every param grad hook's first step: see [Note: grads the user changed], and queue
+        the end-of-backward sync if no output grad did (outputs not found in forward)."""
+        if self._grads.exposed:
+            self._grads.begin_backward()
+        if not self._sync_queued and self._sync_at_backward_end():
+            self._queue_backward_end()
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        del grad
+        if not self._sync_queued and self._sync_at_backward_end():
+            self._queue_backward_end()
+
+    def _queue_backward_end(self) -> None:
+        Variable._execution_engine.queue_callback(self._backward_end)  # type: ignore[attr-defined]
+        self._sync_queued = True
+
+    def _backward_end(self) -> None:
+        self._sync_queued = False
+        if self._sync_at_backward_end():
+            self.finish_grad_sync()
 
     def start_grad_sync(self) -> None:
         """Dispatch every reduction not yet dispatched, in chain order (e.g. from a pipeline's
@@ -218,7 +316,11 @@ class DistributedDataParallel(nn.Module):
     def finish_grad_sync(self) -> None:
         """Dispatch what backward did not (unused params are zero-filled), wait for every
         reduction, and hand out the grads: see [Note: grad contract]. Collective: every dp rank
-        must call it once per iteration."""
+        must call it once per iteration, unless backward already did (sync_grads_at_backward_end
+        outside deferred_grad_sync()): it is a no-op while every group is synced."""
+        groups = self.all_bucket_groups
+        if groups and self.unsynced_group() is None:
+            return
         if self.timeline is not None:
             self.timeline.record(BACKWARD_END_GROUP_ID, "backward_end")
         self._structure.check(self.rank)
@@ -230,8 +332,7 @@ class DistributedDataParallel(nn.Module):
             group.learn_arrivals()
         if self.ddp_config.error_on_unused_params:
             self._raise_on_unused_params()
-        if not self.ddp_config.use_distributed_optimizer:
-            self._expose_grads()
+        self._grads.expose()
 
     def unsynced_group(self) -> BucketGroup | None:
         """A bucket group whose grads are not this iteration's reduced grads (its sync is not
@@ -278,33 +379,6 @@ class DistributedDataParallel(nn.Module):
             group.set_timeline(timeline)
         return timeline
 
-    def _expose_grads(self) -> None:
-        """[Note: grad contract]: link every same-dtype param's grad to its main_grad (those
-        unused this iteration are not linked yet) and give the others a copy in their dtype."""
-        for param in self._linked_params:
-            if param.grad is None:
-                param.grad = param.main_grad  # type: ignore[attr-defined]
-        self._drop_grad_copies()
-        if not self._mismatched_params:
-            return
-        for param in self._mismatched_params:
-            param.grad = param.main_grad.to(param.dtype)  # type: ignore[attr-defined]
-        self._exposed_grad_copies = list(self._mismatched_params)
-        self._drop_copies_handle = register_multi_grad_hook(
-            self._mismatched_params, self._drop_grad_copies, mode="any"
-        )
-
-    def _drop_grad_copies(self, *unused: Any) -> None:
-        """Forget the exposed grad copies: at zero_grad_buffer(), or as a one-shot hook right
-        before a later backward's first grad would be accumulated into them."""
-        del unused
-        if self._drop_copies_handle is not None:
-            self._drop_copies_handle.remove()
-            self._drop_copies_handle = None
-        for param in self._exposed_grad_copies:
-            param.grad = None
-        self._exposed_grad_copies = []
-
     def zero_grad_buffer(self) -> None:
         """Start a new iteration's grads: lazily, see [Note: grad accumulation into main_grad]
         (no pass over the buffer; each param's first grad overwrites its main_grad)."""
@@ -312,9 +386,10 @@ class DistributedDataParallel(nn.Module):
             group.reset()
         for chain in self._chains:
             chain.reset()
-        for param in self._linked_params:
-            param.grad = None
-        self._drop_grad_copies()
+        for group in self.all_bucket_groups:
+            group.is_last_microbatch = self._require_sync
+        self._grads.clear()
+        self._sync_queued = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Same as zero_grad_buffer(): grads live in the buffers, see [Note: grad accumulation
@@ -332,6 +407,7 @@ class DistributedDataParallel(nn.Module):
             group.abandon_grad_sync()
             if group.param_state is ParamSyncState.DISPATCHED:
                 group.finish_param_sync(skip_next_bucket_dispatch=True)
+        self._require_sync = True
         self.zero_grad_buffer()
 
     def scale_gradients(self, scaling_factor: float) -> None:
@@ -356,22 +432,23 @@ class DistributedDataParallel(nn.Module):
         self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False
     ) -> None:
         """After an optimizer step: gather params now (no overlap, or force_sync), or dispatch
-        the first group's gather (force_dispatch), or leave it to the forward pre-hooks."""
-        del unused
-        groups = self.all_bucket_groups
+        every group's gather, in the order the next forward reads them, and let the forward
+        pre-hooks wait for each just in time ([Note: publishing params] in
+        optimizer/distributed.py). `force_dispatch` is accepted for Megatron's callers; every
+        gather is dispatched anyway. Collective: every dp rank calls it (the step does)."""
+        del unused, force_dispatch
         if force_sync or not self.ddp_config.overlap_param_gather:
-            for group in groups:
+            for group in self.all_bucket_groups:
                 group.start_param_sync(force_sync=True)
             return
-        if force_dispatch:
-            first = self.param_gather_hooks.first_group() or (groups[0] if groups else None)
-            if first is not None:
-                first.start_param_sync()
+        for group in self.param_gather_hooks.forward_order or self.all_bucket_groups:
+            group.start_param_sync()
 
     def publish_params(self) -> None:
-        """Finish every pending param gather: call before reading params outside forward
-        (evaluation code that bypasses forward, checkpoint saving). state_dict() calls it.
-        Collective with the distributed optimizer: every dp rank must call it."""
+        """Wait for every param gather in flight: call before reading params outside forward
+        (evaluation code that bypasses forward, checkpoint saving); state_dict() calls it. Not
+        collective: the step dispatched every gather on every rank, so one rank may call it
+        alone (rank-0 evaluation or saving)."""
         for group in self.all_bucket_groups:
             group.finish_param_sync(skip_next_bucket_dispatch=True)
 
@@ -385,16 +462,14 @@ class DistributedDataParallel(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """The wrapped module's state dict (its keys, no `module.` prefix), after publishing
-        params. Collective with the distributed optimizer (see publish_params): every dp rank
-        must call it, not only the one that saves."""
+        params (not collective: rank 0 may call it alone, see publish_params)."""
         self.publish_params()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Copy values into the wrapped module's params and buffers (its keys). megabuf's
         optimizers notice the change (param versions) and reload their fp32 main params.
-        Collective with the distributed optimizer (it publishes params first): every dp rank
-        must call it."""
+        Every dp rank must call it with the same state dict, or replicas differ."""
         if assign:
             raise ValueError(
                 "megabuf: load_state_dict(assign=True) would detach params from the buffers; "

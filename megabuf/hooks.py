@@ -39,18 +39,26 @@ from megabuf.bucket_group import BucketGroup
 
 
 def make_grad_hook(
-    main_grad: torch.Tensor, group: BucketGroup, index: int, link: bool
+    main_grad: torch.Tensor,
+    group: BucketGroup,
+    index: int,
+    link: bool,
+    on_grad: Callable[[], None],
 ) -> Callable[[nn.Parameter], None]:
-    """The post-accumulate-grad hook of one param; see [Note: grad accumulation into main_grad]."""
+    """The post-accumulate-grad hook of one param; see [Note: grad accumulation into main_grad].
+    `on_grad` runs first (the model's per-backward bookkeeping, [Note: grad contract])."""
     register = group.register_grad_ready_at
     mark_written = group.mark_written
 
     def hook(param: nn.Parameter) -> None:
+        on_grad()
         grad = param.grad
         first = mark_written(index)
         if grad is not None and grad is not main_grad:
-            if first:
-                main_grad.copy_(grad)  # first grad since zero_grad_buffer(): overwrite
+            if first or link:
+                # linked: param.grad is not main_grad only when it was None (zero_grad_buffer
+                # or the user's set_to_none) or replaced, so it holds the whole accumulated grad
+                main_grad.copy_(grad)
             else:
                 main_grad.add_(grad)
             param.grad = main_grad if link else None
@@ -62,14 +70,16 @@ def make_grad_hook(
 def register_grad_hooks(
     params: Sequence[nn.Parameter],
     param_to_group: dict[nn.Parameter, BucketGroup],
+    linked: set[nn.Parameter],
+    on_grad: Callable[[], None],
 ) -> list[RemovableHandle]:
+    """`linked`: params whose `.grad` becomes their `main_grad` view after the first grad."""
     handles = []
     for param in params:
         main_grad = param.main_grad  # type: ignore[attr-defined]
-        link = main_grad.dtype == param.dtype
         param.grad = None  # linked to main_grad by the hook at the param's first grad
         group = param_to_group[param]
-        hook = make_grad_hook(main_grad, group, group.index_of(param), link)
+        hook = make_grad_hook(main_grad, group, group.index_of(param), param in linked, on_grad)
         handles.append(param.register_post_accumulate_grad_hook(hook))
     return handles
 

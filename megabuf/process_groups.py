@@ -64,6 +64,14 @@ class ProcessGroups:
         return cls.build(pp_size=1, ep_size=1)
 
     @classmethod
+    def for_dp_group(cls, group: ProcessGroup) -> ProcessGroups:
+        """Plain data parallelism over `group` (torch DDP's `process_group`): no expert or
+        pipeline parallelism, so ep and pp hold this rank alone. Only `group`'s ranks call it."""
+        rank = dist.get_rank()
+        alone = dist.new_group([rank], use_local_synchronization=True)
+        return cls(dp=group, expt_dp=group, ep=alone, pp=alone, pp_ranks=(rank,))
+
+    @classmethod
     def build(cls, *, pp_size: int = 1, ep_size: int = 1) -> ProcessGroups:
         """Carve the world into (pp, dp, ep) groups; see [Note: rank order]. Collective: every
         rank must call it with the same sizes."""

@@ -76,7 +76,9 @@ def dispatch_order_case() -> dict[str, Any]:
     torch.manual_seed(0)
     net = Permuted()
     ref = copy.deepcopy(net)
-    cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=1)
+    cfg = megabuf.DistributedDataParallelConfig(  # look between backward and the sync
+        overlap_grad_reduce=True, bucket_size=1, sync_grads_at_backward_end=False
+    )
     model = megabuf.DistributedDataParallel(net, cfg)
     rank = dist.get_rank()
     errors, early = [], []

@@ -280,8 +280,9 @@ def changed_after_wrap(change: str) -> str:
         net.head_a.bias = None  # F.linear runs without it
     elif change == "add_parameterless_module":
         net.act = nn.Tanh()  # harmless: no param megabuf would miss
-    loss_of(model, 0, dist.get_rank(), torch.float32).backward()
-    return error_of(model.finish_grad_sync)
+    loss = loss_of(model, 0, dist.get_rank(), torch.float32)
+    # the check runs when the grad sync finishes: at the end of backward by default
+    return error_of(lambda: (loss.backward(), model.finish_grad_sync()))
 
 
 def reset_after_exception() -> dict[str, Any]:

@@ -219,11 +219,15 @@ def grad_case(case: dict[str, Any]) -> dict[str, Any]:
     model = run_ddp(net, case)
     names = model.param_to_name
     errors, ratios = grad_deviations(model, names, expected, bounds)
-    # param.grad must be the main_grad view itself (no copy) when dtypes match
-    linked = all(p.grad is p.main_grad for p in names if p.dtype == p.main_grad.dtype)
+    # param.grad must be the main_grad view itself (no copy) when dtypes match; with the
+    # distributed optimizer it is never exposed (only a shard is reduced)
+    distopt = model.ddp_config.use_distributed_optimizer
+    if distopt:
+        linked = all(p.grad is None for p in names)
+    else:
+        linked = all(p.grad is p.main_grad for p in names if p.dtype == p.main_grad.dtype)
     frozen = list(net.frozen.parameters())
     frozen_ok = all(p.grad is None and not hasattr(p, "main_grad") for p in frozen)
-    distopt = model.ddp_config.use_distributed_optimizer
     return {
         "errors": errors,
         "ratios": ratios,

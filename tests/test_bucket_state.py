@@ -182,7 +182,7 @@ def grad(group: BucketGroup, i: int, value: float = 1.0) -> None:
     """One backward's gradient for param `i` of `group`, through the real backward hook."""
     param = group.params_list[i]
     param.grad = torch.full_like(param, value)
-    make_grad_hook(param.main_grad, group, i, link=False)(param)  # type: ignore[attr-defined]
+    make_grad_hook(param.main_grad, group, i, link=False, on_grad=lambda: None)(param)  # type: ignore[attr-defined]
 
 
 def make_chain(

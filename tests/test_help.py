@@ -39,12 +39,20 @@ def test_wrapper_docstring_documents_every_constructor_argument() -> None:
 
 @pytest.mark.parametrize(
     "method",
-    ["start_grad_sync", "finish_grad_sync", "broadcast_params", "publish_params",
-     "state_dict", "load_state_dict", "reset_iter_state"],
+    ["start_grad_sync", "finish_grad_sync", "broadcast_params", "load_state_dict",
+     "reset_iter_state"],
 )  # fmt: skip
 def test_methods_that_issue_collectives_say_every_rank_must_call_them(method: str) -> None:
     doc = (inspect.getdoc(getattr(megabuf.DistributedDataParallel, method)) or "").lower()
     assert "every dp rank" in doc or "every rank" in doc, (method, doc)
+
+
+@pytest.mark.parametrize("method", ["publish_params", "state_dict"])
+def test_rank_local_methods_say_one_rank_may_call_them(method: str) -> None:
+    """They only wait for gathers every rank dispatched in step() (test_drop_in.py runs them on
+    rank 0 alone)."""
+    doc = (inspect.getdoc(getattr(megabuf.DistributedDataParallel, method)) or "").lower()
+    assert "not collective" in doc and "rank 0" in doc, (method, doc)
 
 
 def test_malformed_param_groups_name_the_group_and_the_format() -> None:

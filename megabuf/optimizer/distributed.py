@@ -5,13 +5,16 @@ updated shard to the other dp ranks with the bucket groups' param all-gather.
 
 [Note: publishing params]
 After the inner step, this rank's slice of `param_data` holds new values and the rest is stale.
-Every bucket group is marked stale and `start_param_sync()` either gathers now (no overlap) or
-leaves the gathers to the forward pre-hooks of the next forward (`overlap_param_gather`); then
-`zero_grad()` dispatches the first group's gather early (unless `align_param_gather`, where the
-pipeline schedule does it). Before writing into `param_data` the step finishes any gather still
-in flight (`publish_params()`), so a gather never races the copy. Anything that reads params
-outside forward (evaluation, checkpoints) must call `model.publish_params()` first;
-`model.state_dict()` and `megabuf.save_checkpoint` do.
+Every bucket group is marked stale and `start_param_sync()` either gathers now (no overlap) or,
+with `overlap_param_gather`, dispatches every group's gather asynchronously, in the order the
+next forward reads them, and returns: the forward pre-hooks wait for each group just before its
+first reader runs, so the gathers overlap forward compute. Dispatching all of them at the step,
+which every rank runs, rather than lazily from forward, is what lets one rank read params alone
+(rank-0 evaluation, `state_dict()`, `publish_params()`): it only waits for work every rank
+already issued, and never starts a collective the others would not join. Before writing into
+`param_data` the step finishes any gather still in flight (`publish_params()`), so a gather
+never races the copy. Anything that reads params outside forward (evaluation, checkpoints) must
+call `model.publish_params()` first; `model.state_dict()` and `megabuf.save_checkpoint` do.
 """
 
 from __future__ import annotations

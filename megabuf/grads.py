@@ -1,0 +1,152 @@
+"""`ExposedGrads`: what a model's params show as `.grad` after a grad sync, and what a later
+backward makes of the user's changes to it (see [Note: grad contract] in ddp.py).
+
+[Note: grads the user changed]
+torch semantics are per param: a backward accumulates into whatever `.grad` holds, and a
+`.grad` set to None starts fresh. megabuf's grads live in `main_grad`, so at the first grad of
+a backward that follows a sync (no `zero_grad_buffer()` in between) every exposed param is
+compared with what was exposed: `.grad` None (`optimizer.zero_grad(set_to_none=True)`) makes
+the param fresh (its next grad overwrites `main_grad`; without one it is zero-filled); a
+`.grad` replaced by another tensor, or an exposed copy modified in place (zeroed, clipped), is
+written back into `main_grad`; an untouched one is accumulated on top, as torch would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from megabuf.bucket_group import BucketGroup
+
+
+class ExposedGrads:
+    """`linked` params (grad dtype == param dtype) expose their `main_grad` view as `.grad`;
+    `copied` ones (a bf16 param over fp32 grads) a copy in their dtype, dropped before the
+    next backward accumulates (a one-shot hook), so that backward adds into `main_grad`."""
+
+    def __init__(
+        self,
+        linked: Sequence[nn.Parameter],
+        copied: Sequence[nn.Parameter],
+        param_to_group: dict[nn.Parameter, BucketGroup],
+    ) -> None:
+        self.linked = list(linked)
+        self.copied = list(copied)
+        self.param_to_group = param_to_group
+        self.exposed = False  # expose() ran and no backward or clear() since
+        self._copies: list[tuple[nn.Parameter, Any, int]] = []  # (param, copy, its _version)
+        self._drop_handle: RemovableHandle | None = None
+
+    def expose(self) -> None:
+        """After a sync: link unlinked same-dtype grads (params unused this iteration) and give
+        the others a fresh copy."""
+        self._drop_copies()
+        for param in self.linked:
+            if param.grad is None:
+                param.grad = param.main_grad  # type: ignore[attr-defined]
+        for param in self.copied:
+            copy = param.main_grad.to(param.dtype)  # type: ignore[attr-defined]
+            param.grad = copy
+            self._copies.append((param, copy, copy._version))
+        if self.copied:
+            self._drop_handle = register_multi_grad_hook(
+                self.copied, self._on_copied_grad, mode="any"
+            )
+        self.exposed = True
+
+    def begin_backward(self) -> None:
+        """First grad of a backward after expose(): apply the user's changes, see [Note: grads
+        the user changed]."""
+        self.exposed = False
+        for param in self.linked:
+            main_grad = param.main_grad  # type: ignore[attr-defined]
+            if param.grad is None:
+                self._mark_fresh(param)
+            elif param.grad is not main_grad:
+                main_grad.copy_(param.grad)
+                param.grad = main_grad
+        for param, copy, version in self._copies:
+            if param.grad is None:
+                self._mark_fresh(param)
+            elif param.grad is not copy or copy._version != version:
+                param.main_grad.copy_(param.grad)  # type: ignore[attr-defined]
+        self._drop_copies()
+
+    def clear(self) -> None:
+        """zero_grad_buffer(): every grad unlinked, copies dropped."""
+        self.exposed = False
+        for param in self.linked:
+            param.grad = None
+        self._drop_copies()
+
+    def _on_copied_grad(self, *unused: Any) -> None:
+        del unused
+        if self.exposed:
+            self.begin_backward()
+
+    def _mark_fresh(self, param: nn.Parameter) -> None:
+        group = self.param_to_group[param]
+        group.mark_unwritten(group.index_of(param))
+
+    def _drop_copies(self) -> None:
+        if self._drop_handle is not None:
+            self._drop_handle.remove()
+            self._drop_handle = None
+        for param, _, _ in self._copies:
+            param.grad = None
+        self._copies = []
+
+
+def find_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a forward's output: nested lists, tuples, dicts and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from find_tensors(item)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            yield from find_tensors(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from find_tensors(getattr(obj, f.name))
+
+
+# [Note: foreign optimizers over sharded params]
+# With the distributed optimizer a param's grad is reduced only in this rank's shard and its
+# `.grad` stays None, so a torch optimizer over `model.parameters()` would silently never step
+# them (or, given grads, step on unreduced ones). Such params are tagged with their name and a
+# process-wide optimizer step pre-hook (torch keeps those globally; installed once) raises at
+# the first step of any optimizer holding one. megabuf's optimizers step fp32 shards, never
+# the tagged params themselves.
+SHARDED_TAG = "_megabuf_sharded_param_name"
+_step_guard: list[Any] = []  # the installed hook's handle, once
+
+
+def refuse_foreign_optimizers(param_to_name: Mapping[nn.Parameter, str]) -> None:
+    for param, name in param_to_name.items():
+        setattr(param, SHARDED_TAG, name)
+    if not _step_guard:
+        _step_guard.append(register_optimizer_step_pre_hook(_check_optimizer_params))
+
+
+def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    del args, kwargs
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = getattr(param, SHARDED_TAG, None)
+            if name is not None:
+                raise RuntimeError(
+                    f"megabuf: {type(optimizer).__name__} steps {name}, a param of a model "
+                    "wrapped with DistributedDataParallelConfig(use_distributed_optimizer=True)"
+                    ": its grad is reduced only in this rank's shard and is not exposed as "
+                    ".grad. Use megabuf.build_optimizer(OptimizerConfig(...), model) (it shards"
+                    " the optimizer state), or wrap with use_distributed_optimizer=False"
+                )
