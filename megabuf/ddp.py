@@ -223,15 +223,20 @@ class DistributedDataParallel(nn.Module):
         """The wrapped module's forward. A training forward (grad enabled, grad sync on) first
         broadcasts dp-rank 0's module buffers (`broadcast_buffers`, torch's default; collective),
         and its outputs arm the end-of-backward grad sync."""
-        self._before_forward()
+        self._before_forward(torch.compiler.is_compiling())
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled() and self._sync_at_backward_end():
             self._watch_outputs(output)
         return output
 
     @torch.compiler.disable
-    def _before_forward(self) -> None:
+    def _before_forward(self, compiling: bool) -> None:
+        """Runs eagerly even when this model is compiled (`compiling`: it is being traced)."""
         self._sync_queued = False  # a callback never runs after a backward that raised
+        if self.param_gather_hooks.enabled and (compiling or _has_compiled(self.module)):
+            self.param_gather_hooks.gather_at_root()  # [Note: compiled modules]
+        if self.param_gather_hooks.at_root:
+            self.publish_params()
         if self.sync_buffers_in_forward and torch.is_grad_enabled() and self._require_sync:
             with torch.no_grad():
                 for tensor in self._module_buffers:
@@ -435,9 +440,11 @@ class DistributedDataParallel(nn.Module):
         every group's gather, in the order the next forward reads them, and let the forward
         pre-hooks wait for each just in time ([Note: publishing params] in
         optimizer/distributed.py). `force_dispatch` is accepted for Megatron's callers; every
-        gather is dispatched anyway. Collective: every dp rank calls it (the step does)."""
+        gather is dispatched anyway. While torch.profiler records, gathers are synchronous: an
+        async gloo collective started inside a profiled region and waited on after it crashes
+        the process at exit. Collective: every dp rank calls it (the step does)."""
         del unused, force_dispatch
-        if force_sync or not self.ddp_config.overlap_param_gather:
+        if force_sync or not self.ddp_config.overlap_param_gather or _profiler_recording():
             for group in self.all_bucket_groups:
                 group.start_param_sync(force_sync=True)
             return
@@ -446,9 +453,9 @@ class DistributedDataParallel(nn.Module):
 
     def publish_params(self) -> None:
         """Wait for every param gather in flight: call before reading params outside forward
-        (evaluation code that bypasses forward, checkpoint saving); state_dict() calls it. Not
-        collective: the step dispatched every gather on every rank, so one rank may call it
-        alone (rank-0 evaluation or saving)."""
+        (evaluation code that bypasses forward, checkpoint saving); state_dict() calls it.
+        Not collective: the step dispatched every gather on every rank, so one rank may call
+        it alone (evaluation or saving on rank 0 only)."""
         for group in self.all_bucket_groups:
             group.finish_param_sync(skip_next_bucket_dispatch=True)
 
@@ -505,6 +512,18 @@ class _BufferList(list):  # type: ignore[type-arg]
 
     def __call__(self, recurse: bool = True) -> Iterator[torch.Tensor]:
         return nn.Module.buffers(self._owner, recurse)
+
+
+def _profiler_recording() -> bool:
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+def _has_compiled(module: nn.Module) -> bool:
+    """`torch.compile(m)` (an OptimizedModule holding `_orig_mod`) or `m.compile()` anywhere."""
+    return any(
+        hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module.modules()
+    )
 
 
 def _unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -117,7 +117,16 @@ def _leaves(obj: Any) -> Iterator[Any]:
 
 class ParamGatherHooks:
     """Forward pre-hooks that finish param all-gathers just in time; see [Note: lazy param
-    gather]."""
+    gather].
+
+    [Note: compiled modules]
+    Under torch.compile, per-module hooks and the learning pass's TorchFunctionMode are traced
+    by dynamo, where waiting on a collective is not something it can run: it asserts, or it
+    drops the wait and the forward reads stale shards. So once the model or any submodule is
+    seen compiled (or the wrapper is being traced), the hooks are removed for good and the
+    wrapper's forward, which runs eagerly before the compiled region, waits for every group's
+    gather (`at_root`). The gathers still overlap whatever runs between step() and forward;
+    results are bitwise those of the uncompiled model."""
 
     def __init__(self, module: nn.Module, param_to_group: dict[nn.Parameter, BucketGroup]) -> None:
         self.module = module
@@ -127,13 +136,20 @@ class ParamGatherHooks:
         self._stack: list[nn.Module] = []  # modules running (learning pass)
         self._recorder: _ReadRecorder | None = None
         self._handles: list[RemovableHandle] = []
+        self.at_root = False  # see [Note: compiled modules]
 
     @property
     def enabled(self) -> bool:
         return bool(self._handles)
 
+    def gather_at_root(self) -> None:
+        """Compiled model: no per-module hooks from now on; the wrapper waits for all."""
+        self.disable()
+        self._stack.clear()
+        self.at_root = True
+
     def enable(self) -> None:
-        if self._handles:
+        if self._handles or self.at_root:
             return
         if self.plan is not None:  # steady state: hooks only where a gather must finish
             for mod in self.plan:

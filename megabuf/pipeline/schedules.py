@@ -13,6 +13,7 @@ pipeline point-to-point] in p2p.py; hooks: hooks.py.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -101,7 +102,12 @@ class _Runner:
         grad = None
         if not self.is_last(chunk) and self.p2p is not None:
             grad = self.p2p.recv_backward(chunk, microbatch)
-        with torch.profiler.record_function("megabuf::pipeline_backward"):
+        with torch.profiler.record_function("megabuf::pipeline_backward"), ExitStack() as stack:
+            # the schedule finishes the grad sync itself (finalize), after later chunks' work
+            for c in self.chunks:
+                defer: Any = getattr(c, "deferred_grad_sync", None)
+                if defer is not None:
+                    stack.enter_context(defer())
             torch.autograd.backward(output, grad_tensors=grad)
         if inp is not None and self.p2p is not None:
             input_grad = inp.grad if inp.grad is not None else torch.zeros_like(inp)
