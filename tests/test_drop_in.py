@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 from dist_pool import case_result, run_each
 from drop_in_cases import (
     MODES,
@@ -115,11 +114,9 @@ def test_accepted_torch_arguments_need_no_changes() -> None:
 def test_bucket_cap_mb_maps_to_bucket_size_in_fp32_elements() -> None:
     opts = resolve(nn.Linear(2, 2), None, None, {"bucket_cap_mb": 1})
     assert opts.ddp_config.bucket_size == (1 << 20) // 4
-    with pytest.raises(
-        ValueError, match="conflicts with DistributedDataParallelConfig.bucket_size"
-    ):
-        resolve(nn.Linear(2, 2), DistributedDataParallelConfig(bucket_size=10), None,
-                {"bucket_cap_mb": 1})  # fmt: skip
+    config = DistributedDataParallelConfig(bucket_size=10)
+    with pytest.raises(ValueError, match=r"conflicts with DistributedDataParallelConfig\.bucket"):
+        resolve(nn.Linear(2, 2), config, None, {"bucket_cap_mb": 1})
 
 
 def test_device_ids_naming_another_device_raise_with_the_fix() -> None:
@@ -161,7 +158,7 @@ def test_profiling_a_window_of_steps_ends_cleanly_in_every_mode() -> None:
     for res in per_rank:
         for mode in MODES:
             assert len(res[mode]["losses"]) == 4
-            assert "megabuf::optimizer_step" in res[mode]["labels"] or res[mode]["labels"], mode
+            assert res[mode]["labels"], mode  # megabuf's record_function labels were traced
 
 
 COMPILE_BACKEND = "aot_eager"  # dynamo + AOT autograd, no C++ codegen: bitwise vs eager
@@ -186,4 +183,3 @@ def test_inductor_compiled_model_trains_the_same_with_and_without_overlap() -> N
     for res in per_rank:
         assert res["inner"]["overlap"] == res["inner"]["no_overlap"]
         assert all(abs(a - b) < 1e-3 for a, b in zip(res["inner"]["overlap"], res["eager"]))
-    assert torch.cuda.device_count() >= 0
