@@ -32,11 +32,13 @@ def _warmup_cosine(step: int) -> float:
 
 def torch_ddp_script(wrap: Callable[[nn.Module], nn.Module], loop: str) -> dict[str, Any]:
     """nanoGPT's loop: accumulation by toggling require_backward_grad_sync (or no_sync()),
-    clip_grad_norm_, AdamW, warmup/cosine LambdaLR, zero_grad(set_to_none=True). `loop` adds the
+    clip_grad_norm_, AdamW, warmup/cosine LambdaLR, zero_grad(set_to_none=True), and with
+    loop 'grad_scaler' torch.amp.GradScaler (scale, unscale_, step, update). `loop` adds the
     variations users bring from Megatron ('finish': an explicit finish_grad_sync()) or other
     scripts ('zero_after_forward': zero_grad between forward and backward)."""
     model = wrap(gpt_tiny())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=loop == "grad_scaler")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine)
     losses, norms = [], []
     for it in range(ITERS):
@@ -44,7 +46,7 @@ def torch_ddp_script(wrap: Callable[[nn.Module], nn.Module], loop: str) -> dict[
             last = micro == ACCUM - 1
             if loop == "no_sync" and not last:
                 with model.no_sync():  # type: ignore[operator]
-                    (gpt_loss(model(x := _batch(it, micro)), x) / ACCUM).backward()
+                    scaler.scale(gpt_loss(model(x := _batch(it, micro)), x) / ACCUM).backward()
                 continue
             if loop != "no_sync":
                 model.require_backward_grad_sync = last  # type: ignore[assignment]
@@ -52,11 +54,13 @@ def torch_ddp_script(wrap: Callable[[nn.Module], nn.Module], loop: str) -> dict[
             loss = gpt_loss(model(x), x) / ACCUM
             if loop == "zero_after_forward" and micro == 0:
                 opt.zero_grad(set_to_none=True)
-            loss.backward()
+            scaler.scale(loss).backward()
             if loop == "finish" and last and hasattr(model, "finish_grad_sync"):
                 model.finish_grad_sync()  # megabuf only (torch DDP has no such call)
+        scaler.unscale_(opt)
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         sched.step()
         if loop != "zero_after_forward":
             opt.zero_grad(set_to_none=True)

@@ -31,6 +31,7 @@ GPT = {
     "deferred_with_finish": ("finish", {"sync_grads_at_backward_end": False}),
     "overlap": ("flag", {"overlap_grad_reduce": True, "bucket_size": 5000}),
     "zero_grad_after_forward": ("zero_after_forward", {}),
+    "grad_scaler": ("grad_scaler", {}),
 }
 CLEAR = {f"{how}-{dt}": (clear_like_torch, how, dt)
          for how in ("set_to_none", "zero_in_place") for dt in ("fp32", "bf16")}  # fmt: skip

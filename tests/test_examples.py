@@ -28,6 +28,11 @@ EXAMPLES = {
         r"(?m)^step +1 ",
         r"--check: largest \|EP loss - one-process loss\| over 2 steps: \S+",
     ),
+    "train_torch_ddp": (
+        ["examples/train_torch_ddp.py", "--steps", "5", "--check"],
+        r"\[megabuf\] done: loss \S+ -> \S+ in 5 steps on 2 ranks",
+        r"check: megabuf vs torch DDP, 5 steps, params and losses on every rank: bitwise equal",
+    ),
     "train_pipeline": (
         ["examples/train_pipeline.py", "--steps", "2", "--check"],
         r"(?m)^step +1 ",
