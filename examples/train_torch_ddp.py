@@ -16,6 +16,7 @@ megabuf finishes the grad sync at the end of backward, as torch DDP does, and th
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
@@ -26,9 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-try:
-    import megabuf
-except ModuleNotFoundError:  # a source checkout without `pip install -e .`
+if importlib.util.find_spec("megabuf") is None:  # a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megabuf.testing import corpus_tokens, gpt_loss, gpt_tiny, lm_batches, spawn
 
