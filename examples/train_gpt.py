@@ -16,13 +16,15 @@ What every rank does (see `train` below):
    `megabuf.DistributedDataParallel`, which moves all grads into contiguous buffers split into
    buckets (and broadcasts rank 0's params, so the replicas start identical).
 3. Each step every rank takes its contiguous slice of the global batch, runs forward and backward
-   (with `overlap_grad_reduce`, buckets are all-reduced while backward is still running),
-   `finish_grad_sync()` waits for the reductions, so every `param.grad` holds the gradient
+   (with `overlap_grad_reduce`, buckets are all-reduced while backward is still running); the
+   end of backward waits for the reductions (the explicit `finish_grad_sync()` below is
+   Megatron's habit and then a no-op), so every `param.grad` holds the gradient
    averaged over the data-parallel ranks, and a plain `torch.optim.AdamW` steps.
    With a config that sets `use_distributed_optimizer` (configs/distopt_overlap.toml), grads are
    reduce-scattered instead, `megabuf.build_optimizer` builds a `DistributedOptimizer` that steps
-   only this rank's shard of AdamW state, and the updated params are all-gathered lazily, bucket
-   group by bucket group, from forward pre-hooks of the next forward (`overlap_param_gather`).
+   only this rank's shard of AdamW state, and the step dispatches the updated params'
+   all-gathers, which forward pre-hooks of the next forward wait for bucket group by bucket
+   group (`overlap_param_gather`).
 
 Because the per-rank slices have equal size, the average of the ranks' mean losses is the mean
 loss of the global batch, so data-parallel training follows the same trajectory as one process
@@ -108,8 +110,8 @@ def train_step(model: megabuf.DistributedDataParallel, opt: Any, x: Tensor, y: T
     """One data-parallel step on this rank's slice (x, y); returns the local loss, detached."""
     model.zero_grad_buffer()  # grads accumulate into the buffers: clear them every step
     loss = gpt_loss(model(x), y)
-    loss.backward()  # with overlap_grad_reduce, bucket all-reduces start during backward
-    model.finish_grad_sync()  # wait for them: every param.grad is now the dp-averaged grad
+    loss.backward()  # bucket reductions (during backward with overlap); waited for at its end
+    model.finish_grad_sync()  # Megatron's explicit call: a no-op once backward synced
     opt.step()  # distributed optimizer: steps this rank's shard, then all-gathers params
     return loss.detach()
 
@@ -147,7 +149,7 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
         tok_s = args.global_batch * gpt_cfg.seq_len / step_times[-1]
         log(f"step {step + 1:4d}/{args.steps}  loss {losses[-1]:.4f}  {tok_s:9,.0f} tok/s")
 
-    model.publish_params()  # overlap_param_gather: finish the lazy gathers before reading params
+    model.publish_params()  # overlap_param_gather: wait for the step's gathers before reading
     _print_summary(args, model, losses, step_times, gpt_cfg.seq_len)
     if isinstance(opt, megabuf.MegabufOptimizer):
         mem = opt.memory_report()

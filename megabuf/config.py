@@ -93,8 +93,9 @@ class DistributedDataParallelConfig:
     `finish_grad_sync()`."""
 
     overlap_param_gather: bool = False
-    """With the distributed optimizer: all-gather updated params lazily, bucket group by bucket
-    group, from forward pre-hooks of the next forward. Requires `use_distributed_optimizer`."""
+    """With the distributed optimizer: `step()` dispatches every bucket group's param all-gather
+    and returns; forward pre-hooks of the next forward wait for each group just before its
+    first reader, so the gathers overlap forward compute. Requires `use_distributed_optimizer`."""
 
     align_param_gather: bool = False
     """Let a pipeline schedule dispatch every model chunk's first param all-gather itself (so the

@@ -22,21 +22,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 
 from megabuf import torch_compat
+from megabuf.backward_sync import BackwardEndSync
 from megabuf.bucket_group import BucketGroup, DispatchChain, GradSyncState, ParamSyncState, Timeline
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.grads import ExposedGrads, find_tensors, refuse_foreign_optimizers
-from megabuf.hooks import ParamGatherHooks, register_grad_hooks
+from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
+from megabuf.hooks import ParamGatherHooks, has_compiled, profiler_recording, register_grad_hooks
 from megabuf.plan import GroupPlan, Plan, build_plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.replicas import (
@@ -100,9 +100,9 @@ class DistributedDataParallel(nn.Module):
         self.collectives = collectives if collectives is not None else Collectives()
         self.sync_buffers_in_forward = options.sync_buffers_in_forward
         self.rank = dist.get_rank()
-        self._require_sync = True  # torch's require_backward_grad_sync
-        self._defer_depth = 0  # deferred_grad_sync() nesting
-        self._sync_queued = False  # an end-of-backward callback is queued
+        self._backward_sync = BackwardEndSync(
+            self.ddp_config.sync_grads_at_backward_end, self.finish_grad_sync
+        )
         self._build(options.init_sync)
 
     # ---- construction -------------------------------------------------------------------------
@@ -225,30 +225,23 @@ class DistributedDataParallel(nn.Module):
         and its outputs arm the end-of-backward grad sync."""
         self._before_forward(torch.compiler.is_compiling())
         output = self.module(*args, **kwargs)
-        if torch.is_grad_enabled() and self._sync_at_backward_end():
-            self._watch_outputs(output)
+        if torch.is_grad_enabled() and self._backward_sync.wanted():
+            self._backward_sync.watch(output)
         return output
 
     @torch.compiler.disable
     def _before_forward(self, compiling: bool) -> None:
         """Runs eagerly even when this model is compiled (`compiling`: it is being traced)."""
-        self._sync_queued = False  # a callback never runs after a backward that raised
-        if self.param_gather_hooks.enabled and (compiling or _has_compiled(self.module)):
+        self._backward_sync.queued = False  # callbacks never run after a backward that raised
+        if self.param_gather_hooks.enabled and (compiling or has_compiled(self.module)):
             self.param_gather_hooks.gather_at_root()  # [Note: compiled modules]
         if self.param_gather_hooks.at_root:
             self.publish_params()
-        if self.sync_buffers_in_forward and torch.is_grad_enabled() and self._require_sync:
+        sync_on = self._backward_sync.require_sync
+        if self.sync_buffers_in_forward and torch.is_grad_enabled() and sync_on:
             with torch.no_grad():
                 for tensor in self._module_buffers:
                     self.collectives.broadcast(tensor, 0, self.process_groups.dp)
-
-    @torch.compiler.disable
-    def _watch_outputs(self, output: Any) -> None:
-        """The first output grad of a backward queues the sync callback, on the outermost
-        backward (a param hook inside a reentrant checkpoint would queue it on the inner one)."""
-        for tensor in find_tensors(output):
-            if tensor.requires_grad:
-                tensor.register_hook(self._on_output_grad)
 
     # ---- grad sync ----------------------------------------------------------------------------
     @property
@@ -258,59 +251,36 @@ class DistributedDataParallel(nn.Module):
     @property
     def require_backward_grad_sync(self) -> bool:
         """torch DDP's flag: False makes backward only accumulate (as inside `no_sync()`)."""
-        return self._require_sync
+        return self._backward_sync.require_sync
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        self._require_sync = bool(value)
+        self._backward_sync.require_sync = bool(value)
         for group in self.all_bucket_groups:
-            group.is_last_microbatch = self._require_sync
+            group.is_last_microbatch = bool(value)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate grads without reducing (all micro-batches but the last)."""
-        before = self._require_sync
+        before = self._backward_sync.require_sync
         self.require_backward_grad_sync = False
         try:
             yield
         finally:
             self.require_backward_grad_sync = before
 
-    @contextmanager
-    def deferred_grad_sync(self) -> Iterator[None]:
+    def deferred_grad_sync(self) -> AbstractContextManager[None]:
         """Backwards ending inside this block leave the grad sync to `finish_grad_sync()` (the
-        last buckets' reductions overlap whatever runs before it; pipeline schedules use it)."""
-        self._defer_depth += 1
-        try:
-            yield
-        finally:
-            self._defer_depth -= 1
-
-    def _sync_at_backward_end(self) -> bool:
-        cfg = self.ddp_config
-        return cfg.sync_grads_at_backward_end and self._require_sync and not self._defer_depth
+        last buckets' reductions overlap whatever runs before it; pipeline schedules use it).
+        See [Note: grad sync at backward end]."""
+        return self._backward_sync.deferred()
 
     def _on_grad(self) -> None:
-        """Every param grad hook's first step: see [Note: grads the user changed], and queue
-        the end-of-backward sync if no output grad did (outputs not found in forward)."""
+        """Every param grad hook's first step: see [Note: grads the user changed] and [Note:
+        grad sync at backward end]."""
         if self._grads.exposed:
             self._grads.begin_backward()
-        if not self._sync_queued and self._sync_at_backward_end():
-            self._queue_backward_end()
-
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
-        del grad
-        if not self._sync_queued and self._sync_at_backward_end():
-            self._queue_backward_end()
-
-    def _queue_backward_end(self) -> None:
-        Variable._execution_engine.queue_callback(self._backward_end)  # type: ignore[attr-defined]
-        self._sync_queued = True
-
-    def _backward_end(self) -> None:
-        self._sync_queued = False
-        if self._sync_at_backward_end():
-            self.finish_grad_sync()
+        self._backward_sync.on_grad()
 
     def start_grad_sync(self) -> None:
         """Dispatch every reduction not yet dispatched, in chain order (e.g. from a pipeline's
@@ -347,32 +317,11 @@ class DistributedDataParallel(nn.Module):
         )
 
     def _raise_on_unused_params(self) -> None:
-        """error_on_unused_params: every dp rank learns which params got no grad on which rank
-        (one small MAX all-reduce after all reductions finished, so collectives stay paired)."""
-        pgs = self.process_groups
-        index = {p: i for i, p in enumerate(self.param_to_name)}  # registration order
         device = self._all_buffers[0].grad_data.device if self._all_buffers else None
-        flags = torch.zeros(pgs.dp_size, len(index), device=device)
-        for group in self.all_bucket_groups:
-            for i in group.unused_indices:
-                flags[pgs.dp_rank, index[group.params_list[i]]] = 1.0
-        if pgs.dp_size > 1:
-            self.collectives.all_reduce_max(flags, pgs.dp)
-        params = list(index)
-        lines = []
-        for col in flags.sum(0).nonzero().flatten().tolist():
-            lacking = flags[:, col].nonzero().flatten().tolist()
-            ranks = [self.collectives.global_rank(pgs.dp, r) for r in lacking]
-            lines.append(f"{self.param_to_name[params[col]]} (ranks {ranks})")
-        if lines:
-            more = f" and {len(lines) - 10} more" if len(lines) > 10 else ""
-            raise RuntimeError(
-                f"megabuf: error_on_unused_params: {len(lines)} trainable param(s) got no "
-                f"gradient this iteration on some dp rank (seen on rank {self.rank}): "
-                f"{', '.join(lines[:10])}{more}. Use them in forward on every rank, freeze them "
-                "before wrapping, or set error_on_unused_params=False (they are then zero-filled "
-                "and reduced like any other grad)"
-            )
+        raise_on_unused_params(
+            self.all_bucket_groups, self.param_to_name, self.process_groups, self.collectives,
+            device, self.rank,
+        )  # fmt: skip
 
     def enable_timeline(self) -> Timeline:
         """Record when every bucket group became ready, was dispatched and finished, and a
@@ -392,9 +341,9 @@ class DistributedDataParallel(nn.Module):
         for chain in self._chains:
             chain.reset()
         for group in self.all_bucket_groups:
-            group.is_last_microbatch = self._require_sync
+            group.is_last_microbatch = self._backward_sync.require_sync
         self._grads.clear()
-        self._sync_queued = False
+        self._backward_sync.queued = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Same as zero_grad_buffer(): grads live in the buffers, see [Note: grad accumulation
@@ -412,7 +361,7 @@ class DistributedDataParallel(nn.Module):
             group.abandon_grad_sync()
             if group.param_state is ParamSyncState.DISPATCHED:
                 group.finish_param_sync(skip_next_bucket_dispatch=True)
-        self._require_sync = True
+        self._backward_sync.require_sync = True
         self.zero_grad_buffer()
 
     def scale_gradients(self, scaling_factor: float) -> None:
@@ -444,7 +393,7 @@ class DistributedDataParallel(nn.Module):
         async gloo collective started inside a profiled region and waited on after it crashes
         the process at exit. Collective: every dp rank calls it (the step does)."""
         del unused, force_dispatch
-        if force_sync or not self.ddp_config.overlap_param_gather or _profiler_recording():
+        if force_sync or not self.ddp_config.overlap_param_gather or profiler_recording():
             for group in self.all_bucket_groups:
                 group.start_param_sync(force_sync=True)
             return
@@ -512,18 +461,6 @@ class _BufferList(list):  # type: ignore[type-arg]
 
     def __call__(self, recurse: bool = True) -> Iterator[torch.Tensor]:
         return nn.Module.buffers(self._owner, recurse)
-
-
-def _profiler_recording() -> bool:
-    return bool(torch.autograd.profiler._is_profiler_enabled)
-
-
-def _has_compiled(module: nn.Module) -> bool:
-    """`torch.compile(m)` (an OptimizedModule holding `_orig_mod`) or `m.compile()` anywhere."""
-    return any(
-        hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
-        for m in module.modules()
-    )
 
 
 def _unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -24,6 +24,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from megabuf.bucket_group import BucketGroup
+from megabuf.collectives import Collectives
+from megabuf.process_groups import ProcessGroups
 
 
 class ExposedGrads:
@@ -150,3 +152,38 @@ def _check_optimizer_params(optimizer: torch.optim.Optimizer, args: Any, kwargs:
                     ".grad. Use megabuf.build_optimizer(OptimizerConfig(...), model) (it shards"
                     " the optimizer state), or wrap with use_distributed_optimizer=False"
                 )
+
+
+def raise_on_unused_params(
+    groups: Sequence[BucketGroup],
+    param_to_name: Mapping[nn.Parameter, str],
+    pgs: ProcessGroups,
+    collectives: Collectives,
+    device: torch.device | None,
+    rank: int,
+) -> None:
+    """error_on_unused_params: every dp rank learns which params got no grad on which rank
+    (one small MAX all-reduce after all reductions finished, so collectives stay paired) and
+    raises naming them."""
+    index = {p: i for i, p in enumerate(param_to_name)}  # registration order
+    flags = torch.zeros(pgs.dp_size, len(index), device=device)
+    for group in groups:
+        for i in group.unused_indices:
+            flags[pgs.dp_rank, index[group.params_list[i]]] = 1.0
+    if pgs.dp_size > 1:
+        collectives.all_reduce_max(flags, pgs.dp)
+    params = list(index)
+    lines = []
+    for col in flags.sum(0).nonzero().flatten().tolist():
+        lacking = flags[:, col].nonzero().flatten().tolist()
+        ranks = [collectives.global_rank(pgs.dp, r) for r in lacking]
+        lines.append(f"{param_to_name[params[col]]} (ranks {ranks})")
+    if lines:
+        more = f" and {len(lines) - 10} more" if len(lines) > 10 else ""
+        raise RuntimeError(
+            f"megabuf: error_on_unused_params: {len(lines)} trainable param(s) got no "
+            f"gradient this iteration on some dp rank (seen on rank {rank}): "
+            f"{', '.join(lines[:10])}{more}. Use them in forward on every rank, freeze them "
+            "before wrapping, or set error_on_unused_params=False (they are then zero-filled "
+            "and reduced like any other grad)"
+        )

@@ -15,7 +15,8 @@ grads after `finish_grad_sync()`.
 
 [Note: lazy param gather]
 With overlap_param_gather, params are stale after the optimizer step until their bucket group's
-all-gather finishes, and a forward pre-hook must finish it before anything reads them. Which
+all-gather, dispatched by the step ([Note: publishing params]), finishes, and a forward pre-hook
+must wait for it before anything reads them. Which
 module reads a param is learned, not assumed from ownership: the first forward with the hooks
 installed gathers everything up front and, under a TorchFunctionMode, records which module was
 running when a torch function first received each param. Afterwards each bucket group is
@@ -219,3 +220,17 @@ def link_forward_order(order: Sequence[BucketGroup]) -> None:
     """Each group prefetches the gather of the group the forward reads next."""
     for group, nxt in zip(order, [*order[1:], None], strict=False):
         group.set_next_param_gather(nxt)
+
+
+def has_compiled(module: nn.Module) -> bool:
+    """`torch.compile(m)` (an OptimizedModule holding `_orig_mod`) or `m.compile()` anywhere
+    in `module` ([Note: compiled modules])."""
+    return any(
+        hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module.modules()
+    )
+
+
+def profiler_recording() -> bool:
+    """torch.profiler (or the autograd profiler) is recording in this process."""
+    return bool(torch.autograd.profiler._is_profiler_enabled)

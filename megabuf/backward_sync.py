@@ -1,0 +1,75 @@
+"""`BackwardEndSync`: finishes a model's grad sync when backward ends, as torch DDP does.
+
+[Note: grad sync at backward end]
+A torch-DDP loop never calls `finish_grad_sync()`: grads must be reduced by the time
+`backward()` returns. The autograd engine runs callbacks queued during a backward when that
+backward ends, so the first grad of a backward queues one that runs `finish_grad_sync()`. Which
+"first grad": a hook on the forward's outputs, since the outputs' grads come first in the
+outermost backward. A param's grad hook would do only as a fallback (outputs the forward did
+not return as tensors, a loss computed from `model.module` directly): under reentrant activation
+checkpointing it runs inside the checkpoint's nested backward, whose end is not the end of the
+real one (the sync would then dispatch groups early and a later grad raises, naming the param).
+Nothing is queued when sync is off (`no_sync()`, `require_backward_grad_sync = False`), inside
+`deferred()` (pipeline schedules, which finish the sync themselves after later chunks' work), or
+with `sync_grads_at_backward_end = false`. Every forward clears `queued`: a backward that
+raised never runs its callbacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.autograd import Variable
+
+from megabuf.grads import find_tensors
+
+
+class BackwardEndSync:
+    """The end-of-backward trigger of one model; `finish` is its `finish_grad_sync`."""
+
+    def __init__(self, enabled: bool, finish: Callable[[], None]) -> None:
+        self.enabled = enabled  # DistributedDataParallelConfig.sync_grads_at_backward_end
+        self.require_sync = True  # torch's require_backward_grad_sync
+        self.defer_depth = 0  # deferred() nesting
+        self.queued = False  # a callback is queued on the running backward
+        self._finish = finish
+
+    def wanted(self) -> bool:
+        return self.enabled and self.require_sync and not self.defer_depth
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.defer_depth += 1
+        try:
+            yield
+        finally:
+            self.defer_depth -= 1
+
+    @torch.compiler.disable
+    def watch(self, output: Any) -> None:
+        """A forward ran with grad enabled: its outputs' grads arm the callback."""
+        for tensor in find_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(self._on_output_grad)
+
+    def on_grad(self) -> None:
+        """A param's grad arrived (fallback trigger, see the Note)."""
+        if not self.queued and self.wanted():
+            self._queue()
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        del grad
+        if not self.queued and self.wanted():
+            self._queue()
+
+    def _queue(self) -> None:
+        Variable._execution_engine.queue_callback(self._run)  # type: ignore[attr-defined]
+        self.queued = True
+
+    def _run(self) -> None:
+        self.queued = False
+        if self.wanted():
+            self._finish()
