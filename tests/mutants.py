@@ -73,10 +73,36 @@ MUTANTS = (
     Mutant(
         "no-grad-copy-for-bf16",
         "grad contract: params whose dtype differs from the grad dtype get a .grad copy",
-        "megabuf/ddp.py",
-        "            param.grad = param.main_grad.to(param.dtype)  # type: ignore[attr-defined]\n",
+        "megabuf/grads.py",
+        "            param.grad = copy\n",
         "            continue\n",
         ("tests/test_grad_contract.py", "tests/test_ddp_grads.py"),
+    ),
+    Mutant(
+        "set-to-none-keeps-old-grads",
+        "a .grad the user set to None starts that param fresh at the next backward",
+        "megabuf/grads.py",
+        "            if param.grad is None:\n                self._mark_fresh(param)\n"
+        "            elif param.grad is not main_grad:",
+        "            if param.grad is None:\n                param.grad = main_grad\n"
+        "            elif param.grad is not main_grad:",
+        ("tests/test_drop_in.py",),
+    ),
+    Mutant(
+        "no-sync-at-backward-end",
+        "with sync_grads_at_backward_end, backward returns with the grads reduced",
+        "megabuf/backward_sync.py",
+        "        if self.wanted():\n            self._finish()\n",
+        "        pass\n",
+        ("tests/test_drop_in.py",),
+    ),
+    Mutant(
+        "require-backward-grad-sync-ignored",
+        "require_backward_grad_sync=False makes backward only accumulate",
+        "megabuf/ddp.py",
+        "        self._backward_sync.require_sync = bool(value)\n",
+        "        pass\n",
+        ("tests/test_drop_in.py",),
     ),
     Mutant(
         "dense-scale-not-1-over-dp",
@@ -154,7 +180,7 @@ MUTANTS = (
         "first-grad-added-not-copied",
         "zeroing: the first grad after zero_grad_buffer() overwrites main_grad",
         "megabuf/hooks.py",
-        "                main_grad.copy_(grad)  # first grad since zero_grad_buffer(): overwrite\n",
+        "                main_grad.copy_(grad)\n",
         "                main_grad.add_(grad)\n",
         ("tests/test_ddp_grads.py", "tests/test_grad_contract.py"),
     ),
