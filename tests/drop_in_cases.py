@@ -224,6 +224,9 @@ MODES: dict[str, dict[str, Any]] = {
     "sync": {},
     "overlap_grad_reduce": {"overlap_grad_reduce": True, "bucket_size": 4000},
     "distopt": {"use_distributed_optimizer": True},
+    "distopt_overlap_grad_reduce": {
+        "use_distributed_optimizer": True, "overlap_grad_reduce": True, "bucket_size": 4000,
+    },
     "distopt_overlap_param_gather": {
         "use_distributed_optimizer": True, "overlap_grad_reduce": True,
         "overlap_param_gather": True, "bucket_size": 4000,
@@ -263,25 +266,28 @@ def profiled_windows() -> dict[str, Any]:
     return out
 
 
-def compiled(placements: list[str], backend: str) -> dict[str, Any]:
-    """torch.compile before wrapping ('inner', 'inplace': module.compile()) and of the wrapper
-    ('outer'), with overlap_param_gather, against the uncompiled model."""
+def compiled(runs: list[tuple[str, str]], backend: str) -> dict[str, Any]:
+    """torch.compile before wrapping ('inner'; 'inplace': module.compile(); 'submodule': one
+    block's compile()) and of the wrapper ('outer'), per (placement, mode) in `runs`, with the
+    eager run of each mode as reference ('eager-<mode>')."""
     megabuf.init_distributed()
-    cfg = MODES["distopt_overlap_param_gather"]
 
-    def run(placement: str, overlap: bool) -> list[float]:
+    def run(placement: str, mode: str) -> list[float]:
         torch.manual_seed(0)
         net: Any = gpt_tiny()
         if placement == "inner":
             net = torch.compile(net, backend=backend)
-        config = megabuf.DistributedDataParallelConfig(**{**cfg, "overlap_param_gather": overlap})
-        inner = megabuf.DistributedDataParallel(net, config)
+        elif placement == "submodule":
+            net.blocks[0].compile(backend=backend)
+        inner = megabuf.DistributedDataParallel(
+            net, megabuf.DistributedDataParallelConfig(**MODES[mode])
+        )
         if placement == "inplace":
             inner.module.compile(backend=backend)
         model = torch.compile(inner, backend=backend) if placement == "outer" else inner
         return _train(model, inner, range(4))
 
-    out: dict[str, Any] = {"eager": run("none", True)}
-    for placement in placements:
-        out[placement] = {"overlap": run(placement, True), "no_overlap": run(placement, False)}
+    out = {f"eager-{mode}": run("none", mode) for mode in dict.fromkeys(m for _, m in runs)}
+    for placement, mode in runs:
+        out[f"{placement}-{mode}"] = run(placement, mode)
     return out
