@@ -139,12 +139,13 @@ ADAM = megabuf.OptimizerConfig(optimizer="adam", lr=1e-2)
 DISTOPT = megabuf.DistributedDataParallelConfig(
     use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=300
 )
+ALLREDUCE = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=300)
 
 
-def _pp_build() -> tuple[Chunks, megabuf.MegabufOptimizer]:
+def _pp_build(cfg: megabuf.DistributedDataParallelConfig) -> tuple[Chunks, Any]:
     pgs = groups(pp_size=2)
     stages = split_gpt(GPT(GCFG, seed=0), 2)
-    chunks = megabuf.wrap_model_chunks([stages[stage_index(pgs.pp_rank, 0, 2)]], DISTOPT, pgs)
+    chunks = megabuf.wrap_model_chunks([stages[stage_index(pgs.pp_rank, 0, 2)]], cfg, pgs)
     return chunks, megabuf.build_optimizer(chunks, ADAM)
 
 
@@ -172,8 +173,10 @@ def _pp_step(chunks: Chunks, opt: megabuf.MegabufOptimizer, step: int) -> Any:
     return opt.step()
 
 
-def _ep_build() -> tuple[Chunks, megabuf.MegabufOptimizer]:
-    model = build_moe({"ep": 2, "config": {"use_distributed_optimizer": True, "bucket_size": 300}})
+def _ep_build(distopt: bool) -> tuple[Chunks, Any]:
+    model = build_moe(
+        {"ep": 2, "config": {"use_distributed_optimizer": distopt, "bucket_size": 300}}
+    )
     return [model], megabuf.build_optimizer(model, ADAM)
 
 
@@ -186,8 +189,11 @@ def _ep_step(chunks: Chunks, opt: megabuf.MegabufOptimizer, step: int) -> Any:
 Builder = Callable[[], tuple[Chunks, megabuf.MegabufOptimizer]]
 Stepper = Callable[[Chunks, megabuf.MegabufOptimizer, int], Any]
 PARALLEL: dict[str, tuple[Builder, Stepper]] = {
-    "pp2": (_pp_build, _pp_step),
-    "ep2": (_ep_build, _ep_step),
+    "pp2": (partial(_pp_build, DISTOPT), _pp_step),
+    "ep2": (partial(_ep_build, True), _ep_step),
+    # all-reduce path (FP32Optimizer): every rank holds whole params and their state
+    "pp2_allreduce": (partial(_pp_build, ALLREDUCE), _pp_step),
+    "ep2_allreduce": (partial(_ep_build, False), _ep_step),
 }
 
 
@@ -222,7 +228,7 @@ def parallel_save_then_resume(root: str, name: str) -> dict[str, Any]:
     train(resumed, resumed_opt, range(SAVE_AFTER, TOTAL_STEPS))
     return {
         "uninterrupted": _chunk_params(chunks), "resumed": _chunk_params(resumed),
-        "at_save": at_save, "fresh": fresh, "loaded": loaded,
+        "at_save": at_save, "fresh": fresh, "loaded": loaded, "kind": type(opt).__name__,
     }  # fmt: skip
 
 
