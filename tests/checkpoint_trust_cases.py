@@ -213,15 +213,17 @@ def _inject(root: str, stage: str, final: str) -> None:
 
     rank = torch.distributed.get_rank()
     if stage == "mid_write" and rank == 1:
-        real_write = files._HashingWriter.write
+        import torch.distributed.checkpoint.filesystem as dcp_files
 
-        def write(self: Any, data: Any) -> int:
-            if self.nbytes > 2000:  # a few KB into the rank file
-                self.f.flush()
+        real_write_item = dcp_files._write_item
+
+        def write_item(transforms: Any, stream: Any, *args: Any) -> Any:
+            if stream.tell() > 0:  # one item of its data file written, the next not
+                stream.flush()
                 _die(root, stage)
-            return real_write(self, data)
+            return real_write_item(transforms, stream, *args)
 
-        files._HashingWriter.write = write  # type: ignore[method-assign]
+        dcp_files._write_item = write_item
     elif stage == "before_metadata" and rank == 0:
         save_module.write_metadata = lambda *_: _die(root, stage)
     elif stage == "before_renames" and rank == 0:

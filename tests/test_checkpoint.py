@@ -80,8 +80,8 @@ def test_save_leaves_one_file_per_rank_and_no_temporary_files(saved: Any) -> Non
     case_result(per_rank, "fp32_adam")
     assert case_result(per_rank, "leftovers")[0] == []
     assert sorted(p.name for p in (root / "fp32_adam").iterdir()) == [
-        "common.pt", "metadata.json", "rank00000.pt", "rank00001.pt", "rank00002.pt",
-        "rank00003.pt",
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp",
+        "common.pt", "metadata.json",
     ]  # fmt: skip
 
 

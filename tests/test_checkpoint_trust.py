@@ -50,11 +50,12 @@ def _edit_metadata(path: Path) -> None:  # still valid JSON, one number changed
 
 # label -> (file to damage, how, what the error must name)
 DAMAGE: dict[str, tuple[str, Callable[[Path], None], list[str]]] = {
-    "truncated_rank_file": ("rank00001.pt", _truncate, ["written by rank 1", "truncated"]),
+    "truncated_rank_file": ("__1_0.distcp", _truncate, ["written by rank 1", "truncated"]),
     "truncated_metadata": ("metadata.json", _truncate, ["written by rank 0", "not valid JSON"]),
-    "flipped_byte": ("rank00001.pt", _flip_byte, ["written by rank 1", "SHA-256"]),
+    "flipped_byte": ("__1_0.distcp", _flip_byte, ["written by rank 1", "SHA-256"]),
     "flipped_common": ("common.pt", _flip_byte, ["written by rank 0", "SHA-256"]),
-    "missing_rank_file": ("rank00000.pt", Path.unlink, ["written by rank 0", "is missing"]),
+    "truncated_dcp_metadata": (".metadata", _truncate, ["written by rank 0", "truncated"]),
+    "missing_rank_file": ("__0_0.distcp", Path.unlink, ["written by rank 0", "is missing"]),
     "edited_metadata": ("metadata.json", _edit_metadata, ["written by rank 0", "checksum"]),
 }
 # label -> checkpoint the loader must return ("A": the committed one, "B": the new complete one)

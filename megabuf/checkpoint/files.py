@@ -34,6 +34,7 @@ import torch
 
 FORMAT = "megabuf-checkpoint-v2"
 METADATA = "metadata.json"
+DCP_METADATA = ".metadata"
 _READ_NBYTES = 1 << 24
 FileRecord = dict[str, Any]  # {"file": name, "rank": writer, "nbytes": int, "sha256": hex}
 
@@ -73,6 +74,17 @@ def write_file(obj: Any, target: Path, rank: int) -> FileRecord:
         "file": target.name, "rank": rank, "nbytes": writer.nbytes,
         "sha256": writer.sha256.hexdigest(),
     }  # fmt: skip
+
+
+def hash_written(root: Path, rank: int) -> list[FileRecord]:
+    """Records of the files DCP wrote for `rank` (its data files; rank 0 also DCP's .metadata)."""
+    paths = sorted(root.glob(f"__{rank}_*.distcp"))
+    if rank == 0:
+        paths.append(root / DCP_METADATA)
+    return [
+        {"file": p.name, "rank": rank, "nbytes": p.stat().st_size, "sha256": _digest(p)}
+        for p in paths
+    ]
 
 
 def _digest(path: Path) -> str:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -90,3 +91,18 @@ def check_model_entries(root: Path, expected: Expected, saved: dict[str, list[An
             f"missing entries {missing[:10]}, mismatched entries {wrong[:10]}. Build the same "
             "model (and the same pipeline / expert-parallel sizes) as when it was saved"
         )
+
+
+def model_template(
+    chunks: Sequence[DistributedDataParallel],
+) -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:
+    """Empty tensors for every entry to load: per chunk by local name, and the same tensors by
+    checkpoint key (what DCP fills)."""
+    per_chunk: list[dict[str, Tensor]] = []
+    by_key: dict[str, Tensor] = {}
+    for chunk, scoped in zip(chunks, _entry_scopes(chunks), strict=True):
+        values = chunk.module.state_dict(keep_vars=True)
+        entries = {name: torch.empty_like(values[name].detach()) for name in scoped}
+        by_key |= {scoped[name][0]: t for name, t in entries.items()}
+        per_chunk.append(entries)
+    return per_chunk, by_key

@@ -1,16 +1,44 @@
-"""`save_checkpoint`: every rank writes what it owns into `<path>.tmp/`; rank 0 commits."""
+"""`save_checkpoint`: every rank hands what it owns to torch.distributed.checkpoint (DCP), into
+`<path>.tmp/`; then each rank records its files' checksums and rank 0 commits.
+
+[Note: asynchronous checkpoint saves]
+`save_checkpoint(..., async_save=True)` returns once the state is copied (DCP stages it into CPU
+memory) and DCP writes it from a background thread over a gloo group of its own (made once per
+model, so it never shares a communicator with training's collectives). The save is committed
+(checksums recorded, metadata.json written, directory swapped into place) by `handle.wait()`,
+which every rank must call; the next `save_checkpoint` on the same model calls it first. Call
+`handle.wait()` before the end of training: until then `<path>` still holds the previous
+checkpoint ([Note: checkpoint crash safety]). A synchronous save returns a handle already done.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
-from megabuf.checkpoint.files import commit, prepare_tmp, sibling, write_file, write_metadata
+from megabuf.checkpoint.dcp_state import (
+    optimizer_dcp_state,
+    partial_ranges,
+    quiet_sharded_tensor,
+    ranges_from,
+)
+from megabuf.checkpoint.files import (
+    FileRecord,
+    commit,
+    hash_written,
+    prepare_tmp,
+    sibling,
+    write_file,
+    write_metadata,
+)
 from megabuf.checkpoint.model_state import owned_model_state, parallel_sizes
 from megabuf.checkpoint.torch_optim import torch_optimizer_state
 from megabuf.ddp import DistributedDataParallel
@@ -19,6 +47,41 @@ from megabuf.optimizer.param_groups import as_chunks
 
 Chunks = DistributedDataParallel | Sequence[DistributedDataParallel]
 AnyOptimizer = MegabufOptimizer | torch.optim.Optimizer
+
+
+class SaveHandle:
+    """A save in flight; `wait()` (collective) finishes and commits it. See
+    [Note: asynchronous checkpoint saves]."""
+
+    def __init__(self, future: Future[Any] | None, finish: Callable[[], None]) -> None:
+        self._future = future
+        self._finish: Callable[[], None] | None = finish
+
+    @property
+    def done(self) -> bool:
+        return self._finish is None
+
+    def wait(self) -> None:
+        if self._finish is None:
+            return
+        finish, self._finish = self._finish, None
+        if self._future is not None:
+            self._future.result()  # DCP's background write (re-raises its error)
+        finish()
+
+
+# model chunk 0 -> its save in flight / its checkpoint gloo group (weak: dies with the model)
+_PENDING: weakref.WeakKeyDictionary[DistributedDataParallel, SaveHandle] = (
+    weakref.WeakKeyDictionary()
+)
+_GROUPS: weakref.WeakKeyDictionary[DistributedDataParallel, Any] = weakref.WeakKeyDictionary()
+
+
+def wait_for_pending_save(model: Chunks) -> None:
+    """Collective: finish the model's asynchronous save in flight, if any."""
+    handle = _PENDING.pop(as_chunks(model)[0], None)
+    if handle is not None:
+        handle.wait()
 
 
 def optimizer_state(
@@ -39,37 +102,90 @@ def save_checkpoint(
     optimizer: AnyOptimizer | None = None,
     *,
     extra: Any = None,
-) -> None:
+    async_save: bool = False,
+) -> SaveHandle:
     """Collective: every rank calls it with the same path (on one shared filesystem).
 
-    `optimizer`: a megabuf optimizer, or a plain torch optimizer over the model's params (the
+    `optimizer`: a megabuf optimizer, a plain torch optimizer over the model's params (the
     all-reduce path), or None. `extra`: any picklable object of the training script (iteration,
     best loss, config, RNG states), stored with the rest and returned by `load_checkpoint`; rank
-    0's is kept. See [Note: checkpoint layout] and [Note: checkpoint crash safety].
+    0's is kept. `async_save`: see [Note: asynchronous checkpoint saves]. Layout, guarantees:
+    [Note: checkpoint layout], [Note: checkpoint crash safety].
     """
     with torch.profiler.record_function("megabuf::save_checkpoint"):
         chunks = as_chunks(model)
-        collectives = chunks[0].collectives
+        wait_for_pending_save(chunks)
+        collectives, rank = chunks[0].collectives, dist.get_rank()
         final = Path(path)
-        rank = dist.get_rank()
+        tmp = sibling(final, ".tmp")
         if rank == 0:
             prepare_tmp(final)
-        collectives.barrier(None)
-        tmp = sibling(final, ".tmp")
-        model_state = owned_model_state(chunks)
+        model_state = owned_model_state(chunks)  # every rank: after rank 0 made tmp (collective)
         common, pieces = optimizer_state(chunks, optimizer)
-        record = write_file(
-            {"model": model_state, "optimizer": pieces}, tmp / f"rank{rank:05d}.pt", rank
-        )
-        record["model"] = {k: [list(v.shape), str(v.dtype)] for k, v in model_state.items()}
-        record["optimizer_keys"] = sorted({p["key"] for p in pieces})
-        everyone = collectives.all_gather_object(record, None)  # also: every file is written
+        own: list[FileRecord] = []
+        if rank == 0:  # rank 0's own files first: `extra` as it is now
+            own.append(write_file(common, tmp / "common.pt", 0))
+            if extra is not None:
+                own.append(write_file(extra, tmp / "extra.pt", 0))
+        index = {
+            "ranges": partial_ranges(pieces),
+            "model": {k: [list(v.shape), str(v.dtype)] for k, v in model_state.items()},
+            "optimizer": {p["key"]: [p["numel"], p["shape"]] for p in pieces},
+        }
+        everyone = collectives.all_gather_object(index, None)  # also: tmp exists for everyone
+        ranges = ranges_from([index["ranges"] for index in everyone])
+        state = {"model": model_state, "optimizer": optimizer_dcp_state(pieces, ranges)}
+        finish = _finisher(chunks, final, tmp, everyone, own)
+        writer = dcp.FileSystemWriter(tmp)
+        with quiet_sharded_tensor():
+            if not async_save:
+                dcp.save(state, storage_writer=writer)
+                finish()
+                return SaveHandle(None, lambda: None)
+            future = dcp.async_save(
+                state, storage_writer=writer, process_group=_checkpoint_group(chunks[0])
+            )
+        handle = SaveHandle(future, finish)  # type: ignore[arg-type]
+        _PENDING[chunks[0]] = handle
+        return handle
+
+
+def _checkpoint_group(chunk: DistributedDataParallel) -> Any:
+    if chunk not in _GROUPS:
+        _GROUPS[chunk] = dist.new_group(backend="gloo")  # collective: every rank saves
+    return _GROUPS[chunk]
+
+
+def _finisher(
+    chunks: Sequence[DistributedDataParallel],
+    final: Path,
+    tmp: Path,
+    everyone: list[dict[str, Any]],
+    own: list[FileRecord],
+) -> Callable[[], None]:
+    """What completes a save once DCP has written: checksums, metadata.json, the commit."""
+
+    def finish() -> None:
+        collectives, rank = chunks[0].collectives, dist.get_rank()
+        records = collectives.all_gather_object(own + hash_written(tmp, rank), None)
         if rank == 0:
-            meta = {
-                "world_size": dist.get_world_size(), **parallel_sizes(chunks), "files": everyone,
-                "common": write_file(common, tmp / "common.pt", 0),
-                "extra": write_file(extra, tmp / "extra.pt", 0) if extra is not None else None,
-            }  # fmt: skip
-            write_metadata(tmp, meta)
+            write_metadata(tmp, _index(chunks, everyone, records))
             commit(tmp, final)
         collectives.barrier(None)
+
+    return finish
+
+
+def _index(
+    chunks: Sequence[DistributedDataParallel],
+    everyone: list[dict[str, Any]],
+    records: list[list[FileRecord]],
+) -> dict[str, Any]:
+    files = [r for per_rank in records for r in per_rank]
+    names = {r["file"] for r in files}
+    return {
+        "world_size": dist.get_world_size(), **parallel_sizes(chunks), "files": files,
+        "model": {k: v for index in everyone for k, v in index["model"].items()},
+        "optimizer": {k: v for index in everyone for k, v in index["optimizer"].items()},
+        "common": "common.pt", "extra": "extra.pt" if "extra.pt" in names else None,
+    }  # fmt: skip

@@ -82,10 +82,12 @@ def _copy(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, Tensor) else value
 
 
-def needed_keys(
+def wanted_torch(
     chunks: Sequence[DistributedDataParallel], optimizer: torch.optim.Optimizer
-) -> set[str]:
-    return {key for keys in _group_keys(chunks, optimizer) for _, key in keys}
+) -> list[tuple[str, int, int, int]]:
+    """(key, 0, numel, numel) of every param the torch optimizer holds: whole params."""
+    pairs = [pair for keys in _group_keys(chunks, optimizer) for pair in keys]
+    return [(key, 0, p.numel(), p.numel()) for p, key in pairs]
 
 
 def load_torch_optimizer_state(
