@@ -133,6 +133,61 @@ def fresh_model_resume(root: str, name: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+# loaded into another kind of optimizer / overlap / bucket size at the same dp size:
+# (checkpoint written by a FRESH_CASES case, the case that loads it)
+CROSS: dict[str, tuple[str, dict[str, Any]]] = {
+    "distopt_to_allreduce": ("fp32_distopt_built", {
+        "optimizer": "sgd", "builder": True,
+        "ddp": {"overlap_grad_reduce": True, "bucket_size": 30}}),
+    "allreduce_to_distopt": ("fp32_allreduce_built", {
+        "optimizer": "adam", "builder": True,
+        "ddp": {"use_distributed_optimizer": True, "overlap_param_gather": True,
+                "bucket_size": 40}}),
+    "bf16_distopt_to_allreduce": ("bf16_distopt_expert", {
+        "optimizer": "adamw", "bf16": True, "eps": 1e-4, "expert": True,
+        "ddp": {"grad_reduce_in_fp32": True, "overlap_grad_reduce": True, "bucket_size": 30}}),
+}  # fmt: skip
+
+
+def cross_resume(root: str, label: str) -> dict[str, Any]:
+    saved_name, case = CROSS[label]
+    model = build_model(case)
+    opt = build_opt(model, case)
+    megabuf.load_checkpoint(os.path.join(root, saved_name), model, opt)
+    loaded = final_params(model)
+    _train(model, opt, range(SAVE_AFTER, TOTAL_STEPS))
+    return {"kind": type(opt).__name__, "loaded": loaded, "resumed": final_params(model)}
+
+
+def async_saves(root: str) -> dict[str, Any]:
+    """Two asynchronous saves while training goes on (the second waits for the first); a fresh
+    model loads each and the first resumes."""
+    case = {**FP32, "ddp": {**FP32["ddp"], "overlap_param_gather": True}}
+    model = build_model(case)
+    opt = build_opt(model, case)
+    _train(model, opt, range(SAVE_AFTER))
+    first = megabuf.save_checkpoint(os.path.join(root, "async1"), model, opt, async_save=True)
+    at_first = final_params(model)
+    _train(model, opt, range(SAVE_AFTER, SAVE_AFTER + 2))  # while it is written
+    second = megabuf.save_checkpoint(os.path.join(root, "async2"), model, opt, async_save=True)
+    first_done = first.done  # the second save finished the first one
+    at_second = final_params(model)
+    _train(model, opt, range(SAVE_AFTER + 2, TOTAL_STEPS))
+    second.wait()
+    fresh = build_model(case)
+    fresh_opt = build_opt(fresh, case)
+    megabuf.load_checkpoint(os.path.join(root, "async2"), fresh, fresh_opt)
+    loaded_second = final_params(fresh)
+    megabuf.load_checkpoint(os.path.join(root, "async1"), fresh, fresh_opt)
+    loaded_first = final_params(fresh)
+    _train(fresh, fresh_opt, range(SAVE_AFTER, TOTAL_STEPS))
+    return {
+        "first_done": first_done, "at_first": at_first, "at_second": at_second,
+        "loaded_first": loaded_first, "loaded_second": loaded_second,
+        "uninterrupted": final_params(model), "resumed": final_params(fresh),
+    }  # fmt: skip
+
+
 # ---- damaged files and interrupted saves (the test side damages the files in between) -----
 FP32 = {"optimizer": "adam", "ddp": {"use_distributed_optimizer": True, "bucket_size": 100}}
 

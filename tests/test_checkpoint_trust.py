@@ -14,8 +14,11 @@ from typing import Any
 import pytest
 import torch
 from checkpoint_trust_cases import (
+    CROSS,
     FRESH_CASES,
     TORCH_CASES,
+    async_saves,
+    cross_resume,
     export_full_state,
     fresh_model_resume,
     load_extra,
@@ -82,6 +85,7 @@ def runs(pools: Any, tmp_path_factory: Any) -> dict[str, Any]:
     cases |= {f"save_{n}": (save_after, str(root), n, s) for n, s in
               (("swapA", 1), ("swapB", 2), ("firstB", 2), ("midB", 2))}  # fmt: skip
     cases |= {"save_extra": (save_with_extra, str(root)), "export": (export_full_state, str(root))}
+    cases["async"] = (async_saves, str(root))
     saved = pools(2).run(run_each, cases)
     for label, (name, damage, _) in DAMAGE.items():
         case_result(saved, f"save_{label}")
@@ -90,6 +94,7 @@ def runs(pools: Any, tmp_path_factory: Any) -> dict[str, Any]:
     loads: dict[str, tuple[Any, ...]] = {n: (load_outcome, str(root), n) for n in DAMAGE}
     loads |= {n: (load_outcome, str(root), n) for n in SWAPS}
     loads["extra"] = (load_extra, str(root))
+    loads |= {label: (cross_resume, str(root), label) for label in CROSS}
     loaded = pools(2).run(run_each, loads)
     at_dp1 = {n: (torch_optimizer_resume, str(root), n, None) for n in TORCH_CASES}
     return {"root": root, "saved": saved, "loaded": loaded, "dp1": pools(1).run(run_each, at_dp1)}
@@ -194,3 +199,55 @@ def test_full_state_dict_is_the_plain_module_state(runs: Any) -> None:
     Net().load_state_dict(from_file, strict=True)
     offline = megabuf.checkpoint.consolidated_model_state(runs["root"] / "exported")
     assert _equal(offline, state)
+
+
+CROSS_KIND = {
+    "distopt_to_allreduce": "FP32Optimizer", "allreduce_to_distopt": "DistributedOptimizer",
+    "bf16_distopt_to_allreduce": "MixedPrecisionOptimizer",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("label", CROSS)
+def test_resume_across_optimizer_sharding_overlap_and_bucket_size(runs: Any, label: str) -> None:
+    """Saved with the distributed optimizer, loaded on the all-reduce path (and back), with
+    another overlap setting and bucket size: the params at save time come back exactly and the
+    remaining steps reproduce the uninterrupted run bit for bit (dp=2 sums are order-free)."""
+    saved_name, _ = CROSS[label]
+    for rank, res in enumerate(case_result(runs["loaded"], label)):
+        want = case_result(runs["saved"], saved_name)[rank]
+        assert res["kind"] == CROSS_KIND[label], (label, res["kind"])
+        assert _equal(res["loaded"], want["at_save"]), (label, rank)
+        assert _equal(res["resumed"], want["uninterrupted"]), (label, rank)
+
+
+def test_async_saves_hold_the_state_at_their_call(runs: Any) -> None:
+    """Training goes on while an asynchronous save is written: each checkpoint holds the params
+    at its save_checkpoint call, the next save finished the previous one, and resuming from the
+    first reproduces the uninterrupted run bit for bit."""
+    for rank, res in enumerate(case_result(runs["saved"], "async")):
+        assert res["first_done"], rank
+        assert not _equal(res["at_first"], res["at_second"]), rank
+        assert _equal(res["loaded_first"], res["at_first"]), rank
+        assert _equal(res["loaded_second"], res["at_second"]), rank
+        assert _equal(res["resumed"], res["uninterrupted"]), rank
+
+
+def test_dcp_to_torch_save_gives_one_plain_file_of_the_params(runs: Any, tmp_path: Path) -> None:
+    """torch.distributed.checkpoint.format_utils.dcp_to_torch_save turns a megabuf checkpoint
+    (dp=2, distributed optimizer: each rank wrote its shard pieces) into one torch.save file:
+    "model" is the module's state_dict (the params at save), "optimizer" each param's flat
+    state, equal to what megabuf's own offline reader assembles."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    state = case_result(runs["saved"], "export")[0]["state"]
+    dcp_to_torch_save(runs["root"] / "exported", tmp_path / "one.pt")
+    plain = torch.load(tmp_path / "one.pt", weights_only=True)
+    assert list(plain["model"]) == list(state) and _equal(plain["model"], state)
+    offline = megabuf.checkpoint.consolidated_optimizer_state(runs["root"] / "exported")
+    assert set(plain["optimizer"]) == set(offline) == set(dict(Net().named_parameters()))
+    for key, entry in offline.items():
+        assert (
+            set(plain["optimizer"][key]) == set(entry) == {"main", "step", "exp_avg", "exp_avg_sq"}
+        )
+        for name, value in entry.items():
+            assert torch.equal(plain["optimizer"][key][name].view(value.shape), value), (key, name)
