@@ -30,9 +30,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "bucket_size": 100,
         },
     },
-    "bf16_adamw": {
+    "bf16_adamw": {  # saved asynchronously
         "optimizer": "adamw",
         "bf16": True,
+        "async": True,
         "eps": 1e-4,
         "ddp": {"use_distributed_optimizer": True, "grad_reduce_in_fp32": True, "bucket_size": 60},
     },
@@ -63,12 +64,12 @@ def save_then_continue(root: str, name: str) -> dict[str, Any]:
     path = os.path.join(root, name)
     model, opt = _fresh(case)
     _train(model, opt, range(1))
-    megabuf.save_checkpoint(path, model, opt)  # replaced below: tests the swap
+    megabuf.save_checkpoint(path, model, opt, async_save=case.get("async", False))  # replaced
     _train(model, opt, range(1, SAVE_AFTER))
-    megabuf.save_checkpoint(path, model, opt)
+    megabuf.save_checkpoint(path, model, opt, async_save=case.get("async", False))
     at_save = final_params(model)
-    _train(model, opt, range(SAVE_AFTER, TOTAL_STEPS))
-    resumed_model, resumed_opt = _fresh(case)
+    _train(model, opt, range(SAVE_AFTER, TOTAL_STEPS))  # while an async save is written
+    resumed_model, resumed_opt = _fresh(case)  # load_checkpoint finishes the pending save
     megabuf.load_checkpoint(path, resumed_model, resumed_opt)
     _train(resumed_model, resumed_opt, range(SAVE_AFTER, TOTAL_STEPS))
     return {

@@ -131,7 +131,7 @@ def load_checkpoint(
     and which rank wrote it. `extra` is unpickled in full: load only checkpoints you trust."""
     with torch.profiler.record_function("megabuf::load_checkpoint"):
         chunks = as_chunks(model)
-        wait_for_pending_save(chunks)
+        wait_for_pending_save()
         collectives = chunks[0].collectives
         found = _agreed(collectives, lambda: _check(Path(path), chunks, optimizer))
         wanted: Wanted = found["wanted"]

@@ -4,9 +4,10 @@
 [Note: asynchronous checkpoint saves]
 `save_checkpoint(..., async_save=True)` returns once the state is copied (DCP stages it into CPU
 memory) and DCP writes it from a background thread over a gloo group of its own (made once per
-model, so it never shares a communicator with training's collectives). The save is committed
+process group, so it never shares a communicator with training's collectives). The save is committed
 (checksums recorded, metadata.json written, directory swapped into place) by `handle.wait()`,
-which every rank must call; the next `save_checkpoint` on the same model calls it first. Call
+which every rank must call; the next `save_checkpoint` or `load_checkpoint` in the process calls
+it first (`megabuf.checkpoint.wait_for_pending_save()` does too). Call
 `handle.wait()` before the end of training: until then `<path>` still holds the previous
 checkpoint ([Note: checkpoint crash safety]). A synchronous save returns a handle already done.
 """
@@ -70,18 +71,21 @@ class SaveHandle:
         finish()
 
 
-# model chunk 0 -> its save in flight / its checkpoint gloo group (weak: dies with the model)
+# model chunk 0 -> its save in flight (weak: dies with the model); id of the default process
+# group -> the gloo group asynchronous saves use (one per process group, made at first use)
 _PENDING: weakref.WeakKeyDictionary[DistributedDataParallel, SaveHandle] = (
     weakref.WeakKeyDictionary()
 )
-_GROUPS: weakref.WeakKeyDictionary[DistributedDataParallel, Any] = weakref.WeakKeyDictionary()
+_GROUPS: dict[int, Any] = {}
 
 
-def wait_for_pending_save(model: Chunks) -> None:
-    """Collective: finish the model's asynchronous save in flight, if any."""
-    handle = _PENDING.pop(as_chunks(model)[0], None)
-    if handle is not None:
-        handle.wait()
+def wait_for_pending_save() -> None:
+    """Collective: finish every asynchronous save in flight in this process (save_checkpoint
+    and load_checkpoint call it first)."""
+    for chunk in list(_PENDING):
+        handle = _PENDING.pop(chunk, None)
+        if handle is not None:
+            handle.wait()
 
 
 def optimizer_state(
@@ -114,7 +118,7 @@ def save_checkpoint(
     """
     with torch.profiler.record_function("megabuf::save_checkpoint"):
         chunks = as_chunks(model)
-        wait_for_pending_save(chunks)
+        wait_for_pending_save()
         collectives, rank = chunks[0].collectives, dist.get_rank()
         final = Path(path)
         tmp = sibling(final, ".tmp")
@@ -142,18 +146,17 @@ def save_checkpoint(
                 dcp.save(state, storage_writer=writer)
                 finish()
                 return SaveHandle(None, lambda: None)
-            future = dcp.async_save(
-                state, storage_writer=writer, process_group=_checkpoint_group(chunks[0])
-            )
+            future = dcp.async_save(state, storage_writer=writer, process_group=_checkpoint_group())
         handle = SaveHandle(future, finish)  # type: ignore[arg-type]
         _PENDING[chunks[0]] = handle
         return handle
 
 
-def _checkpoint_group(chunk: DistributedDataParallel) -> Any:
-    if chunk not in _GROUPS:
-        _GROUPS[chunk] = dist.new_group(backend="gloo")  # collective: every rank saves
-    return _GROUPS[chunk]
+def _checkpoint_group() -> Any:
+    world = id(dist.group.WORLD)
+    if world not in _GROUPS:
+        _GROUPS[world] = dist.new_group(backend="gloo")  # collective: every rank saves
+    return _GROUPS[world]
 
 
 def _finisher(
