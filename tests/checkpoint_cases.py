@@ -246,3 +246,13 @@ def parallel_mismatch_error(root: str, name: str) -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def parallel_export(name: str) -> dict[str, Any]:
+    """full_state_dict of a pp=2 / ep=2 model after SAVE_AFTER steps: rank 0 gathers every
+    stage's and every ep rank's entries."""
+    build, step_fn = PARALLEL[name]
+    chunks, opt = build()
+    for step in range(SAVE_AFTER):
+        step_fn(chunks, opt, step)
+    return {"state": megabuf.full_state_dict(chunks), "params": _chunk_params(chunks)}

@@ -15,6 +15,7 @@ from checkpoint_cases import (
     VARIANTS,
     leftovers,
     mismatch_error,
+    parallel_export,
     parallel_mismatch_error,
     parallel_save_then_resume,
     resume,
@@ -36,6 +37,7 @@ def saved(pools: Any, tmp_path_factory: Any) -> tuple[Path, list[dict[str, Any]]
         name: (save_then_continue, str(root), name) for name in VARIANTS
     }
     cases |= {name: (parallel_save_then_resume, str(root), name) for name in PARALLEL}
+    cases |= {f"export_{n}": (parallel_export, n) for n in ("pp2", "ep2")}
     cases["leftovers"] = (leftovers, str(root))  # after every save
     return root, pools(4).run(run_each, cases)
 
@@ -145,6 +147,27 @@ def test_pipeline_and_expert_parallel_checkpoints_resume_bitwise(saved: Any, nam
         for key in at_save:
             assert torch.equal(res["loaded"][key], at_save[key]), (name, rank, key)
             assert torch.equal(res["resumed"][key], res["uninterrupted"][key]), (name, rank, key)
+
+
+PREFIX_OF = {
+    "pp2": lambda rank, key: f"stage{rank // 2}/",
+    "ep2": lambda rank, key: f"ep{rank % 2}/" if ".experts." in key else "",
+}
+
+
+@pytest.mark.parametrize("name", ["pp2", "ep2"])
+def test_full_state_dict_gathers_every_stage_and_ep_rank(saved: Any, name: str) -> None:
+    """megabuf.full_state_dict at pp=2 / ep=2: rank 0 holds every rank's params under their
+    checkpoint keys (stage / ep-rank prefixed), equal to the published params; others None."""
+    _, per_rank = saved
+    results = case_result(per_rank, f"export_{name}")
+    state = results[0]["state"]
+    assert all(res["state"] is None for res in results[1:])
+    for rank, res in enumerate(results):
+        for key, value in res["params"].items():
+            local = key.split("/", 1)[1]
+            full = PREFIX_OF[name](rank, local) + local
+            assert torch.equal(state[full], value), (name, rank, full)
 
 
 def test_pipeline_and_expert_checkpoint_keys_carry_stage_and_ep_rank(saved: Any) -> None:
