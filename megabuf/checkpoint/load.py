@@ -53,15 +53,17 @@ def _agreed(collectives: Collectives, fn: Callable[[], T]) -> T:
     """Run `fn` on every rank; if it raised a ValueError anywhere, raise on every rank (this
     rank's own message, else the first failing rank's), so no rank is left waiting in the
     collectives of the load."""
+    cause: Exception | None = None
     try:
         result, error = fn(), None
     except ValueError as exc:
-        result, error = None, str(exc)
+        result, error, cause = None, str(exc), exc
     except Exception as exc:  # anything else too: the other ranks must not be left waiting
-        result, error = None, f"megabuf: rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+        result, cause = None, exc
+        error = f"megabuf: rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
     errors = collectives.all_gather_object(error, None)
     if error is not None:
-        raise ValueError(error)
+        raise ValueError(error) from cause
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         rank, message = failed[0]

@@ -54,7 +54,7 @@ class SaveHandle:
     """A save in flight; `wait()` (collective) finishes and commits it. See
     [Note: asynchronous checkpoint saves]."""
 
-    def __init__(self, future: Future[Any] | None, finish: Callable[[], None]) -> None:
+    def __init__(self, future: Future[Any] | None, finish: Callable[[], None] | None) -> None:
         self._future = future
         self._finish: Callable[[], None] | None = finish
 
@@ -145,7 +145,7 @@ def save_checkpoint(
             if not async_save:
                 dcp.save(state, storage_writer=writer)
                 finish()
-                return SaveHandle(None, lambda: None)
+                return SaveHandle(None, None)  # done
             future = dcp.async_save(state, storage_writer=writer, process_group=_checkpoint_group())
         handle = SaveHandle(future, finish)  # type: ignore[arg-type]
         _PENDING[chunks[0]] = handle
