@@ -4,12 +4,13 @@
 [Note: asynchronous checkpoint saves]
 `save_checkpoint(..., async_save=True)` returns once the state is copied (DCP stages it into CPU
 memory) and DCP writes it from a background thread over a gloo group of its own (made once per
-process group, so it never shares a communicator with training's collectives). The save is committed
-(checksums recorded, metadata.json written, directory swapped into place) by `handle.wait()`,
-which every rank must call; the next `save_checkpoint` or `load_checkpoint` in the process calls
-it first (`megabuf.checkpoint.wait_for_pending_save()` does too). Call
-`handle.wait()` before the end of training: until then `<path>` still holds the previous
-checkpoint ([Note: checkpoint crash safety]). A synchronous save returns a handle already done.
+process group, so it never shares a communicator with training's collectives); each rank's files
+are hashed in that thread once written. The save is committed (records gathered, metadata.json
+written, directory swapped into place) by `handle.wait()`, which every rank must call; the next
+`save_checkpoint` or `load_checkpoint` in the process calls it first, and so does
+`megabuf.checkpoint.wait_for_pending_save()`. Call it before training ends: until then `<path>`
+still holds the previous checkpoint ([Note: checkpoint crash safety]). A synchronous save
+returns a handle already done.
 """
 
 from __future__ import annotations
@@ -54,21 +55,17 @@ class SaveHandle:
     """A save in flight; `wait()` (collective) finishes and commits it. See
     [Note: asynchronous checkpoint saves]."""
 
-    def __init__(self, future: Future[Any] | None, finish: Callable[[], None] | None) -> None:
-        self._future = future
-        self._finish: Callable[[], None] | None = finish
+    def __init__(self, finish: Callable[[], None] | None) -> None:
+        self._finish = finish
 
     @property
     def done(self) -> bool:
         return self._finish is None
 
     def wait(self) -> None:
-        if self._finish is None:
-            return
-        finish, self._finish = self._finish, None
-        if self._future is not None:
-            self._future.result()  # DCP's background write (re-raises its error)
-        finish()
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
 
 
 # model chunk 0 -> its save in flight (weak: dies with the model); id of the default process
@@ -139,17 +136,34 @@ def save_checkpoint(
         everyone = collectives.all_gather_object(index, None)  # also: tmp exists for everyone
         ranges = ranges_from([index["ranges"] for index in everyone])
         state = {"model": model_state, "optimizer": optimizer_dcp_state(pieces, ranges)}
-        finish = _finisher(chunks, final, tmp, everyone, own)
         writer = dcp.FileSystemWriter(tmp)
         with quiet_sharded_tensor():
             if not async_save:
                 dcp.save(state, storage_writer=writer)
-                finish()
-                return SaveHandle(None, None)  # done
-            future = dcp.async_save(state, storage_writer=writer, process_group=_checkpoint_group())
-        handle = SaveHandle(future, finish)  # type: ignore[arg-type]
+                _commit(chunks, final, tmp, everyone, own + hash_written(tmp, rank))
+                return SaveHandle(None)  # done
+            saving = dcp.async_save(state, storage_writer=writer, process_group=_checkpoint_group())
+        written = saving if isinstance(saving, Future) else saving.upload_completion
+        hashed = _hash_when_written(written, tmp, rank)
+        handle = SaveHandle(lambda: _commit(chunks, final, tmp, everyone, own + hashed.result()))
         _PENDING[chunks[0]] = handle
         return handle
+
+
+def _hash_when_written(written: Future[Any], tmp: Path, rank: int) -> Future[list[FileRecord]]:
+    """This rank's file records, hashed in DCP's background thread once its write is done (the
+    result re-raises the write's error)."""
+    hashed: Future[list[FileRecord]] = Future()
+
+    def on_written(done: Future[Any]) -> None:
+        try:
+            done.result()
+            hashed.set_result(hash_written(tmp, rank))
+        except BaseException as exc:  # handed to whoever waits for the save
+            hashed.set_exception(exc)
+
+    written.add_done_callback(on_written)
+    return hashed
 
 
 def _checkpoint_group() -> Any:
@@ -159,24 +173,21 @@ def _checkpoint_group() -> Any:
     return _GROUPS[world]
 
 
-def _finisher(
+def _commit(
     chunks: Sequence[DistributedDataParallel],
     final: Path,
     tmp: Path,
     everyone: list[dict[str, Any]],
-    own: list[FileRecord],
-) -> Callable[[], None]:
-    """What completes a save once DCP has written: checksums, metadata.json, the commit."""
-
-    def finish() -> None:
-        collectives, rank = chunks[0].collectives, dist.get_rank()
-        records = collectives.all_gather_object(own + hash_written(tmp, rank), None)
-        if rank == 0:
-            write_metadata(tmp, _index(chunks, everyone, records))
-            commit(tmp, final)
-        collectives.barrier(None)
-
-    return finish
+    records: list[FileRecord],
+) -> None:
+    """Complete a save once DCP has written: gather every rank's file records, rank 0 writes
+    metadata.json and swaps the directory into place ([Note: checkpoint crash safety])."""
+    collectives, rank = chunks[0].collectives, dist.get_rank()
+    everyone_records = collectives.all_gather_object(records, None)
+    if rank == 0:
+        write_metadata(tmp, _index(chunks, everyone, everyone_records))
+        commit(tmp, final)
+    collectives.barrier(None)
 
 
 def _index(
