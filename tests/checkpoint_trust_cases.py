@@ -212,6 +212,17 @@ def load_outcome(root: str, name: str) -> dict[str, Any]:
     return {"params": final_params(model)}
 
 
+def torch_load_outcome(root: str, name: str) -> dict[str, Any]:
+    """Load root/name into a fresh model with a plain torch AdamW: the error's message."""
+    case = TORCH_CASES["torch_adamw"]
+    model = build_model(case)
+    try:
+        megabuf.load_checkpoint(os.path.join(root, name), model, _torch_opt(model, case))
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"params": final_params(model)}
+
+
 # ---- extra= ----------------------------------------------------------------------------------
 def save_with_extra(root: str) -> dict[str, Any]:
     """Save the RNG states and the loop's own state with the checkpoint; draw what comes next."""

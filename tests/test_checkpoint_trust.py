@@ -25,6 +25,7 @@ from checkpoint_trust_cases import (
     load_outcome,
     save_after,
     save_with_extra,
+    torch_load_outcome,
     torch_optimizer_resume,
     torch_optimizer_save,
 )
@@ -95,6 +96,8 @@ def runs(pools: Any, tmp_path_factory: Any) -> dict[str, Any]:
     loads |= {n: (load_outcome, str(root), n) for n in SWAPS}
     loads["extra"] = (load_extra, str(root))
     loads |= {label: (cross_resume, str(root), label) for label in CROSS}
+    loads["torch_into_megabuf"] = (load_outcome, str(root), "torch_adamw")
+    loads["megabuf_into_torch"] = (torch_load_outcome, str(root), "async1")
     loaded = pools(2).run(run_each, loads)
     at_dp1 = {n: (torch_optimizer_resume, str(root), n, None) for n in TORCH_CASES}
     return {"root": root, "saved": saved, "loaded": loaded, "dp1": pools(1).run(run_each, at_dp1)}
@@ -251,3 +254,16 @@ def test_dcp_to_torch_save_gives_one_plain_file_of_the_params(runs: Any, tmp_pat
         )
         for name, value in entry.items():
             assert torch.equal(plain["optimizer"][key][name].view(value.shape), value), (key, name)
+
+
+@pytest.mark.parametrize(
+    ("label", "parts"),
+    [("torch_into_megabuf", ["megabuf-torch-optimizer-v1", "megabuf-optimizer-v1"]),
+     ("megabuf_into_torch", ["saved with a megabuf optimizer", "cannot fill the torch optimizer"])],
+)  # fmt: skip
+def test_optimizer_kind_mismatch_is_named(runs: Any, label: str, parts: list[str]) -> None:
+    """A checkpoint of a plain torch optimizer does not load into a megabuf optimizer, nor the
+    other way round: a ValueError on every rank says which was saved."""
+    for rank, res in enumerate(case_result(runs["loaded"], label)):
+        for part in parts:
+            assert part in res.get("error", "loaded without error"), (label, rank, res)

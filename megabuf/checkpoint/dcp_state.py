@@ -90,8 +90,8 @@ def optimizer_dcp_state(pieces: list[dict[str, Any]], ranges: Ranges) -> dict[st
         whole = end - start == numel
         entry = out.setdefault(key, {})
         for name, value in piece["state"].items():
-            if is_range_state(value, start, end) and not whole:
-                entry[name] = chunk_tensor(value, key, start, numel, ranges)
+            if is_range_state(value, start, end) and not whole:  # shards are placed on CPU
+                entry[name] = chunk_tensor(value.cpu(), key, start, numel, ranges)
             else:
                 entry[name] = value
     return out
