@@ -121,19 +121,15 @@ def save_checkpoint(
         tmp = sibling(final, ".tmp")
         if rank == 0:
             prepare_tmp(final)
-        model_state = owned_model_state(chunks)  # every rank: after rank 0 made tmp (collective)
+        model_state = owned_model_state(chunks)  # collective with the distributed optimizer
         common, pieces = optimizer_state(chunks, optimizer)
         own: list[FileRecord] = []
         if rank == 0:  # rank 0's own files first: `extra` as it is now
             own.append(write_file(common, tmp / "common.pt", 0))
             if extra is not None:
                 own.append(write_file(extra, tmp / "extra.pt", 0))
-        index = {
-            "ranges": partial_ranges(pieces),
-            "model": {k: [list(v.shape), str(v.dtype)] for k, v in model_state.items()},
-            "optimizer": {p["key"]: [p["numel"], p["shape"]] for p in pieces},
-        }
-        everyone = collectives.all_gather_object(index, None)  # also: tmp exists for everyone
+        # also: rank 0 has made tmp before any rank writes into it (DCP, below)
+        everyone = collectives.all_gather_object(_rank_index(model_state, pieces), None)
         ranges = ranges_from([index["ranges"] for index in everyone])
         state = {"model": model_state, "optimizer": optimizer_dcp_state(pieces, ranges)}
         writer = dcp.FileSystemWriter(tmp)
@@ -148,6 +144,15 @@ def save_checkpoint(
         handle = SaveHandle(lambda: _commit(chunks, final, tmp, everyone, own + hashed.result()))
         _PENDING[chunks[0]] = handle
         return handle
+
+
+def _rank_index(model_state: dict[str, Any], pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    """What this rank saves, for metadata.json and for the ShardedTensors' shard lists."""
+    return {
+        "ranges": partial_ranges(pieces),
+        "model": {k: [list(v.shape), str(v.dtype)] for k, v in model_state.items()},
+        "optimizer": {p["key"]: [p["numel"], p["shape"]] for p in pieces},
+    }
 
 
 def _hash_when_written(written: Future[Any], tmp: Path, rank: int) -> Future[list[FileRecord]]:
