@@ -5,7 +5,7 @@ The top level holds what a training script calls; internals stay importable from
 `megabuf.optimizer`, `megabuf.pipeline`, `megabuf.checkpoint`, ...).
 """
 
-from megabuf.checkpoint import load_checkpoint, save_checkpoint
+from megabuf.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.ddp import DistributedDataParallel
 from megabuf.finalize import finalize_model_grads
@@ -33,6 +33,7 @@ __all__ = [
     "build_optimizer",
     "default_schedule_hooks",
     "finalize_model_grads",
+    "full_state_dict",
     "get_forward_backward_func",
     "init_distributed",
     "load_checkpoint",

@@ -30,9 +30,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "bucket_size": 100,
         },
     },
-    "bf16_adamw": {
+    "bf16_adamw": {  # saved asynchronously
         "optimizer": "adamw",
         "bf16": True,
+        "async": True,
         "eps": 1e-4,
         "ddp": {"use_distributed_optimizer": True, "grad_reduce_in_fp32": True, "bucket_size": 60},
     },
@@ -63,12 +64,12 @@ def save_then_continue(root: str, name: str) -> dict[str, Any]:
     path = os.path.join(root, name)
     model, opt = _fresh(case)
     _train(model, opt, range(1))
-    megabuf.save_checkpoint(path, model, opt)  # replaced below: tests the swap
+    megabuf.save_checkpoint(path, model, opt, async_save=case.get("async", False))  # replaced
     _train(model, opt, range(1, SAVE_AFTER))
-    megabuf.save_checkpoint(path, model, opt)
+    megabuf.save_checkpoint(path, model, opt, async_save=case.get("async", False))
     at_save = final_params(model)
-    _train(model, opt, range(SAVE_AFTER, TOTAL_STEPS))
-    resumed_model, resumed_opt = _fresh(case)
+    _train(model, opt, range(SAVE_AFTER, TOTAL_STEPS))  # while an async save is written
+    resumed_model, resumed_opt = _fresh(case)  # load_checkpoint finishes the pending save
     megabuf.load_checkpoint(path, resumed_model, resumed_opt)
     _train(resumed_model, resumed_opt, range(SAVE_AFTER, TOTAL_STEPS))
     return {
@@ -139,12 +140,13 @@ ADAM = megabuf.OptimizerConfig(optimizer="adam", lr=1e-2)
 DISTOPT = megabuf.DistributedDataParallelConfig(
     use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=300
 )
+ALLREDUCE = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=300)
 
 
-def _pp_build() -> tuple[Chunks, megabuf.MegabufOptimizer]:
+def _pp_build(cfg: megabuf.DistributedDataParallelConfig) -> tuple[Chunks, Any]:
     pgs = groups(pp_size=2)
     stages = split_gpt(GPT(GCFG, seed=0), 2)
-    chunks = megabuf.wrap_model_chunks([stages[stage_index(pgs.pp_rank, 0, 2)]], DISTOPT, pgs)
+    chunks = megabuf.wrap_model_chunks([stages[stage_index(pgs.pp_rank, 0, 2)]], cfg, pgs)
     return chunks, megabuf.build_optimizer(chunks, ADAM)
 
 
@@ -172,8 +174,10 @@ def _pp_step(chunks: Chunks, opt: megabuf.MegabufOptimizer, step: int) -> Any:
     return opt.step()
 
 
-def _ep_build() -> tuple[Chunks, megabuf.MegabufOptimizer]:
-    model = build_moe({"ep": 2, "config": {"use_distributed_optimizer": True, "bucket_size": 300}})
+def _ep_build(distopt: bool) -> tuple[Chunks, Any]:
+    model = build_moe(
+        {"ep": 2, "config": {"use_distributed_optimizer": distopt, "bucket_size": 300}}
+    )
     return [model], megabuf.build_optimizer(model, ADAM)
 
 
@@ -186,8 +190,11 @@ def _ep_step(chunks: Chunks, opt: megabuf.MegabufOptimizer, step: int) -> Any:
 Builder = Callable[[], tuple[Chunks, megabuf.MegabufOptimizer]]
 Stepper = Callable[[Chunks, megabuf.MegabufOptimizer, int], Any]
 PARALLEL: dict[str, tuple[Builder, Stepper]] = {
-    "pp2": (_pp_build, _pp_step),
-    "ep2": (_ep_build, _ep_step),
+    "pp2": (partial(_pp_build, DISTOPT), _pp_step),
+    "ep2": (partial(_ep_build, True), _ep_step),
+    # all-reduce path (FP32Optimizer): every rank holds whole params and their state
+    "pp2_allreduce": (partial(_pp_build, ALLREDUCE), _pp_step),
+    "ep2_allreduce": (partial(_ep_build, False), _ep_step),
 }
 
 
@@ -222,7 +229,7 @@ def parallel_save_then_resume(root: str, name: str) -> dict[str, Any]:
     train(resumed, resumed_opt, range(SAVE_AFTER, TOTAL_STEPS))
     return {
         "uninterrupted": _chunk_params(chunks), "resumed": _chunk_params(resumed),
-        "at_save": at_save, "fresh": fresh, "loaded": loaded,
+        "at_save": at_save, "fresh": fresh, "loaded": loaded, "kind": type(opt).__name__,
     }  # fmt: skip
 
 
@@ -239,3 +246,13 @@ def parallel_mismatch_error(root: str, name: str) -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def parallel_export(name: str) -> dict[str, Any]:
+    """full_state_dict of a pp=2 / ep=2 model after SAVE_AFTER steps: rank 0 gathers every
+    stage's and every ep rank's entries."""
+    build, step_fn = PARALLEL[name]
+    chunks, opt = build()
+    for step in range(SAVE_AFTER):
+        step_fn(chunks, opt, step)
+    return {"state": megabuf.full_state_dict(chunks), "params": _chunk_params(chunks)}

@@ -1,6 +1,8 @@
-"""Checkpoints are in model space: saved at dp=4, they resume at dp=2 and dp=1 with other bucket
-sizes, and 5 more steps give the same params as the uninterrupted run. Pipeline (pp=2) and
-expert-parallel (ep=2) models save and resume at the same sizes."""
+"""Checkpoints are in model space: saved at dp=4 (synchronously, and asynchronously for the bf16
+variant), they resume at dp=2 and dp=1 with other bucket sizes, and 5 more steps give the same
+params as the uninterrupted run. Pipeline (pp=2) and expert-parallel (ep=2) models, on the
+distributed optimizer and the all-reduce path, save and resume at the same sizes; their
+full_state_dict gathers every stage and ep rank."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from checkpoint_cases import (
     VARIANTS,
     leftovers,
     mismatch_error,
+    parallel_export,
     parallel_mismatch_error,
     parallel_save_then_resume,
     resume,
@@ -36,6 +39,7 @@ def saved(pools: Any, tmp_path_factory: Any) -> tuple[Path, list[dict[str, Any]]
         name: (save_then_continue, str(root), name) for name in VARIANTS
     }
     cases |= {name: (parallel_save_then_resume, str(root), name) for name in PARALLEL}
+    cases |= {f"export_{n}": (parallel_export, n) for n in ("pp2", "ep2")}
     cases["leftovers"] = (leftovers, str(root))  # after every save
     return root, pools(4).run(run_each, cases)
 
@@ -50,7 +54,7 @@ def resumed(request: Any, saved: Any, pools: Any) -> tuple[int, list[dict[str, A
         name: (resume, str(root), name, bucket_size) for name in VARIANTS
     }
     cases |= {label: (mismatch_error, str(root), label) for label in MISMATCHES}
-    cases |= {f"{n}_at_1": (parallel_mismatch_error, str(root), n) for n in PARALLEL}
+    cases |= {f"{n}_at_1": (parallel_mismatch_error, str(root), n) for n in ("pp2", "ep2")}
     return world_size, pools(world_size).run(run_each, cases)
 
 
@@ -80,8 +84,8 @@ def test_save_leaves_one_file_per_rank_and_no_temporary_files(saved: Any) -> Non
     case_result(per_rank, "fp32_adam")
     assert case_result(per_rank, "leftovers")[0] == []
     assert sorted(p.name for p in (root / "fp32_adam").iterdir()) == [
-        "common.pt", "metadata.json", "rank00000.pt", "rank00001.pt", "rank00002.pt",
-        "rank00003.pt",
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp",
+        "common.pt", "metadata.json",
     ]  # fmt: skip
 
 
@@ -133,15 +137,39 @@ def test_consolidated_state_is_param_shaped_in_model_space(saved: Any) -> None:
 @pytest.mark.parametrize("name", PARALLEL)
 def test_pipeline_and_expert_parallel_checkpoints_resume_bitwise(saved: Any, name: str) -> None:
     """pp=2 x dp=2 (1F1B, tied embeddings on both stages) and ep=2 x expt_dp=2 (MoE), each
-    with the distributed optimizer (Adam): loading restores the params at save time, and the
-    remaining steps reproduce the uninterrupted run bit for bit on every rank."""
+    with the distributed optimizer and on the all-reduce path (FP32Optimizer), Adam: loading
+    into a fresh model restores the params at save time, and the remaining steps reproduce the
+    uninterrupted run bit for bit on every rank."""
     _, per_rank = saved
+    kind = "FP32Optimizer" if name.endswith("_allreduce") else "DistributedOptimizer"
     for rank, res in enumerate(case_result(per_rank, name)):
+        assert res["kind"] == kind, (name, res["kind"])
         at_save = res["at_save"]
         assert any(not torch.equal(res["fresh"][k], at_save[k]) for k in at_save), rank
         for key in at_save:
             assert torch.equal(res["loaded"][key], at_save[key]), (name, rank, key)
             assert torch.equal(res["resumed"][key], res["uninterrupted"][key]), (name, rank, key)
+
+
+PREFIX_OF = {
+    "pp2": lambda rank, key: f"stage{rank // 2}/",
+    "ep2": lambda rank, key: f"ep{rank % 2}/" if ".experts." in key else "",
+}
+
+
+@pytest.mark.parametrize("name", ["pp2", "ep2"])
+def test_full_state_dict_gathers_every_stage_and_ep_rank(saved: Any, name: str) -> None:
+    """megabuf.full_state_dict at pp=2 / ep=2: rank 0 holds every rank's params under their
+    checkpoint keys (stage / ep-rank prefixed), equal to the published params; others None."""
+    _, per_rank = saved
+    results = case_result(per_rank, f"export_{name}")
+    state = results[0]["state"]
+    assert all(res["state"] is None for res in results[1:])
+    for rank, res in enumerate(results):
+        for key, value in res["params"].items():
+            local = key.split("/", 1)[1]
+            full = PREFIX_OF[name](rank, local) + local
+            assert torch.equal(state[full], value), (name, rank, full)
 
 
 def test_pipeline_and_expert_checkpoint_keys_carry_stage_and_ep_rank(saved: Any) -> None:
@@ -164,10 +192,14 @@ def test_pipeline_and_expert_checkpoint_keys_carry_stage_and_ep_rank(saved: Any)
         assert seen == set(state), (name, sorted(set(state) - seen))
 
 
-@pytest.mark.parametrize(("name", "entry"), [("pp2", "blocks.0."), ("ep2", "moe.experts.")])
-def test_pipeline_and_expert_sizes_must_match_at_load(resumed: Any, name: str, entry: str) -> None:
-    """Saved at pp=2 / ep=2, loaded at pp=1 / ep=1: a ValueError naming the missing entries."""
+@pytest.mark.parametrize(
+    ("name", "sizes"),
+    [("pp2", "pipeline-parallel size 2 and expert-parallel size 1"),
+     ("ep2", "pipeline-parallel size 1 and expert-parallel size 2")],
+)  # fmt: skip
+def test_pipeline_and_expert_sizes_must_match_at_load(resumed: Any, name: str, sizes: str) -> None:
+    """Saved at pp=2 / ep=2, loaded at pp=1 / ep=1: a ValueError naming both sizes."""
     _, per_rank = resumed
     for msg in case_result(per_rank, f"{name}_at_1"):
-        assert "missing entries" in msg and entry in msg, msg
+        assert f"saved at {sizes}" in msg and "runs at pp_size 1 and ep_size 1" in msg, msg
         assert "same pipeline / expert-parallel sizes" in msg, msg

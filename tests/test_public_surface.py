@@ -19,6 +19,7 @@ PUBLIC = {
     "build_optimizer",
     "default_schedule_hooks",
     "finalize_model_grads",
+    "full_state_dict",
     "get_forward_backward_func",
     "init_distributed",
     "load_checkpoint",
@@ -30,7 +31,7 @@ PUBLIC = {
 INTERNALS = {
     "megabuf.bucket_group": ["BucketGroup", "DispatchChain", "GradSyncState", "ParamSyncState"],
     "megabuf.buffer": ["_ParamAndGradBuffer", "_ParamAndGradBucket"],
-    "megabuf.checkpoint": ["consolidated_optimizer_state"],
+    "megabuf.checkpoint": ["consolidated_model_state", "consolidated_optimizer_state"],
     "megabuf.collectives": ["Collectives", "CommStats"],
     "megabuf.finalize": ["check_scaling_invariant"],
     "megabuf.layout": ["BufferLayout", "compute_layout", "shard_pieces"],

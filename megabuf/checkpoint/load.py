@@ -1,0 +1,159 @@
+"""`load_checkpoint`: check that the model fits, verify the files, and let DCP fill exactly
+the ranges this rank steps (see [Note: checkpoint state in DCP])."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megabuf.checkpoint.dcp_state import (
+    loaded_state,
+    optimizer_template,
+    quiet_sharded_tensor,
+    ranges_from,
+    saved_optimizer_entries,
+    wanted_ranges,
+)
+from megabuf.checkpoint.files import (
+    DCP_METADATA,
+    find_checkpoint,
+    read_file,
+    read_metadata,
+    verify_file,
+)
+from megabuf.checkpoint.model_state import (
+    check_model_entries,
+    check_parallel_sizes,
+    expected_model_entries,
+    model_template,
+)
+from megabuf.checkpoint.save import AnyOptimizer, Chunks, wait_for_pending_save
+from megabuf.checkpoint.torch_optim import (
+    check_torch_common,
+    load_torch_optimizer_state,
+    wanted_torch,
+)
+from megabuf.collectives import Collectives
+from megabuf.ddp import DistributedDataParallel
+from megabuf.optimizer.base import MegabufOptimizer
+from megabuf.optimizer.model_space import check_common
+from megabuf.optimizer.param_groups import as_chunks
+
+T = TypeVar("T")
+Wanted = list[tuple[str, int, int, int]]  # (key, start, end, numel of the param)
+
+
+def _agreed(collectives: Collectives, fn: Callable[[], T]) -> T:
+    """Run `fn` on every rank; if it raised a ValueError anywhere, raise on every rank (this
+    rank's own message, else the first failing rank's), so no rank is left waiting in the
+    collectives of the load."""
+    cause: Exception | None = None
+    try:
+        result, error = fn(), None
+    except ValueError as exc:
+        result, error, cause = None, str(exc), exc
+    except Exception as exc:  # anything else too: the other ranks must not be left waiting
+        result, cause = None, exc
+        error = f"megabuf: rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+    errors = collectives.all_gather_object(error, None)
+    if error is not None:
+        raise ValueError(error) from cause
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        raise ValueError(f"megabuf: load_checkpoint failed on rank {rank}: {message}")
+    return result  # type: ignore[return-value]
+
+
+def _wanted(chunks: Sequence[DistributedDataParallel], optimizer: AnyOptimizer | None) -> Wanted:
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, MegabufOptimizer):
+        return [
+            (mp.key, mp.param_start, mp.param_end, mp.model_param.numel())
+            for mp in optimizer.main_params
+        ]
+    return wanted_torch(chunks, optimizer)
+
+
+def _record(meta: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(r for r in meta["files"] if r["file"] == name)
+
+
+def _check(root: Path, chunks: Sequence[DistributedDataParallel], optimizer: Any) -> dict:
+    """Everything that can be checked before DCP reads: raises ValueError naming the misfit."""
+    root = find_checkpoint(root)
+    meta = read_metadata(root)
+    check_parallel_sizes(root, meta, chunks)
+    check_model_entries(root, expected_model_entries(chunks), meta["model"])
+    wanted = _wanted(chunks, optimizer)
+    missing = sorted({w[0] for w in wanted} - set(meta["optimizer"]))
+    if not isinstance(optimizer, MegabufOptimizer):  # torch: params never stepped have no state
+        wanted, missing = [w for w in wanted if w[0] in meta["optimizer"]], []
+    if missing:
+        raise ValueError(
+            f"megabuf: checkpoint {root} holds no optimizer state for params {missing[:10]} "
+            f"(rank {dist.get_rank()}): saved without an optimizer, or for another model"
+        )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for i, record in enumerate(meta["files"]):  # every file is verified by one rank
+        if i % world == rank:
+            verify_file(root, record)
+    common = None
+    if optimizer is not None:
+        common = read_file(root, _record(meta, "common.pt"))
+        if common is None:
+            raise ValueError(f"megabuf: checkpoint {root} was saved without an optimizer")
+        if isinstance(optimizer, MegabufOptimizer):
+            check_common(optimizer.parts(), common)
+        else:
+            check_torch_common(optimizer, common)
+    extra = None
+    if meta.get("extra") is not None:  # the caller's own objects: unpickled in full
+        extra = read_file(root, _record(meta, meta["extra"]), weights_only=False)
+    verify_file(root, _record(meta, DCP_METADATA))  # every rank reads it next
+    dcp_meta = dcp.FileSystemReader(root).read_metadata()
+    return {"root": root, "wanted": wanted, "common": common, "extra": extra, "dcp": dcp_meta}
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str], model: Chunks, optimizer: AnyOptimizer | None = None
+) -> Any:
+    """Collective. Load into a freshly built model (and optimizer) at any dp size, bucket size
+    and overlap setting, all-reduce or distributed optimizer alike (not across pp / ep sizes);
+    returns the `extra` given to `save_checkpoint` (None if none). Which directory is read when a
+    save was interrupted: [Note: checkpoint crash safety]. Raises a ValueError on every rank
+    naming what does not fit (entries, optimizer params, pp / ep sizes) or which file is damaged
+    and which rank wrote it. `extra` is unpickled in full: load only checkpoints you trust."""
+    with torch.profiler.record_function("megabuf::load_checkpoint"):
+        chunks = as_chunks(model)
+        wait_for_pending_save()
+        collectives = chunks[0].collectives
+        found = _agreed(collectives, lambda: _check(Path(path), chunks, optimizer))
+        wanted: Wanted = found["wanted"]
+        ranges = ranges_from(collectives.all_gather_object(wanted_ranges(wanted), None))
+        opt_template, locals_ = optimizer_template(
+            wanted, saved_optimizer_entries(found["dcp"]), ranges
+        )
+        per_chunk, keyed = model_template(chunks)
+        with quiet_sharded_tensor():
+            state = {"model": keyed, "optimizer": opt_template}
+            dcp.load(state, storage_reader=dcp.FileSystemReader(found["root"]))
+        for chunk, entries in zip(chunks, per_chunk, strict=True):
+            chunk.load_state_dict(entries, strict=True)  # the model before the optimizer
+        pieces = [
+            {"key": key, "start": start, "end": end, "numel": numel, "shape": [numel],
+             "state": loaded_state(opt_template, locals_, key)}
+            for key, start, end, numel in wanted
+        ]  # fmt: skip
+        if isinstance(optimizer, MegabufOptimizer):
+            optimizer.load_state_dict({"common": found["common"], "pieces": pieces})
+        elif optimizer is not None:
+            load_torch_optimizer_state(chunks, optimizer, found["common"], pieces)
+        return found["extra"]

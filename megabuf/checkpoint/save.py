@@ -1,0 +1,210 @@
+"""`save_checkpoint`: every rank hands what it owns to torch.distributed.checkpoint (DCP), into
+`<path>.tmp/`; then each rank records its files' checksums and rank 0 commits.
+
+[Note: asynchronous checkpoint saves]
+`save_checkpoint(..., async_save=True)` returns once the state is copied (DCP stages it into CPU
+memory) and DCP writes it from a background thread over a gloo group of its own (made once per
+process group, so it never shares a communicator with training's collectives); each rank's files
+are hashed in that thread once written. The save is committed (records gathered, metadata.json
+written, directory swapped into place) by `handle.wait()`, which every rank must call; the next
+`save_checkpoint` or `load_checkpoint` in the process calls it first, and so does
+`megabuf.checkpoint.wait_for_pending_save()`. Call it before training ends: until then `<path>`
+still holds the previous checkpoint ([Note: checkpoint crash safety]). A synchronous save
+returns a handle already done.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megabuf.checkpoint.dcp_state import (
+    optimizer_dcp_state,
+    partial_ranges,
+    quiet_sharded_tensor,
+    ranges_from,
+)
+from megabuf.checkpoint.files import (
+    FileRecord,
+    commit,
+    hash_written,
+    prepare_tmp,
+    sibling,
+    write_file,
+    write_metadata,
+)
+from megabuf.checkpoint.model_state import owned_model_state, parallel_sizes
+from megabuf.checkpoint.torch_optim import torch_optimizer_state
+from megabuf.ddp import DistributedDataParallel
+from megabuf.optimizer.base import MegabufOptimizer
+from megabuf.optimizer.param_groups import as_chunks
+
+Chunks = DistributedDataParallel | Sequence[DistributedDataParallel]
+AnyOptimizer = MegabufOptimizer | torch.optim.Optimizer
+
+
+class SaveHandle:
+    """A save in flight; `wait()` (collective) finishes and commits it. See
+    [Note: asynchronous checkpoint saves]."""
+
+    def __init__(self, finish: Callable[[], None] | None) -> None:
+        self._finish = finish
+
+    @property
+    def done(self) -> bool:
+        return self._finish is None
+
+    def wait(self) -> None:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+
+# model chunk 0 -> its save in flight (weak: dies with the model); id of the default process
+# group -> the gloo group asynchronous saves use (one per process group, made at first use)
+_PENDING: weakref.WeakKeyDictionary[DistributedDataParallel, SaveHandle] = (
+    weakref.WeakKeyDictionary()
+)
+_GROUPS: dict[int, Any] = {}
+
+
+def wait_for_pending_save() -> None:
+    """Collective: finish every asynchronous save in flight in this process (save_checkpoint
+    and load_checkpoint call it first)."""
+    for chunk in list(_PENDING):
+        handle = _PENDING.pop(chunk, None)
+        if handle is not None:
+            handle.wait()
+
+
+def optimizer_state(
+    chunks: Sequence[DistributedDataParallel], optimizer: AnyOptimizer | None
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """(common state, this rank's pieces) of a megabuf or plain torch optimizer, in model space."""
+    if optimizer is None:
+        return None, []
+    if isinstance(optimizer, MegabufOptimizer):
+        state = optimizer.state_dict()
+        return state["common"], state["pieces"]
+    return torch_optimizer_state(chunks, optimizer)
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: Chunks,
+    optimizer: AnyOptimizer | None = None,
+    *,
+    extra: Any = None,
+    async_save: bool = False,
+) -> SaveHandle:
+    """Collective: every rank calls it with the same path (on one shared filesystem).
+
+    `optimizer`: a megabuf optimizer, a plain torch optimizer over the model's params (the
+    all-reduce path), or None. `extra`: any picklable object of the training script (iteration,
+    best loss, config, RNG states), stored with the rest and returned by `load_checkpoint`; rank
+    0's is kept. `async_save`: see [Note: asynchronous checkpoint saves]. Layout, guarantees:
+    [Note: checkpoint layout], [Note: checkpoint crash safety].
+    """
+    with torch.profiler.record_function("megabuf::save_checkpoint"):
+        chunks = as_chunks(model)
+        wait_for_pending_save()
+        collectives, rank = chunks[0].collectives, dist.get_rank()
+        final = Path(path)
+        tmp = sibling(final, ".tmp")
+        if rank == 0:
+            prepare_tmp(final)
+        model_state = owned_model_state(chunks)  # collective with the distributed optimizer
+        common, pieces = optimizer_state(chunks, optimizer)
+        own: list[FileRecord] = []
+        if rank == 0:  # rank 0's own files first: `extra` as it is now
+            own.append(write_file(common, tmp / "common.pt", 0))
+            if extra is not None:
+                own.append(write_file(extra, tmp / "extra.pt", 0))
+        # also: rank 0 has made tmp before any rank writes into it (DCP, below)
+        everyone = collectives.all_gather_object(_rank_index(model_state, pieces), None)
+        ranges = ranges_from([index["ranges"] for index in everyone])
+        state = {"model": model_state, "optimizer": optimizer_dcp_state(pieces, ranges)}
+        writer = dcp.FileSystemWriter(tmp)
+        with quiet_sharded_tensor():
+            if not async_save:
+                dcp.save(state, storage_writer=writer)
+                _commit(chunks, final, tmp, everyone, own + hash_written(tmp, rank))
+                return SaveHandle(None)  # done
+            saving = dcp.async_save(state, storage_writer=writer, process_group=_checkpoint_group())
+        written = saving if isinstance(saving, Future) else saving.upload_completion
+        hashed = _hash_when_written(written, tmp, rank)
+        handle = SaveHandle(lambda: _commit(chunks, final, tmp, everyone, own + hashed.result()))
+        _PENDING[chunks[0]] = handle
+        return handle
+
+
+def _rank_index(model_state: dict[str, Any], pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    """What this rank saves, for metadata.json and for the ShardedTensors' shard lists."""
+    return {
+        "ranges": partial_ranges(pieces),
+        "model": {k: [list(v.shape), str(v.dtype)] for k, v in model_state.items()},
+        "optimizer": {p["key"]: [p["numel"], p["shape"]] for p in pieces},
+    }
+
+
+def _hash_when_written(written: Future[Any], tmp: Path, rank: int) -> Future[list[FileRecord]]:
+    """This rank's file records, hashed in DCP's background thread once its write is done (the
+    result re-raises the write's error)."""
+    hashed: Future[list[FileRecord]] = Future()
+
+    def on_written(done: Future[Any]) -> None:
+        try:
+            done.result()
+            hashed.set_result(hash_written(tmp, rank))
+        except BaseException as exc:  # handed to whoever waits for the save
+            hashed.set_exception(exc)
+
+    written.add_done_callback(on_written)
+    return hashed
+
+
+def _checkpoint_group() -> Any:
+    world = id(dist.group.WORLD)
+    if world not in _GROUPS:
+        _GROUPS[world] = dist.new_group(backend="gloo")  # collective: every rank saves
+    return _GROUPS[world]
+
+
+def _commit(
+    chunks: Sequence[DistributedDataParallel],
+    final: Path,
+    tmp: Path,
+    everyone: list[dict[str, Any]],
+    records: list[FileRecord],
+) -> None:
+    """Complete a save once DCP has written: gather every rank's file records, rank 0 writes
+    metadata.json and swaps the directory into place ([Note: checkpoint crash safety])."""
+    collectives, rank = chunks[0].collectives, dist.get_rank()
+    everyone_records = collectives.all_gather_object(records, None)
+    if rank == 0:
+        write_metadata(tmp, _index(chunks, everyone, everyone_records))
+        commit(tmp, final)
+    collectives.barrier(None)
+
+
+def _index(
+    chunks: Sequence[DistributedDataParallel],
+    everyone: list[dict[str, Any]],
+    records: list[list[FileRecord]],
+) -> dict[str, Any]:
+    files = [r for per_rank in records for r in per_rank]
+    names = {r["file"] for r in files}
+    return {
+        "world_size": dist.get_world_size(), **parallel_sizes(chunks), "files": files,
+        "model": {k: v for index in everyone for k, v in index["model"].items()},
+        "optimizer": {k: v for index in everyone for k, v in index["optimizer"].items()},
+        "common": "common.pt", "extra": "extra.pt" if "extra.pt" in names else None,
+    }  # fmt: skip
