@@ -30,20 +30,21 @@ def _net() -> Net:
 
 def state_dict_case() -> dict[str, Any]:
     """README: `model.state_dict()` uses the wrapped module's keys and publishes params (with
-    overlap_param_gather the module's params are stale after step() until something gathers)."""
+    overlap_param_gather step() leaves the gathers in flight; state_dict() waits for them)."""
     model = _ddp(_net(), **DISTOPT_LAZY)
     opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig(optimizer="sgd", lr=0.1))
     for step in range(2):
         train_step(model, opt, step)
-    stale = {k: v.clone() for k, v in model.module.state_dict().items()}
+    before = sorted({g.param_state.name for g in model.all_bucket_groups})
     got = {k: v.clone() for k, v in model.state_dict().items()}
+    after = sorted({g.param_state.name for g in model.all_bucket_groups})
     model.publish_params()  # no-op if state_dict() already gathered
     published = {k: v.clone() for k, v in model.module.state_dict().items()}
     fresh = _ddp(_net(), **DISTOPT_LAZY)
     fresh.load_state_dict(got)  # the same keys load back
     loaded = {k: v.clone() for k, v in fresh.state_dict().items()}
     return {
-        "keys": list(got), "plain_keys": list(Net().state_dict()), "stale": stale,
+        "keys": list(got), "plain_keys": list(Net().state_dict()), "states": (before, after),
         "got": got, "published": published, "loaded": loaded,
     }  # fmt: skip
 

@@ -22,15 +22,13 @@ def results(pools: Any) -> list[dict[str, Any]]:
 
 
 def test_state_dict_has_module_keys_and_publishes_params(results: Any) -> None:
-    """`model.state_dict()` keys are the wrapped module's; with overlap_param_gather it returns
-    the gathered params (the module's own state_dict is stale after step()), and a fresh model
-    loads it back under the same keys."""
+    """`model.state_dict()` keys are the wrapped module's; with overlap_param_gather step()
+    leaves every gather in flight and state_dict() waits for them (all groups VALID after it)
+    and returns the gathered params; a fresh model loads it back under the same keys."""
     for rank, res in enumerate(case_result(results, "state_dict")):
         assert res["keys"] == res["plain_keys"], rank
-        got, stale, published = res["got"], res["stale"], res["published"]
-        assert any(not torch.equal(stale[k], got[k]) for k in got), (
-            "state_dict() returned the stale (ungathered) params"
-        )
+        got, published = res["got"], res["published"]
+        assert res["states"] == (["DISPATCHED"], ["VALID"]), res["states"]
         for key in got:
             assert torch.equal(got[key], published[key]), (rank, key)
             assert torch.equal(res["loaded"][key], got[key]), (rank, key)
