@@ -155,8 +155,10 @@ def _slots(order: Sequence[Action], paired: bool) -> list[tuple[Action, ...]]:
     return slots
 
 
-def _transfers(slot: tuple[Action, ...], send: bool, pp_size: int, pp_rank: int,
-               num_chunks: int) -> list[Transfer]:  # fmt: skip
+def _transfers(
+    slot: tuple[Action, ...], send: bool, pp_size: int, pp_rank: int, num_chunks: int
+) -> list[Transfer]:
+    """The sends of `slot`'s results (or receives of its inputs) that cross a stage boundary."""
     out = []
     last = pp_size * num_chunks - 1
     for act in slot:
