@@ -206,9 +206,10 @@ def forward_backward_pipelining_without_interleaving(
     forward_only: bool = False,
     per_token_loss: bool = False,
 ) -> list[Any]:
-    """1F1B over point-to-point send/recv (`tensor_shape`/`dtype`: the activation between two
-    stages). Grad sync stays off until stage 0's last backward; stages > 0 with a
-    grad_sync_func launch their reduction after the cool-down (see hooks.py)."""
+    """1F1B over batched point-to-point groups, one per forward or backward step
+    (`tensor_shape`/`dtype`: the activation between two stages). Grad sync stays off until stage
+    0's last backward; stages > 0 with a grad_sync_func launch their reduction after the
+    cool-down (see hooks.py)."""
     chunks, pgs, coll = _pipeline_setup(model, process_groups, collectives)
     if len(chunks) != 1:
         raise ValueError(f"megabuf: 1F1B takes one model chunk per stage, got {len(chunks)}")
