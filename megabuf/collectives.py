@@ -1,9 +1,9 @@
 """Every torch.distributed call megabuf makes, as thin typed wrappers.
 
-Each wrapper takes an explicit group and `async_op` (point-to-point `send`/`recv` are always
-async), returns a `PendingCollective` (finish it with `.wait()`), counts in `Collectives.stats`
-the bytes of the tensors it hands to torch.distributed (see `CommStats`), and runs the same code
-at world size 1.
+Each wrapper takes an explicit group and `async_op` (point-to-point `send`/`recv` and the
+batched `batch_p2p` are always async), returns a `PendingCollective` (finish it with `.wait()`),
+counts in `Collectives.stats` the bytes of the tensors it hands to torch.distributed (see
+`CommStats`), and runs the same code at world size 1.
 Tests may subclass `Collectives` to intercept or fake any call.
 
 [Note: collective strategies]
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pickle
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -131,6 +132,17 @@ def _sum_chunks(scratch: Tensor, output: Tensor) -> None:
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class P2PMessage:
+    """One message of a batched point-to-point group (`Collectives.batch_p2p`): send `tensor` to
+    group rank `peer`, or receive into `tensor` from it."""
+
+    send: bool
+    tensor: Tensor
+    peer: int  # rank in the group passed to batch_p2p
+    tag: int = 0  # NCCL ignores it; gloo matches on it
 
 
 class Collectives:
@@ -331,6 +343,27 @@ class Collectives:
         with torch.profiler.record_function("megabuf::recv"):
             work = dist.irecv(tensor, src=src, group=group, tag=tag)
         return PendingCollective("recv", [work] if work is not None else [], output=tensor)
+
+    def batch_p2p(self, messages: Sequence[P2PMessage], group: Group) -> PendingCollective:
+        """Issue `messages` as one batched group (`torch.distributed.batch_isend_irecv`), in the
+        given order; `wait()` on the result finishes all of them. NCCL ignores tags and matches
+        the messages of a pair of ranks in issue order, so callers must issue them in an order
+        both ends share. The caller keeps every message's tensor alive and unmodified until
+        `wait()` returns. An empty list issues nothing."""
+        ops, sent, received = [], 0, 0
+        for m in messages:
+            peer = self.global_rank(group, m.peer)
+            ops.append(
+                dist.P2POp(dist.isend if m.send else dist.irecv, m.tensor, peer, group, m.tag)
+            )
+            if m.send:
+                sent += _nbytes(m.tensor)
+            else:
+                received += _nbytes(m.tensor)
+        self.stats.record("batch_p2p", input_nbytes=sent, output_nbytes=received, ring_nbytes=sent)
+        with torch.profiler.record_function("megabuf::batch_p2p"):
+            handles = dist.batch_isend_irecv(ops) if ops else []
+        return PendingCollective("batch_p2p", list(handles))
 
     def all_reduce_max(self, tensor: Tensor, group: Group) -> None:
         """Synchronous elementwise max across the group (e.g. found-inf flags)."""

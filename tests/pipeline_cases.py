@@ -7,7 +7,10 @@ process on the global batch. It also records the order in which the schedule cal
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+import datetime
+import math
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -16,6 +19,7 @@ import torch
 from moe_cases import groups
 
 import megabuf
+from megabuf.collectives import Collectives
 from megabuf.pipeline import (
     ScheduleHooks,
     default_schedule_hooks,
@@ -189,4 +193,114 @@ def _report(
         "events": rec.events,
         "pp_rank": pgs.pp_rank,
         "n_groups": [len(c.bucket_groups) for c in chunks],
+    }
+
+
+# ---- point-to-point without tags (test_pipeline_p2p.py) ----------------------------------------
+# activations of 2 x 288 x 128 fp32 = 288 KiB, above an eager threshold of 256 KiB
+P2P_GCFG = GPTConfig(vocab_size=32, seq_len=288, d_model=128, n_layers=4, n_heads=2, d_ff=128)
+SAME_TAG = 7
+P2P_WAIT_S = 30.0
+
+
+class NcclLikeP2P(Collectives):
+    """Point-to-point as NCCL runs it, on gloo. Every tag becomes SAME_TAG, so gloo matches the
+    messages between two ranks in issue order, as NCCL does. Every send, receive or batched group
+    is waited for as soon as it is issued, as NCCL's stream holds the next operation back until
+    it completes (a send above the eager size completes only once the peer receives; gloo's
+    sends do so at every size). A wait longer than P2P_WAIT_S raises: the schedule deadlocked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {"single": 0, "groups": 0, "messages": 0}
+
+    def send(self, tensor: torch.Tensor, dst: int, group: Any, *, tag: int = 0) -> Any:
+        self.counts["single"] += 1
+        return self._now(super().send(tensor, dst, group, tag=SAME_TAG))
+
+    def recv(self, tensor: torch.Tensor, src: int, group: Any, *, tag: int = 0) -> Any:
+        self.counts["single"] += 1
+        return self._now(super().recv(tensor, src, group, tag=SAME_TAG))
+
+    def batch_p2p(self, messages: Sequence[Any], group: Any) -> Any:
+        self.counts["groups"] += 1
+        self.counts["messages"] += len(messages)
+        same = [dataclasses.replace(m, tag=SAME_TAG) for m in messages]
+        return self._now(super().batch_p2p(same, group))
+
+    @staticmethod
+    def _now(pending: Any) -> Any:
+        for handle in pending.handles:
+            handle.wait(datetime.timedelta(seconds=P2P_WAIT_S))
+        pending.handles = []
+        return pending
+
+
+def _p2p_batches(pgs: megabuf.ProcessGroups, m_count: int) -> list[Any]:
+    """This dp rank's micro-batches of the one step the p2p cases run."""
+    x, y = make_batch(P2P_GCFG, batch_size=pgs.dp_size * m_count * MBS, seed=900)
+    start = pgs.dp_rank * m_count * MBS
+    return [
+        (x[start + m * MBS : start + (m + 1) * MBS], y[start + m * MBS : start + (m + 1) * MBS])
+        for m in range(m_count)
+    ]
+
+
+def _p2p_forward_step(data_iterator: Any, model: Any) -> Any:
+    tokens, targets = next(data_iterator)
+    return model(tokens), partial(_loss, targets, False)
+
+
+def sequential_reference(n_stages: int, batches: list[Any]) -> dict[str, Any]:
+    """One process runs the same stages one after another on each micro-batch (no pipeline, no
+    point-to-point): per-micro-batch losses and each stage's accumulated grads, by stage index."""
+    stages = split_gpt(GPT(P2P_GCFG, seed=0), n_stages)
+    losses = []
+    for tokens, targets in batches:
+        h = stages[0](tokens)
+        for stage in stages[1:]:
+            stage.set_input_tensor(h)
+            h = stage()
+        loss = gpt_loss(h, targets)
+        losses.append(loss.detach())
+        (loss / len(batches)).backward()
+    grads = {(s, n): p.grad for s, st in enumerate(stages) for n, p in st.named_parameters()}
+    return {"losses": losses, "grads": grads}
+
+
+def same_tag_case(case: dict[str, Any]) -> dict[str, Any]:
+    """One training step of a schedule whose point-to-point runs through `NcclLikeP2P`: this
+    rank's losses and final grads, and (on pp rank 0) the sequential reference of its dp slice."""
+    pp, n_chunks, m_count = case["pp"], case.get("chunks", 1), case.get("microbatches", 4)
+    pgs = groups(pp_size=pp)
+    stages = split_gpt(GPT(P2P_GCFG, seed=0), pp * n_chunks)
+    mine = [stages[stage_index(pgs.pp_rank, c, pp)] for c in range(n_chunks)]
+    chunks = wrap_model_chunks(mine, megabuf.DistributedDataParallelConfig(), pgs)
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    batches = _p2p_batches(pgs, m_count)
+    shape = (MBS, P2P_GCFG.seq_len, P2P_GCFG.d_model)
+    coll = NcclLikeP2P()
+    metrics = get_forward_backward_func(pp, n_chunks)(
+        forward_step_func=_p2p_forward_step,
+        data_iterator=[iter(batches) for _ in chunks] if n_chunks > 1 else iter(batches),
+        model=chunks if n_chunks > 1 else chunks[0],
+        num_microbatches=m_count,
+        tensor_shape=shape,
+        collectives=coll,
+        hooks=default_schedule_hooks(chunks),
+    )
+    grads = {
+        (stage_index(pgs.pp_rank, c, pp), name): p.grad.clone()
+        for c, chunk in enumerate(chunks)
+        for name, p in chunk.module.named_parameters()
+    }
+    return {
+        "pp_rank": pgs.pp_rank,
+        "dp_rank": pgs.dp_rank,
+        "losses": [m["loss"] for m in metrics],
+        "grads": grads,
+        "counts": coll.counts,
+        "activation_nbytes": math.prod(shape) * torch.finfo(torch.float32).bits // 8,
+        "reference": sequential_reference(pp * n_chunks, batches) if pgs.pp_rank == 0 else None,
     }

@@ -5,8 +5,11 @@ from megabuf.pipeline.chunks import set_input_tensor, single_bucket_group, unwra
 from megabuf.pipeline.hooks import GradSyncSwitch, ScheduleHooks, default_schedule_hooks
 from megabuf.pipeline.order import (
     Action,
+    P2PStep,
+    Transfer,
     interleaved_order,
     one_f_one_b_order,
+    p2p_steps,
     simulate_pipeline,
 )
 from megabuf.pipeline.p2p import PipelineP2P
@@ -20,8 +23,10 @@ from megabuf.pipeline.schedules import (
 __all__ = [
     "Action",
     "GradSyncSwitch",
+    "P2PStep",
     "PipelineP2P",
     "ScheduleHooks",
+    "Transfer",
     "default_schedule_hooks",
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_with_interleaving",
@@ -29,6 +34,7 @@ __all__ = [
     "get_forward_backward_func",
     "interleaved_order",
     "one_f_one_b_order",
+    "p2p_steps",
     "set_input_tensor",
     "simulate_pipeline",
     "single_bucket_group",

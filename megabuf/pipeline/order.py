@@ -1,4 +1,5 @@
-"""Pure schedule math: the order in which one pipeline rank runs its forward and backward steps.
+"""Pure schedule math: the order in which one pipeline rank runs its forward and backward steps,
+and the point-to-point steps that carry their tensors.
 
 Sees only counts (micro-batches, stages, chunks, this stage's rank); returns frozen `Action`s, so
 an order can be printed, compared and checked for deadlock without processes
@@ -16,8 +17,10 @@ visits v = 0, 1, ...; its backward visits them in reverse.
   k-th backward runs the same micro-batch on chunk V - 1 - that chunk. Warm-up is
   (pp_size - s - 1) * 2 + (V - 1) * pp_size forwards (all of them when M == pp_size), then
   1F1B, then cool-down. Needs M to be a multiple of pp_size.
-Both orders are Megatron-LM's; the executor (schedules.py) sends asynchronously and blocks only
-on the receive a step needs, so any order that `simulate_pipeline` completes cannot deadlock.
+Both orders are Megatron-LM's. `p2p_steps` cuts an order into the steps whose point-to-point
+traffic goes out as one batched group each, and `simulate_pipeline` runs every rank's steps the
+way NCCL would ([Note: pipeline point-to-point] in p2p.py): an order it completes matches its
+messages without tags and cannot deadlock.
 """
 
 from __future__ import annotations
@@ -110,33 +113,161 @@ def interleaved_order(
     return _interleave(forwards, backwards, warmup)
 
 
-def simulate_pipeline(orders: Sequence[Sequence[Action]], num_chunks: int) -> list[str]:
-    """Run every rank's order against the data dependencies (a forward needs the previous
-    virtual stage's forward of its micro-batch, a backward the next virtual stage's backward, or
-    its own forward on the last one). Returns the global completion order; raises on deadlock."""
-    pp_size = len(orders)
+@dataclass(frozen=True)
+class Transfer:
+    """One message of a step's batched group, seen from this rank: the send of what `phase` of
+    (`chunk`, `microbatch`) produced (forward: its output activation, to the next rank; backward:
+    its input grad, to the previous rank), or the receive of what it consumes (forward: its input
+    activation, from the previous rank; backward: its output grad, from the next rank)."""
+
+    send: bool
+    phase: str
+    chunk: int
+    microbatch: int
+
+    @property
+    def peer_offset(self) -> int:
+        """+1: the next pipeline rank, -1: the previous one (modulo pp_size)."""
+        return 1 if (self.phase == FORWARD) == self.send else -1
+
+    def __str__(self) -> str:
+        return f"{'send' if self.send else 'recv'} {self.phase}{self.chunk}.{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class P2PStep:
+    """Issue `transfers` as one batched group and wait for it, then run `compute`."""
+
+    transfers: tuple[Transfer, ...]
+    compute: tuple[Action, ...]
+
+
+def _slots(order: Sequence[Action], paired: bool) -> list[tuple[Action, ...]]:
+    """The runs of compute between two groups: one action, or with `paired` a forward and the
+    backward right after it (the steady state of the interleaved schedule)."""
+    slots: list[tuple[Action, ...]] = []
+    for act in order:
+        prev = slots[-1] if slots else ()
+        if paired and len(prev) == 1 and prev[0].phase == FORWARD and act.phase == BACKWARD:
+            slots[-1] = (prev[0], act)
+        else:
+            slots.append((act,))
+    return slots
+
+
+def _transfers(
+    slot: tuple[Action, ...], send: bool, pp_size: int, pp_rank: int, num_chunks: int
+) -> list[Transfer]:
+    """The sends of `slot`'s results (or receives of its inputs) that cross a stage boundary."""
+    out = []
     last = pp_size * num_chunks - 1
-    done: set[tuple[str, int, int]] = set()
+    for act in slot:
+        v = act.chunk * pp_size + pp_rank
+        # a forward talks to v - 1 (recv) and v + 1 (send); a backward the other way round
+        toward_next = (act.phase == FORWARD) == send
+        if (toward_next and v < last) or (not toward_next and v > 0):
+            out.append(Transfer(send, act.phase, act.chunk, act.microbatch))
+    return out
+
+
+def _canonical(transfers: list[Transfer]) -> tuple[Transfer, ...]:
+    """[Note: pipeline point-to-point]: activations before grads, so that when one pair of
+    ranks carries both (pp_size 2, interleaved) sender and receiver list them alike."""
+    return tuple(sorted(transfers, key=lambda t: (t.phase != FORWARD, not t.send)))
+
+
+def p2p_steps(
+    order: Sequence[Action], pp_size: int, pp_rank: int, num_chunks: int, *, paired: bool
+) -> list[P2PStep]:
+    """This rank's steps: before each slot of compute one group with the sends of the previous
+    slot's results and the receives of this slot's inputs; a last group sends the last results.
+    See [Note: pipeline point-to-point] in p2p.py."""
+    steps = []
+    sends: list[Transfer] = []
+    # every forward before every backward (num_microbatches == pp_size): no steady state to pair;
+    # pairing the last forward with the first backward deadlocks (simulate_pipeline shows it)
+    phases = [a.phase for a in order]
+    all_warmup = BACKWARD not in phases or FORWARD not in phases[phases.index(BACKWARD) :]
+    for slot in _slots(order, paired and not all_warmup):
+        recvs = _transfers(slot, False, pp_size, pp_rank, num_chunks)
+        steps.append(P2PStep(_canonical(sends + recvs), slot))
+        sends = _transfers(slot, True, pp_size, pp_rank, num_chunks)
+    steps.append(P2PStep(_canonical(sends), ()))
+    return steps
+
+
+Message = tuple[str, int, int]  # (phase, sending virtual stage, micro-batch)
+Channel = tuple[int, int]  # (sending pp rank, receiving pp rank)
+
+
+def _message(rank: int, t: Transfer, pp_size: int) -> Message:
+    v = t.chunk * pp_size + rank
+    if t.send:
+        return (t.phase, v, t.microbatch)
+    return (t.phase, v - 1 if t.phase == FORWARD else v + 1, t.microbatch)
+
+
+def _match(plans: Sequence[Sequence[P2PStep]]) -> list[list[list[tuple[int, int]]]]:
+    """Pair the n-th send of every channel with its n-th receive (issue order: what NCCL does,
+    and gloo too when every tag is the same). Returns, per rank and group, the (peer, peer's
+    group) of each of its messages; raises if a receive would get another message than it
+    expects."""
+    pp_size = len(plans)
+    sent: dict[Channel, list[tuple[Message, int]]] = {}
+    received: dict[Channel, list[tuple[Message, int]]] = {}
+    for rank, plan in enumerate(plans):
+        for g, step in enumerate(plan):
+            for t in step.transfers:
+                peer = (rank + t.peer_offset) % pp_size
+                side, channel = (sent, (rank, peer)) if t.send else (received, (peer, rank))
+                side.setdefault(channel, []).append((_message(rank, t, pp_size), g))
+    partners: list[list[list[tuple[int, int]]]] = [[[] for _ in plan] for plan in plans]
+    for (src, dst), sends in sent.items():
+        recvs = received.get((src, dst), [])
+        for n in range(max(len(sends), len(recvs))):
+            s = sends[n][0] if n < len(sends) else None
+            r = recvs[n][0] if n < len(recvs) else None
+            if s != r:
+                raise RuntimeError(
+                    f"megabuf: pipeline messages from rank {src} to rank {dst} do not match in "
+                    f"issue order: message {n} is sent as {s} but received as {r} "
+                    "((phase, sending virtual stage, micro-batch)); the schedule's steps disagree"
+                )
+            partners[src][sends[n][1]].append((dst, recvs[n][1]))
+            partners[dst][recvs[n][1]].append((src, sends[n][1]))
+    for channel in received.keys() - sent.keys():
+        raise RuntimeError(f"megabuf: pipeline rank {channel[1]} waits for messages from rank "
+                           f"{channel[0]}, which sends none")  # fmt: skip
+    return partners
+
+
+def simulate_pipeline(
+    orders: Sequence[Sequence[Action]], num_chunks: int, *, paired: bool | None = None
+) -> list[str]:
+    """Run every rank's steps (`p2p_steps`; `paired` as the schedules do: the interleaved one
+    pairs, 1F1B does not; None: pair when num_chunks > 1) the way NCCL would: messages of a
+    pair of ranks match in issue order, and a group completes only once every peer has issued
+    the group holding the other end of each of its messages (no send is buffered). Returns the
+    global completion order of the compute steps; raises if messages mismatch or on deadlock."""
+    pp_size = len(orders)
+    pair = num_chunks > 1 if paired is None else paired
+    plans = [p2p_steps(o, pp_size, r, num_chunks, paired=pair) for r, o in enumerate(orders)]
+    partners = _match(plans)
     cursor = [0] * pp_size
     trace: list[str] = []
-    while any(c < len(o) for c, o in zip(cursor, orders, strict=True)):
+    while any(c < len(p) for c, p in zip(cursor, plans, strict=True)):
         progressed = False
-        for rank, order in enumerate(orders):
-            if cursor[rank] == len(order):
-                continue
-            act = order[cursor[rank]]
-            v = act.chunk * pp_size + rank
-            if act.phase == FORWARD:
-                need = (FORWARD, v - 1, act.microbatch) if v > 0 else None
-            else:
-                prev = (BACKWARD, v + 1, act.microbatch)
-                need = (FORWARD, v, act.microbatch) if v == last else prev
-            if need is None or need in done:
-                done.add((act.phase, v, act.microbatch))
-                trace.append(f"r{rank}:{act}")
+        for rank, plan in enumerate(plans):
+            g = cursor[rank]
+            if g < len(plan) and all(cursor[p] >= h for p, h in partners[rank][g]):
+                trace += [f"r{rank}:{act}" for act in plan[g].compute]
                 cursor[rank] += 1
                 progressed = True
         if not progressed:
-            stuck = {r: str(o[cursor[r]]) for r, o in enumerate(orders) if cursor[r] < len(o)}
-            raise RuntimeError(f"megabuf: pipeline order deadlocks; ranks wait at {stuck}")
+            stuck = {
+                r: ", ".join(map(str, p[cursor[r]].transfers))
+                for r, p in enumerate(plans)
+                if cursor[r] < len(p)
+            }
+            raise RuntimeError(f"megabuf: pipeline order deadlocks; ranks wait in groups {stuck}")
     return trace

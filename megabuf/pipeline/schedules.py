@@ -12,7 +12,7 @@ pipeline point-to-point] in p2p.py; hooks: hooks.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -25,6 +25,7 @@ from megabuf.pipeline.hooks import GradSyncSwitch, ScheduleHooks, per_chunk
 from megabuf.pipeline.order import (
     FORWARD,
     Action,
+    P2PStep,
     interleaved_order,
     one_f_one_b_order,
 )
@@ -65,7 +66,7 @@ class _Runner:
     def forward(self, chunk: int, microbatch: int, keep_for_backward: bool) -> None:
         inp = None
         if not self.is_first(chunk) and self.p2p is not None:
-            inp = self.p2p.recv_forward(chunk, microbatch)
+            inp = self.p2p.take_input(chunk, microbatch)
         set_input_tensor(self.chunks[chunk], inp)
         with torch.profiler.record_function("megabuf::pipeline_forward"):
             output, loss_func = self.forward_step_func(
@@ -74,7 +75,7 @@ class _Runner:
         if self.is_last(chunk):
             output = self._loss(loss_func(output), chunk, microbatch)
         elif self.p2p is not None:
-            self.p2p.send_forward(output, chunk, microbatch)
+            self.p2p.put_output(output, chunk, microbatch)
         if keep_for_backward:
             self.saved[(chunk, microbatch)] = (inp, output)
 
@@ -101,7 +102,7 @@ class _Runner:
         inp, output = self.saved.pop((chunk, microbatch))
         grad = None
         if not self.is_last(chunk) and self.p2p is not None:
-            grad = self.p2p.recv_backward(chunk, microbatch)
+            grad = self.p2p.take_output_grad(chunk, microbatch)
         with torch.profiler.record_function("megabuf::pipeline_backward"), ExitStack() as stack:
             # the schedule finishes the grad sync itself (finalize), after later chunks' work
             for c in self.chunks:
@@ -111,7 +112,7 @@ class _Runner:
             torch.autograd.backward(output, grad_tensors=grad)
         if inp is not None and self.p2p is not None:
             input_grad = inp.grad if inp.grad is not None else torch.zeros_like(inp)
-            self.p2p.send_backward(input_grad, chunk, microbatch)
+            self.p2p.put_input_grad(input_grad, chunk, microbatch)
 
 
 def _as_chunks(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
@@ -126,6 +127,16 @@ def _iterators(data_iterator: Any, num_chunks: int) -> list[Any]:
             )
         return list(data_iterator)
     return [data_iterator] * num_chunks
+
+
+def _steps(
+    p2p: PipelineP2P, order: list[Action], forward_only: bool, *, paired: bool
+) -> list[P2PStep]:
+    """The point-to-point steps of `order` ([Note: pipeline point-to-point]); forward-only runs
+    no backward, so its steps carry no grads."""
+    if forward_only:
+        order = [act for act in order if act.phase == FORWARD]
+    return p2p.steps(order, paired=paired)
 
 
 def _finalize(hooks: ScheduleHooks, chunks: list[nn.Module], runner: _Runner) -> None:
@@ -195,9 +206,10 @@ def forward_backward_pipelining_without_interleaving(
     forward_only: bool = False,
     per_token_loss: bool = False,
 ) -> list[Any]:
-    """1F1B over point-to-point send/recv (`tensor_shape`/`dtype`: the activation between two
-    stages). Grad sync stays off until stage 0's last backward; stages > 0 with a
-    grad_sync_func launch their reduction after the cool-down (see hooks.py)."""
+    """1F1B over batched point-to-point groups, one per forward or backward step
+    (`tensor_shape`/`dtype`: the activation between two stages). Grad sync stays off until stage
+    0's last backward; stages > 0 with a grad_sync_func launch their reduction after the
+    cool-down (see hooks.py)."""
     chunks, pgs, coll = _pipeline_setup(model, process_groups, collectives)
     if len(chunks) != 1:
         raise ValueError(f"megabuf: 1F1B takes one model chunk per stage, got {len(chunks)}")
@@ -210,7 +222,7 @@ def forward_backward_pipelining_without_interleaving(
     grad_sync = per_chunk(hooks.grad_sync_func, 1, "grad_sync_func")
     switch = GradSyncSwitch(hooks, chunks)
     switch.disable()
-    for act in order:
+    for act in p2p.run(_steps(p2p, order, forward_only, paired=False)):
         if act.phase == FORWARD:
             runner.forward(0, act.microbatch, keep_for_backward=not forward_only)
         elif not forward_only:
@@ -251,7 +263,8 @@ def forward_backward_pipelining_with_interleaving(
     runner = _Runner(forward_step_func, _iterators(data_iterator, n_chunks), chunks,
                      num_microbatches, p2p, per_token_loss)  # fmt: skip
     order = interleaved_order(num_microbatches, pgs.pp_size, pgs.pp_rank, n_chunks)
-    _InterleavedDriver(runner, order, hooks, chunks, pgs.pp_rank, forward_only).run()
+    actions = p2p.run(_steps(p2p, order, forward_only, paired=True))
+    _InterleavedDriver(runner, order, hooks, chunks, pgs.pp_rank, forward_only).run(actions)
     p2p.finish()
     if not forward_only:
         _finalize(hooks, chunks, runner)
@@ -282,13 +295,14 @@ class _InterleavedDriver:
     def _params(self, chunk: int) -> Any:
         return self.chunks[chunk].parameters()
 
-    def run(self) -> None:
+    def run(self, actions: Iterable[Action]) -> None:
+        """Run `actions` (this rank's order, as `PipelineP2P.run` yields it)."""
         self.switch.disable()
         if self.param_sync is not None:
             for chunk in range(min(2, len(self.chunks))):
                 self.param_sync[chunk](self._params(chunk))
         last_mb = self.runner.num_microbatches - 1
-        for act in self.order:
+        for act in actions:
             if act.phase == FORWARD:
                 self._prefetch_params(act)
                 self.runner.forward(act.chunk, act.microbatch, not self.forward_only)
