@@ -68,7 +68,7 @@ MUTANTS = (
         "megabuf/finalize.py",
         "    collectives.all_reduce(total, pgs.dp, async_op=False)\n",
         "    total *= pgs.dp_size\n",
-        ("tests/test_pipeline.py", "tests/test_moe.py"),
+        ("tests/test_asymmetric.py", "tests/test_pipeline.py", "tests/test_moe.py"),
     ),
     Mutant(
         "no-grad-copy-for-bf16",
