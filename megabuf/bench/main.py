@@ -23,7 +23,7 @@ from megabuf.bench.report import (
     write_jsonl,
 )
 from megabuf.bench.worker import Job, run_jobs
-from megabuf.collectives import FALLBACK_STRATEGY, STRATEGIES
+from megabuf.collectives import choose_strategy
 from megabuf.testing.launch import spawn
 
 
@@ -136,7 +136,7 @@ def print_report(opts: BenchOptions, rows: list[dict[str, Any]], seconds: float)
         f"Took {seconds:.0f} s. JSON lines: {opts.out}"
     )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    strategy = STRATEGIES.get(backend, FALLBACK_STRATEGY)
+    strategy = choose_strategy(backend, "cuda" if backend == "nccl" else "cpu")
     print(
         f"megabuf collectives on {backend}: reduce-scatter = {strategy.reduce_scatter}, "
         f"all-gather = {strategy.all_gather} (see [Note: collective strategies]); ranks ran "
