@@ -1,4 +1,4 @@
-"""Train a small GPT with megabuf data parallelism on CPU ranks.
+"""Train a small GPT with megabuf data parallelism on CPU ranks (or GPUs with --device cuda).
 
 Run it from the repository root:
 
@@ -7,11 +7,14 @@ Run it from the repository root:
     python examples/train_gpt.py --check                  # and compare with 1-process training
     python examples/train_gpt.py --config configs/ddp.toml --model gpt_small --steps 50
     python examples/train_gpt.py --config configs/distopt_overlap.toml --check   # ZeRO-1
+    python examples/train_gpt.py --device cuda --check    # a rank per GPU, NCCL (never run yet)
 
 What every rank does (see `train` below):
 
-1. `megabuf.init_distributed()` joins the process group from torchrun's environment variables
-   (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); on CPU it uses gloo.
+1. `megabuf.init_distributed(device=...)` joins the process group from torchrun's environment
+   variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK): gloo for `--device cpu`
+   (the default, also on a machine with GPUs), NCCL for `--device cuda`, each rank on GPU
+   LOCAL_RANK. The model and every batch are moved to that device.
 2. Every rank builds the same GPT from the same seed and wraps it in
    `megabuf.DistributedDataParallel`, which moves all grads into contiguous buffers split into
    buckets (and broadcasts rank 0's params, so the replicas start identical).
@@ -75,9 +78,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", action="store_true", help="compare with 1-process training")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the model and batches live: cpu (gloo, the default) or cuda (NCCL, one GPU "
+        "per rank: GPU LOCAL_RANK)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.global_batch < 1 or args.world_size < 1:
         parser.error("--steps, --global-batch and --world-size must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
     return args
 
 
@@ -118,7 +130,8 @@ def train_step(model: megabuf.DistributedDataParallel, opt: Any, x: Tensor, y: T
 
 def train(args: argparse.Namespace) -> dict[str, Any] | None:
     """Runs on every rank. Rank 0 returns its losses (and, with --check, the check result)."""
-    pgs = megabuf.init_distributed()
+    pgs = megabuf.init_distributed(device=args.device)
+    device = _device(args)
     cfg = load_config(args.config)
     dp_size, dp_rank = pgs.dp_size, pgs.dp_rank
     if args.global_batch % dp_size != 0:
@@ -127,7 +140,7 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
     lo, hi = dp_rank * local, (dp_rank + 1) * local  # this rank's contiguous slice
 
     model = megabuf.DistributedDataParallel(
-        build_model(args.model, seed=args.seed), cfg, process_groups=pgs
+        build_model(args.model, seed=args.seed).to(device), cfg, process_groups=pgs
     )
     opt = make_train_optimizer(model, args)
     gpt_cfg = PRESETS[args.model]
@@ -141,7 +154,9 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
     for step in range(args.steps):
         start = time.perf_counter()
         x, y = lm_batches(tokens, args.global_batch, gpt_cfg.seq_len, step)
-        loss = train_step(model, opt, x[lo:hi], y[lo:hi])
+        loss = train_step(model, opt, x[lo:hi].to(device), y[lo:hi].to(device))
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # kernels run asynchronously: time their end
         step_times.append(time.perf_counter() - start)
         # For logging only: the global-batch loss is the mean of the ranks' local means.
         dist.all_reduce(loss, group=pgs.dp)
@@ -166,6 +181,13 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
     return result
 
 
+def _device(args: argparse.Namespace) -> torch.device:
+    """This rank's device: the CPU, or the GPU init_distributed made current (LOCAL_RANK)."""
+    if args.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -183,7 +205,10 @@ def _print_header(
     local: int,
 ) -> None:
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"megabuf example: {args.model} ({n_params / 1e6:.2f}M params), dp={dp_size}")
+    log(
+        f"megabuf example: {args.model} ({n_params / 1e6:.2f}M params), dp={dp_size}, "
+        f"device {args.device}, backend {dist.get_backend_config()}"
+    )
     log(
         f"config {args.config}: overlap_grad_reduce={cfg.overlap_grad_reduce} "
         f"use_distributed_optimizer={cfg.use_distributed_optimizer} "
@@ -214,12 +239,14 @@ def _print_summary(
 def run_check(
     args: argparse.Namespace, trained: nn.Module, losses: list[float], tokens: Tensor, seq: int
 ) -> bool:
-    """Train a fresh copy in this one process on the full global batch; compare with DDP."""
-    ref = build_model(args.model, seed=args.seed)
+    """Train a fresh copy in this one process on the full global batch (on this rank's device);
+    compare with DDP."""
+    device = _device(args)
+    ref = build_model(args.model, seed=args.seed).to(device)
     opt = make_optimizer(ref.parameters(), args.lr)
     ref_losses = []
     for step in range(args.steps):
-        x, y = lm_batches(tokens, args.global_batch, seq, step)
+        x, y = (t.to(device) for t in lm_batches(tokens, args.global_batch, seq, step))
         opt.zero_grad(set_to_none=True)
         loss = gpt_loss(ref(x), y)
         loss.backward()

@@ -350,7 +350,7 @@ class BucketGroup:
                 bucket.grad_data, self.collective_group, average=average, async_op=async_op
             )
         # Otherwise scale after the reduce-scatter: only the shard, 1/dp of the elements.
-        if bucket.scratch is None and self._needs_scratch():
+        if bucket.scratch is None and self._needs_scratch(bucket.grad_data.device):
             bucket.scratch = torch.empty_like(bucket.grad_data)
         return self.collectives.reduce_scatter(
             self._local_shard(bucket.grad_data), bucket.grad_data, self.collective_group,
@@ -447,8 +447,10 @@ class BucketGroup:
         shard_numel = data.numel() // self.dp_size
         return data[self.dp_rank * shard_numel : (self.dp_rank + 1) * shard_numel]
 
-    def _needs_scratch(self) -> bool:
-        return self.collectives.strategy(self.collective_group).reduce_scatter == "all_to_all"
+    def _needs_scratch(self, device: torch.device) -> bool:
+        return (
+            self.collectives.strategy(self.collective_group, device).reduce_scatter == "all_to_all"
+        )
 
     def _name(self, param: torch.nn.Parameter) -> str:
         return self.param_to_name.get(param, f"<param of shape {tuple(param.shape)}>")

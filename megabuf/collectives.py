@@ -14,13 +14,22 @@ reduce_scatter_tensor ~175 ms but all_to_all_single + local sum ~55 ms; all_gath
 all-to-all into a scratch buffer followed by a sum of the dp chunks in fixed rank order (which
 is also deterministic), and all-gather is point-to-point. NCCL's native collectives are already
 ring-optimal. gloo has no AVG reduction: megabuf sums and divides by the group size on finish.
+
+The strategy is a function of (backend, device type of the tensor), `choose_strategy`: a group
+can serve each device type with another backend ("cpu:gloo,cuda:nccl"), and gloo's tricks hold
+for CPU tensors only (gloo runs neither all_to_all nor point-to-point on CUDA tensors), so gloo
+with CUDA tensors takes the native collectives. The backend comes from the group's
+`dist.get_backend_config` ("cpu:gloo,cuda:gloo" for "gloo"; "cpu:gloo" for an
+`init_process_group()` without a backend on a machine without an accelerator), never from
+`dist.get_backend`, which reports "undefined" or the mixed string there.
 """
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -34,18 +43,64 @@ Group = ProcessGroup | None
 
 @dataclass(frozen=True)
 class CollectiveStrategy:
-    """How one backend realises the operations; see [Note: collective strategies]."""
+    """How one backend realises the operations on one device type; see
+    [Note: collective strategies]."""
 
     reduce_scatter: Literal["native", "all_to_all"]
     all_gather: Literal["native", "p2p"]
     has_avg: bool  # backend supports ReduceOp.AVG
 
 
-STRATEGIES: dict[str, CollectiveStrategy] = {
-    "gloo": CollectiveStrategy(reduce_scatter="all_to_all", all_gather="p2p", has_avg=False),
-    "nccl": CollectiveStrategy(reduce_scatter="native", all_gather="native", has_avg=True),
+STRATEGIES: dict[tuple[str, str], CollectiveStrategy] = {
+    # (backend, device type) -> strategy; pairs not listed take FALLBACK_STRATEGY
+    ("gloo", "cpu"): CollectiveStrategy(
+        reduce_scatter="all_to_all", all_gather="p2p", has_avg=False
+    ),
+    ("nccl", "cuda"): CollectiveStrategy(
+        reduce_scatter="native", all_gather="native", has_avg=True
+    ),
 }
 FALLBACK_STRATEGY = CollectiveStrategy(reduce_scatter="native", all_gather="native", has_avg=False)
+
+
+@functools.lru_cache(maxsize=64)
+def backend_for_device(backend: str, device_type: str) -> str | None:
+    """Pure: the backend that serves `device_type` tensors in a torch.distributed backend string,
+    or None if it serves none. `backend` is a name ("gloo": cpu and cuda, "nccl": cuda only, as
+    torch's `Backend.backend_capability` says) or "device:backend" pairs ("cpu:gloo,cuda:nccl",
+    what `dist.get_backend_config` returns). "undefined" names no device: raises ValueError."""
+    text = backend.strip().lower()
+    if ":" not in text:
+        if text == "undefined":
+            raise ValueError(
+                "megabuf: backend 'undefined' does not say which backend serves which device; "
+                "pass the group's dist.get_backend_config() (e.g. 'cpu:gloo,cuda:nccl')"
+            )
+        served = dist.Backend.backend_capability.get(text, ["cpu", "cuda"])
+        return text if device_type in served else None
+    for pair in text.split(","):
+        device, _, name = pair.strip().partition(":")
+        if device == device_type:
+            return name
+    return None
+
+
+def choose_strategy(
+    backend: str,
+    device_type: str,
+    strategies: Mapping[tuple[str, str], CollectiveStrategy] = STRATEGIES,
+) -> CollectiveStrategy:
+    """Pure: the strategy for `device_type` tensors on a group whose backend string is
+    `backend`; see [Note: collective strategies]. Raises ValueError if no backend of the group
+    serves that device type (e.g. CPU tensors on an NCCL-only group)."""
+    served_by = backend_for_device(backend, device_type)
+    if served_by is None:
+        raise ValueError(
+            f"megabuf: the process group's backend {backend!r} serves no {device_type} "
+            f"tensors; move the model to a device it serves, or create the group with a backend "
+            f"for {device_type} (megabuf.init_distributed(device={device_type!r}))"
+        )
+    return strategies.get((served_by, device_type), FALLBACK_STRATEGY)
 
 
 @dataclass
@@ -149,12 +204,16 @@ class Collectives:
     """The collective layer. One instance per engine; `stats` counts the bytes this rank hands
     to torch.distributed (and the ring figure for them)."""
 
-    def __init__(self, strategies: dict[str, CollectiveStrategy] | None = None) -> None:
+    def __init__(
+        self, strategies: Mapping[tuple[str, str], CollectiveStrategy] | None = None
+    ) -> None:
         self.strategies = dict(STRATEGIES if strategies is None else strategies)
         self.stats = CommStats()
 
-    def strategy(self, group: Group) -> CollectiveStrategy:
-        return self.strategies.get(str(dist.get_backend(group)), FALLBACK_STRATEGY)
+    def strategy(self, group: Group, device: torch.device | str) -> CollectiveStrategy:
+        """How `group` moves tensors on `device` (the tensor's device, or its type)."""
+        device_type = torch.device(device).type
+        return choose_strategy(dist.get_backend_config(group), device_type, self.strategies)
 
     def global_rank(self, group: Group, group_rank: int) -> int:
         """The global rank of `group_rank` in `group` (None: the default group)."""
@@ -182,7 +241,8 @@ class Collectives:
         """Sum (or average) `tensor` in place across `group`."""
         size = dist.get_world_size(group)
         self._record_all_reduce(tensor, size)
-        op, divide = self._avg_plan(tensor, size, average, self.strategy(group).has_avg)
+        has_avg = self.strategy(group, tensor.device).has_avg
+        op, divide = self._avg_plan(tensor, size, average, has_avg)
         with torch.profiler.record_function("megabuf::all_reduce"):
             work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         return self._pending("all_reduce", work, tensor, None, divide)
@@ -210,7 +270,7 @@ class Collectives:
                 f"megabuf: reduce_scatter input has {input.numel()} elements, expected "
                 f"{output.numel()} x group size {size}"
             )
-        strategy, ring = self.strategy(group), (size - 1) * _nbytes(output)
+        strategy, ring = self.strategy(group, input.device), (size - 1) * _nbytes(output)
         with torch.profiler.record_function("megabuf::reduce_scatter"):
             if strategy.reduce_scatter == "all_to_all":
                 if scratch is None:
@@ -249,7 +309,7 @@ class Collectives:
             )
         ring = (size - 1) * _nbytes(input)
         with torch.profiler.record_function("megabuf::all_gather"):
-            if self.strategy(group).all_gather != "p2p":
+            if self.strategy(group, input.device).all_gather != "p2p":
                 self.stats.record(
                     "all_gather", input_nbytes=_nbytes(input), output_nbytes=_nbytes(output),
                     ring_nbytes=ring,

@@ -38,7 +38,7 @@ BF16_U = 2.0**-8  # bf16 unit roundoff (8 significand bits, round to nearest)
 BF16_GRAD_C = 1.25  # [Note: bf16 grad bound]
 # gloo forced onto the path NCCL takes: native reduce-scatter / all-gather, AVG emulated
 NATIVE_GLOO = {
-    "gloo": CollectiveStrategy(reduce_scatter="native", all_gather="native", has_avg=False)
+    ("gloo", "cpu"): CollectiveStrategy(reduce_scatter="native", all_gather="native", has_avg=False)
 }
 
 
@@ -236,6 +236,6 @@ def grad_case(case: dict[str, Any]) -> dict[str, Any]:
         "linked": linked,
         "frozen_ok": frozen_ok,
         "grad_copies": {} if distopt else grad_copies(model),
-        "reduce_scatter": model.collectives.strategy(model.process_groups.dp).reduce_scatter,
+        "reduce_scatter": model.collectives.strategy(model.process_groups.dp, "cpu").reduce_scatter,
         "all_params": sorted(names.values()),
     }

@@ -313,7 +313,7 @@ def master_errors(opt: Any, ref: Reference, steps: int) -> dict[str, tuple[float
 
 
 def _strategy(model: megabuf.DistributedDataParallel) -> tuple[str, str]:
-    strategy = model.collectives.strategy(model.process_groups.dp)
+    strategy = model.collectives.strategy(model.process_groups.dp, "cpu")
     return strategy.reduce_scatter, strategy.all_gather
 
 

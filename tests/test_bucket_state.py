@@ -78,7 +78,7 @@ class RecordingCollectives(Collectives):
         self.calls: list[Call] = []
         self.max_calls = 0
 
-    def strategy(self, group: Any) -> CollectiveStrategy:
+    def strategy(self, group: Any, device: Any) -> CollectiveStrategy:
         return self.fake_strategy
 
     def global_rank(self, group: Any, group_rank: int) -> int:

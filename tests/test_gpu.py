@@ -1,9 +1,17 @@
-"""GPU tier: the same engine on NCCL (native reduce-scatter / all-gather, AVG, CUDA tensors).
-Skipped without at least two CUDA devices."""
+"""GPU tier: the same engine on NCCL (native reduce-scatter / all-gather, AVG, CUDA tensors),
+`init_distributed(device="cuda")`, a mixed gloo/NCCL group, and the GPT example and the
+benchmark with `--device cuda`. Skipped without CUDA devices (the grad cases need two; the
+others run on min(2, GPUs) ranks). None of these has run yet: no GPU machine so far."""
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,14 +19,21 @@ import torch
 import torch.distributed as dist
 
 import megabuf
+from megabuf.collectives import STRATEGIES, Collectives
 from megabuf.layout import shard_pieces
+from megabuf.testing import spawn
+
+REPO = Path(__file__).resolve().parent.parent
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+WORLD = max(1, min(2, GPUS))  # ranks of the cases that run on one GPU too
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(
-        torch.cuda.device_count() < 2, reason="needs 2 CUDA devices for NCCL (none on this machine)"
-    ),
+    pytest.mark.skipif(GPUS < 1, reason="needs CUDA for NCCL (no CUDA device on this machine)"),
 ]
+needs_2_gpus = pytest.mark.skipif(
+    GPUS < 2, reason=f"needs 2 CUDA devices for NCCL ({GPUS} on this machine)"
+)
 
 
 def nccl_grads(flags: dict[str, Any]) -> float:
@@ -49,6 +64,7 @@ def nccl_grads(flags: dict[str, Any]) -> float:
     return worst
 
 
+@needs_2_gpus
 @pytest.mark.parametrize(
     "flags",
     [
@@ -62,3 +78,102 @@ def test_nccl_grads_match_reference(flags: dict[str, Any]) -> None:
 
     for worst in get_pool(2, backend="nccl").run(nccl_grads, flags):
         assert worst <= 1e-5
+
+
+def reduce_scatter_on(coll: Collectives, group: Any, device: torch.device) -> dict[str, Any]:
+    """Rank side: average-reduce-scatter rank-scaled aranges on `device`, all-gather the shards
+    back; the errors against the values worked out by hand and the bytes handed over."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    coll.stats.reset()
+    x = torch.arange(4 * size, dtype=torch.float32, device=device) * (rank + 1)
+    shard = torch.empty(4, device=device)
+    coll.reduce_scatter(shard, x, group, average=True, async_op=False)
+    full = torch.empty(4 * size, device=device)
+    coll.all_gather(full, shard, group, async_op=False)
+    mean = torch.arange(4 * size, dtype=torch.float32) * (size + 1) / 2  # mean of rank + 1
+    return {
+        "strategy": coll.strategy(group, device),
+        "shard_error": float((shard.cpu() - mean[4 * rank : 4 * (rank + 1)]).abs().max()),
+        "gather_error": float((full.cpu() - mean).abs().max()),
+        "landing_nbytes": coll.stats.output_nbytes["reduce_scatter"],
+    }
+
+
+def cuda_init_run() -> dict[str, Any]:
+    """Rank side: init_distributed(device='cuda'), then collectives on this rank's GPU."""
+    pgs = megabuf.init_distributed(device="cuda")
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    return {
+        "config": dist.get_backend_config(),
+        "current": torch.cuda.current_device(),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        **reduce_scatter_on(Collectives(), pgs.dp, gpu),
+    }
+
+
+def test_init_distributed_cuda_binds_local_rank_and_uses_nccl() -> None:
+    for rank, res in enumerate(spawn(cuda_init_run, WORLD, timeout_s=300)):
+        assert res["config"] == "cuda:nccl", rank
+        assert res["current"] == res["local_rank"] == rank
+        assert res["strategy"] == STRATEGIES["nccl", "cuda"], rank
+        assert res["shard_error"] == 0.0 and res["gather_error"] == 0.0, (rank, res)
+        assert res["landing_nbytes"] == 4 * 4, rank  # native: into the shard, no scratch
+
+
+def mixed_backend_run() -> dict[str, Any]:
+    """Rank side: one group, gloo for CPU tensors and NCCL for CUDA tensors."""
+    pgs = megabuf.init_distributed(device="cuda", backend="cpu:gloo,cuda:nccl")
+    coll, gpu = Collectives(), torch.device("cuda", torch.cuda.current_device())
+    cpu = reduce_scatter_on(coll, pgs.dp, torch.device("cpu"))
+    return {
+        "config": dist.get_backend_config(),
+        "cpu": cpu,
+        "cuda": reduce_scatter_on(coll, pgs.dp, gpu),
+    }
+
+
+def test_mixed_backend_serves_each_device_with_its_strategy() -> None:
+    for rank, res in enumerate(spawn(mixed_backend_run, WORLD, timeout_s=300)):
+        assert res["config"] == "cpu:gloo,cuda:nccl", rank
+        cpu, cuda = res["cpu"], res["cuda"]
+        assert cpu["strategy"] == STRATEGIES["gloo", "cpu"], rank
+        assert cuda["strategy"] == STRATEGIES["nccl", "cuda"], rank
+        assert cpu["landing_nbytes"] == 4 * WORLD * 4, rank  # all-to-all scratch of the input
+        assert cuda["landing_nbytes"] == 4 * 4, rank
+        for res_dev in (cpu, cuda):
+            assert res_dev["shard_error"] == 0.0 and res_dev["gather_error"] == 0.0, (rank, res)
+
+
+def _run(argv: list[str], timeout_s: int = 300) -> str:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=timeout_s,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, (argv, proc.returncode, output[-4000:])
+    return output
+
+
+@pytest.mark.parametrize("config", ["ddp_overlap", "distopt_overlap"])
+def test_train_gpt_example_on_cuda_passes_its_check(config: str) -> None:
+    output = _run([
+        "examples/train_gpt.py", "--device", "cuda", "--world-size", str(WORLD), "--steps", "3",
+        "--config", f"configs/{config}.toml", "--check",
+    ])  # fmt: skip
+    assert "device cuda, backend cuda:nccl" in output, output[-4000:]
+    assert re.search(r"check vs 1 process: .* -> OK", output), output[-4000:]
+
+
+def test_bench_quick_on_cuda(tmp_path: Path) -> None:
+    out = tmp_path / "r.jsonl"
+    systems = "no_comm,torch_ddp_gabv,fsdp2_reshard,megabuf_ar_overlap,megabuf_distopt_overlap"
+    output = _run([
+        "-m", "megabuf.bench", "--quick", "--device", "cuda", "--world-size", str(WORLD),
+        "--models", "gpt_tiny:2", "--systems", systems, "--out", str(out),
+    ])  # fmt: skip
+    assert "megabuf collectives on nccl (cuda tensors): reduce-scatter = native" in output
+    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    assert {r["system"] for r in rows} == set(systems.split(",")), rows
+    for row in rows:
+        assert row["status"] == "ok", row

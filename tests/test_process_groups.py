@@ -1,17 +1,23 @@
 """ProcessGroups.build on real gloo ranks, and the pure rank_layout, against rank lists written
 out by hand from [Note: rank order] in megabuf/process_groups.py:
-rank = pp_rank * dp_size + dp_rank, dp_rank = expt_dp_rank * ep_size + ep_rank (ep fastest)."""
+rank = pp_rank * dp_size + dp_rank, dp_rank = expt_dp_rank * ep_size + ep_rank (ep fastest).
+Then init_distributed's choice of backend from the model's device (gloo for CPU models, whatever
+the machine; the CUDA path runs in tests/test_gpu.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 from dist_pool import case_result, run_each
 
+import megabuf
 from megabuf import ProcessGroups
+from megabuf.collectives import STRATEGIES, Collectives
 from megabuf.process_groups import rank_layout
+from megabuf.testing import spawn
 
 Groups = list[list[int]]
 # (world, pp_size, ep_size) -> every group of each kind, by hand.
@@ -85,3 +91,61 @@ def test_built_groups_match_the_hand_written_table(
         # pp 1: no embd group at all; pp 2: first and last stage = the whole pipeline
         assert got["embd"] == (None if pp_size == 1 else got["pp"]), rank
         assert got["sizes"] == [dp_size, rank % dp_size, pp_size, rank // dp_size], rank
+
+
+# ---- init_distributed: the backend follows the model's device ----------------------------------
+
+
+def default_init_run() -> dict[str, Any]:
+    """Rank side: init_distributed() with no arguments on a machine that reports a GPU
+    (torch.cuda.is_available patched where there is none: the old rule picked NCCL there)."""
+    torch.cuda.is_available = lambda: True  # type: ignore[assignment]
+    pgs = megabuf.init_distributed()
+    return {
+        "config": dist.get_backend_config(),
+        "strategy": Collectives().strategy(pgs.dp, "cpu"),
+        "dp": dist.get_process_group_ranks(pgs.dp),
+    }
+
+
+def test_init_distributed_gives_cpu_models_gloo_even_where_cuda_is_visible() -> None:
+    for rank, res in enumerate(spawn(default_init_run, 2, timeout_s=120)):
+        assert res["config"] == "cpu:gloo,cuda:gloo", rank
+        assert res["strategy"] == STRATEGIES["gloo", "cpu"], rank
+        assert res["dp"] == [0, 1], rank
+
+
+def test_init_distributed_checks_an_existing_group_serves_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch.distributed faked as already initialised with a group that serves CPU tensors only
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo")
+    with pytest.raises(ValueError, match="backend 'cpu:gloo' serves no cuda tensors"):
+        megabuf.init_distributed(device="cuda")
+
+
+def _torchrun_env(monkeypatch: pytest.MonkeyPatch, local_rank: int) -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for key, value in {**env, "LOCAL_RANK": str(local_rank)}.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_init_distributed_cuda_needs_a_gpu_for_its_local_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert not dist.is_initialized()  # the test process itself never joins a group
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    _torchrun_env(monkeypatch, local_rank=count)  # one past the last GPU (0 on a CPU machine)
+    with pytest.raises(RuntimeError, match=rf"LOCAL_RANK {count} needs {count + 1} CUDA devices"):
+        megabuf.init_distributed(device="cuda")
+    assert not dist.is_initialized()
+
+
+def test_init_distributed_refuses_a_device_without_a_default_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _torchrun_env(monkeypatch, local_rank=0)
+    with pytest.raises(ValueError, match=r"known devices are \['cpu', 'cuda'\]"):
+        megabuf.init_distributed(device="meta")
+    assert not dist.is_initialized()

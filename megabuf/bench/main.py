@@ -23,7 +23,8 @@ from megabuf.bench.report import (
     write_jsonl,
 )
 from megabuf.bench.worker import Job, run_jobs
-from megabuf.collectives import FALLBACK_STRATEGY, STRATEGIES
+from megabuf.collectives import choose_strategy
+from megabuf.process_groups import DEFAULT_BACKENDS
 from megabuf.testing.launch import spawn
 
 
@@ -49,7 +50,7 @@ def make_jobs(opts: BenchOptions, refs: dict[str, Reference], progress: Progress
                 steps=opts.steps, reference=None if system == FLOOR else refs[model],
                 trace_dir=opts.trace_dir, trace_steps=opts.trace_steps,
                 progress=progress.prefix(len(jobs), label), reset_peak=not opts.isolate,
-                megabuf_overrides=dict(opts.megabuf_overrides),
+                megabuf_overrides=dict(opts.megabuf_overrides), device=opts.device,
             ))  # fmt: skip
     return jobs
 
@@ -135,12 +136,13 @@ def print_report(opts: BenchOptions, rows: list[dict[str, Any]], seconds: float)
         f"only); check = max |param - single-process step| (tolerance {CHECK_ATOL}). "
         f"Took {seconds:.0f} s. JSON lines: {opts.out}"
     )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    strategy = STRATEGIES.get(backend, FALLBACK_STRATEGY)
+    backend = DEFAULT_BACKENDS[opts.device]
+    strategy = choose_strategy(backend, opts.device)
     print(
-        f"megabuf collectives on {backend}: reduce-scatter = {strategy.reduce_scatter}, "
-        f"all-gather = {strategy.all_gather} (see [Note: collective strategies]); ranks ran "
-        "with MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ = 1 GiB (megabuf.testing.spawn)"
+        f"megabuf collectives on {backend} ({opts.device} tensors): reduce-scatter = "
+        f"{strategy.reduce_scatter}, all-gather = {strategy.all_gather} (see [Note: collective "
+        "strategies]); ranks ran with MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ = 1 GiB "
+        "(megabuf.testing.spawn)"
     )
 
 

@@ -63,6 +63,8 @@ class BenchOptions:
     started_at: float = field(default_factory=time.perf_counter)
     megabuf_overrides: dict[str, object] = field(default_factory=dict)
     """DistributedDataParallelConfig fields set for every megabuf system (e.g. bucket_size)."""
+    device: str = "cpu"
+    """Where models and batches live: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)."""
 
 
 def _parse_models(text: str) -> dict[str, int]:
@@ -131,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NUMEL",
         help="bucket size (elements) for the megabuf systems (default: megabuf's)",
     )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: gloo ranks (default); cuda: NCCL, rank r on GPU r (never run yet)",
+    )
     return p
 
 
@@ -152,4 +160,5 @@ def parse_options(argv: Sequence[str]) -> BenchOptions:
         retry_budget_s=args.retry_budget, repeat=max(1, args.repeat),
         megabuf_overrides={} if args.megabuf_bucket_size is None
         else {"bucket_size": args.megabuf_bucket_size},
+        device=args.device,
     )  # fmt: skip

@@ -96,7 +96,7 @@ def _fsdp2(module: nn.Module, pgs: ProcessGroups, reshard: bool) -> Engine:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = DeviceMesh.from_group(pgs.dp, "cpu")
+    mesh = DeviceMesh.from_group(pgs.dp, next(module.parameters()).device.type)
     layers = _main_layers(module)
     per_unit = max(1, -(-len(layers) // FSDP_MAX_GROUPS))
     unit_nbytes = 0

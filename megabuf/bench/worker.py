@@ -17,6 +17,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,7 @@ class Job:
     progress: str  # prefix of the progress line rank 0 prints (empty: silent)
     reset_peak: bool  # not isolated: see [Note: peak RSS per rank]
     megabuf_overrides: dict[str, Any] = field(default_factory=dict)  # config fields
+    device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, GPU LOCAL_RANK)
 
 
 def _load() -> float | None:
@@ -92,30 +94,46 @@ def _show(job: Job, text: str) -> None:
 
 def train_step(engine: Engine, x: Tensor, y: Tensor, loss: Any) -> list[float]:
     """One step of megabuf's contract; returns the perf_counter times at the start and at the
-    end of each phase (see PHASES): 6 values."""
-    t0 = time.perf_counter()
+    end of each phase (see PHASES): 6 values. On CUDA each phase ends when the kernels it queued
+    on the current stream have run (collectives on NCCL's own streams are not waited for, so
+    overlapped communication stays where it runs)."""
+    now = _clock(x.device)
+    t0 = now()
     with torch.profiler.record_function("bench::zero_grad"):
         engine.zero_grad()
-    t_zero = time.perf_counter()
+    t_zero = now()
     with torch.profiler.record_function("bench::forward"):
         value = loss(engine.model(x), y)
-    t1 = time.perf_counter()
+    t1 = now()
     with torch.profiler.record_function("bench::backward"):
         value.backward()
-    t2 = time.perf_counter()
+    t2 = now()
     with torch.profiler.record_function("bench::grad_sync"):
         engine.finish_sync()
-    t3 = time.perf_counter()
+    t3 = now()
     with torch.profiler.record_function("bench::optimizer"):
         engine.optimizer.step()
         engine.after_step()
-    return [t0, t_zero, t1, t2, t3, time.perf_counter()]
+    return [t0, t_zero, t1, t2, t3, now()]
+
+
+def _clock(device: torch.device) -> Callable[[], float]:
+    """time.perf_counter, after the current CUDA stream of `device` has caught up, if CUDA."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.current_stream(device).synchronize()
+        return time.perf_counter()
+
+    return now
 
 
 def _check(job: Job, engine: Engine) -> float | None:
     if job.reference is None:
         return None
-    return max_error(job.reference, full_params(engine))
+    # the reference was computed on the CPU
+    return max_error(job.reference, ((n, p.detach().cpu()) for n, p in full_params(engine)))
 
 
 def system_busy_s() -> float | None:
@@ -215,15 +233,18 @@ def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
     load_at_start = _load()
     if job.reset_peak:
         reset_peak_rss()
+    device = _rank_device(job.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     try:
-        module = build_model(job.model, seed=0)
+        module = build_model(job.model, seed=0).to(device)
         if job.system in MEGABUF_CONFIGS:
             engine = build_megabuf(job.system, module, pgs, job.megabuf_overrides)
         else:
             engine = BUILDERS[job.system](module, pgs)
     except NotAvailable as exc:
         return {**result, "status": "n/a (not available)", "reason": str(exc)}
-    x, y = rank_batch(job.model, job.batch_per_rank, pgs.dp_rank)
+    x, y = (t.to(device) for t in rank_batch(job.model, job.batch_per_rank, pgs.dp_rank))
     _show(job, "checking one step")
     train_step(engine, x, y, loss_fn(job.model))
     result["check_max_abs_error"] = _check(job, engine)
@@ -232,6 +253,8 @@ def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
     result.update(cpu)
     result.update(_summary(job, engine, phases))
     result["peak_rss_bytes"] = peak_rss_bytes()
+    if device.type == "cuda":
+        result["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(device)
     result["loadavg_1min"] = [load_at_start, _load()]  # > world size: other work on the machine
     result["trace"] = _trace(job, engine, x, y)
     result["status"] = "ok"
@@ -240,6 +263,14 @@ def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
 
 
 def run_jobs(jobs: list[Job]) -> list[dict[str, Any]]:
-    """The rank entry point (`megabuf.testing.spawn` target): every job, in order."""
-    pgs = megabuf.init_distributed()
+    """The rank entry point (`megabuf.testing.spawn` target): every job, in order (all jobs of
+    one launch share a device)."""
+    pgs = megabuf.init_distributed(device=jobs[0].device if jobs else "cpu")
     return [run_job(job, pgs) for job in jobs]
+
+
+def _rank_device(device: str) -> torch.device:
+    """This rank's device: the CPU, or the GPU init_distributed made current (LOCAL_RANK)."""
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
