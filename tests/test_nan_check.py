@@ -173,3 +173,47 @@ def test_nan_on_one_rank_raises_on_both_naming_rank_1(counted: list[dict[str, An
         assert msg is not None and "NaN or Inf" in msg and "rank(s) [1]" in msg, msg
         mine = msg.split("grads in: ")[-1]
         assert ("0.weight" in mine) if rank == 1 else mine == "none", msg
+
+
+# ---- GPU: no host synchronisation inside backward ----------------------------------------------
+def cuda_backward_syncs_case() -> dict[str, Any]:
+    """World 1 on NCCL: backward with the NaN check and overlap runs under
+    `torch.cuda.set_sync_debug_mode("error")` (any host synchronisation raises); the third
+    iteration's NaN is still reported by finish_grad_sync."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).cuda()
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, check_for_nan_in_grad=True, bucket_size=64 * 65
+    )
+    model = megabuf.DistributedDataParallel(net, cfg)
+    out: dict[str, Any] = {}
+    for it in range(3):
+        model.zero_grad_buffer()
+        x = torch.randn(8, 64, device="cuda")
+        if it == 2:
+            x[0, 0] = float("nan")
+        loss = model(x).sum()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with model.deferred_grad_sync():
+                loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        out[f"dispatched{it}"] = sum(
+            g.grad_state.name == "DISPATCHED" for g in model.all_bucket_groups
+        )
+        try:
+            model.finish_grad_sync()
+            out[f"error{it}"] = None
+        except RuntimeError as exc:
+            out[f"error{it}"] = str(exc)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for NCCL")
+def test_cuda_backward_with_nan_check_never_synchronises(pools: Any) -> None:
+    (res,) = pools(1, "nccl").run(cuda_backward_syncs_case)
+    assert res["dispatched1"] == res["dispatched2"] == 4, res  # flags taken in the hooks
+    assert res["error0"] is None and res["error1"] is None, res
+    assert res["error2"] is not None and "rank(s) [0]" in res["error2"], res
