@@ -11,8 +11,10 @@ every bucket's flag into this dp rank's column of one (buckets x dp_size) matrix
 over dp (one collective, whatever the number of buckets) and reads it (one host read). Every
 rank sees the same matrix, so every rank raises, naming the bucket(s), their params and the
 global ranks whose grads were not finite; a rank with clean grads never waits for a collective
-a rank that raised will not issue. The grads are then already reduced (NaN everywhere): the
-iteration is over, `zero_grad_buffer()` starts the next.
+a rank that raised will not issue. The grads are then already reduced (NaN everywhere), so
+before raising every group drops them (`abandon_grad_sync`, back to IDLE, as if no backward
+ran): an optimizer step after the caught error refuses them, and `zero_grad_buffer()` starts
+the next iteration.
 """
 
 from __future__ import annotations
@@ -74,9 +76,11 @@ def raise_on_nonfinite_grads(
                 )
     if lines:
         mine = [name for g in groups for name in g.nonfinite_param_names()]
+        for group in groups:
+            group.abandon_grad_sync()  # the reduced grads are NaN: drop them
         raise RuntimeError(
             f"megabuf: NaN or Inf in gradients, before reduction, of {'; '.join(lines)}. "
-            "Every rank raises (check_for_nan_in_grad); call zero_grad_buffer() before the "
-            f"next iteration. This rank ({rank}) has non-finite grads in: "
-            f"{', '.join(mine) or 'none'}"
+            "Every rank raises (check_for_nan_in_grad) and drops this iteration's grads; "
+            "call zero_grad_buffer() before the next iteration. This rank "
+            f"({rank}) has non-finite grads in: {', '.join(mine) or 'none'}"
         )
