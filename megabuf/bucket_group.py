@@ -38,11 +38,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megabuf.buffer import _ParamAndGradBucket
 from megabuf.collectives import Collectives, PendingCollective
 from megabuf.config import DistributedDataParallelConfig
+from megabuf.nan_check import nonfinite_flags
 
 
 class GradSyncState(enum.Enum):
@@ -210,6 +212,8 @@ class BucketGroup:
         self.is_last_microbatch = True
         self._unwritten[:] = self._all_unwritten
         self.unused_indices: tuple[int, ...] = ()  # unwritten when dispatched (zero-filled)
+        self._nonfinite_params: Tensor | None = None  # see _record_nonfinite
+        self._nonfinite_buckets: Tensor | None = None
 
     def _clear_readiness(self) -> None:
         self._arrivals[:] = self._no_arrivals
@@ -329,7 +333,7 @@ class BucketGroup:
         self._expect(GradSyncState.IDLE)
         self.zero_unwritten_grads()
         if self.ddp_config.check_for_nan_in_grad:
-            self.check_grads_finite()
+            self._record_nonfinite()
         async_op = self.ddp_config.overlap_grad_reduce
         self._grad_work = SyncWork([self._reduce(b, async_op) for b in self.buckets])
         self.grad_state = GradSyncState.DISPATCHED
@@ -380,28 +384,32 @@ class BucketGroup:
         self.grad_state = GradSyncState.IDLE
         self._clear_iteration()
 
-    def check_grads_finite(self) -> None:
-        """Raise on every rank if any rank's bucket holds NaN/Inf (one small MAX all-reduce, so
-        a rank with clean grads never waits forever for a rank that raised)."""
+    def _record_nonfinite(self) -> None:
+        """check_for_nan_in_grad, at dispatch: flag, on the device and unread, the params whose
+        grads are NaN/Inf before the reduction ([Note: NaN check] in nan_check.py)."""
         device = self.buckets[0].grad_data.device
-        flags = torch.zeros(len(self.buckets), self.dp_size, device=device)
-        for b, bucket in enumerate(self.buckets):
-            flags[b, self.dp_rank] = 0.0 if _finite(bucket.grad_data) else 1.0
-        self.collectives.all_reduce_max(flags, self.collective_group)
-        for b, bucket in enumerate(self.buckets):
-            bad_ranks = [
-                self.collectives.global_rank(self.collective_group, r)
-                for r in flags[b].nonzero().flatten().tolist()
-            ]
-            if not bad_ranks:
-                continue
-            mine = [self._name(p) for p in bucket.params_list if not _finite(p.main_grad)]  # type: ignore[attr-defined]
-            raise RuntimeError(
-                f"megabuf: NaN or Inf in gradients of bucket {bucket.bucket_id} (bucket group "
-                f"{self.group_id}, params: {', '.join(self._name(p) for p in bucket.params_list)})"
-                f" on rank(s) {bad_ranks}, before reduction; this rank ({self.rank}) has "
-                f"non-finite grads in: {', '.join(mine) or 'none'}"
-            )
+        per_bucket = [
+            nonfinite_flags([p.main_grad for p in b.params_list], device)  # type: ignore[attr-defined]
+            for b in self.buckets
+        ]
+        self._nonfinite_params = torch.cat(per_bucket)  # 1-D, float32, len(params_list)
+        # 1-D, float32, len(buckets): 1.0 where any of the bucket's params is flagged
+        self._nonfinite_buckets = torch.stack([f.sum() for f in per_bucket]).clamp_(max=1.0)
+
+    def bucket_nonfinite_flags(self) -> Tensor:
+        """Per bucket, 1.0 if its grads were NaN/Inf when last dispatched (zeros if not checked
+        since zero_grad_buffer()). Stays on the device."""
+        if self._nonfinite_buckets is None:
+            device = self.buckets[0].grad_data.device
+            return torch.zeros(len(self.buckets), dtype=torch.float32, device=device)
+        return self._nonfinite_buckets
+
+    def nonfinite_param_names(self) -> list[str]:
+        """Names of this rank's params flagged at dispatch (reads the flags: error path only)."""
+        if self._nonfinite_params is None:
+            return []
+        flags = self._nonfinite_params.tolist()
+        return [self._name(p) for p, f in zip(self.params_list, flags, strict=True) if f > 0]
 
     # ---- param sync (distributed optimizer) -------------------------------------------------
     def mark_params_stale(self) -> None:
@@ -452,12 +460,12 @@ class BucketGroup:
             self.collectives.strategy(self.collective_group, device).reduce_scatter == "all_to_all"
         )
 
+    def name_of(self, param: torch.nn.Parameter) -> str:
+        """`param`'s name in the wrapped module (for messages)."""
+        return self._name(param)
+
     def _name(self, param: torch.nn.Parameter) -> str:
         return self.param_to_name.get(param, f"<param of shape {tuple(param.shape)}>")
-
-
-def _finite(t: torch.Tensor) -> bool:
-    return bool(torch.isfinite(t).all())
 
 
 def build_chain(groups: Sequence[BucketGroup], order_key: Callable[[BucketGroup], int]) -> None:

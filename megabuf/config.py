@@ -106,8 +106,9 @@ class DistributedDataParallelConfig:
     scatter grads instead of all-reducing, keep params in a contiguous `param_data` buffer."""
 
     check_for_nan_in_grad: bool = False
-    """Before each collective, check the bucket for NaN/Inf and raise naming the bucket, its
-    params and the rank (costs one reduction over the bucket)."""
+    """Flag NaN/Inf grads of each bucket before its reduction (on the device, no host read in
+    backward); `finish_grad_sync()` then agrees over dp (one small MAX all-reduce) and raises on
+    every rank naming the bucket(s), their params and the ranks ([Note: NaN check])."""
 
     sync_grads_at_backward_end: bool = True
     """On (default, as torch DDP): a backward that runs with grad sync on (outside `no_sync()`,

@@ -35,8 +35,10 @@ from megabuf.bucket_group import BucketGroup, DispatchChain, GradSyncState, Para
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig
+from megabuf.devices import params_device
 from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
 from megabuf.hooks import ParamGatherHooks, has_compiled, profiler_recording, register_grad_hooks
+from megabuf.nan_check import raise_on_nonfinite_grads
 from megabuf.plan import GroupPlan, Plan, build_plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.replicas import (
@@ -305,6 +307,12 @@ class DistributedDataParallel(nn.Module):
                 group.finish_grad_sync()
         for group in self.all_bucket_groups:
             group.learn_arrivals()
+        if self.ddp_config.check_for_nan_in_grad:
+            pgs = self.process_groups
+            raise_on_nonfinite_grads(
+                self.all_bucket_groups, self.collectives, pgs.dp,
+                dp_rank=pgs.dp_rank, dp_size=pgs.dp_size, rank=self.rank,
+            )  # fmt: skip
         if self.ddp_config.error_on_unused_params:
             self._raise_on_unused_params()
         self._grads.expose()
@@ -317,7 +325,7 @@ class DistributedDataParallel(nn.Module):
         )
 
     def _raise_on_unused_params(self) -> None:
-        device = self._all_buffers[0].grad_data.device if self._all_buffers else None
+        device = params_device(self.param_to_name, self.process_groups.dp)
         raise_on_unused_params(
             self.all_bucket_groups, self.param_to_name, self.process_groups, self.collectives,
             device, self.rank,

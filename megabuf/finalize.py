@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.ddp import DistributedDataParallel, as_model_chunks
+from megabuf.devices import params_device
 
 
 def finalize_model_grads(
@@ -149,7 +150,9 @@ def scale_by_num_tokens(chunks: Sequence[DistributedDataParallel], num_tokens: T
     collectives = chunks[0].collectives
     if num_tokens.numel() != 1:
         raise ValueError(f"megabuf: num_tokens must hold one number, got shape {num_tokens.shape}")
-    total = num_tokens.detach().reshape(1).to(torch.float64).clone()
+    params = (p for chunk in chunks for p in chunk.param_to_name)
+    device = params_device(params, pgs.dp)  # [Note: allocation device]
+    total = num_tokens.detach().reshape(1).to(device=device, dtype=torch.float64, copy=True)
     if pgs.pp_size > 1:
         collectives.broadcast(total, pgs.pp_size - 1, pgs.pp)
     collectives.all_reduce(total, pgs.dp, async_op=False)

@@ -21,6 +21,7 @@ from megabuf.buffer import _ParamAndGradBucket
 from megabuf.collectives import Collectives, CollectiveStrategy, PendingCollective
 from megabuf.config import DistributedDataParallelConfig as Config
 from megabuf.hooks import make_grad_hook
+from megabuf.nan_check import raise_on_nonfinite_grads
 
 RANK = 5  # global rank of every group built here; error messages must name it
 IDLE, DISPATCHED, SYNCED = GradSyncState.IDLE, GradSyncState.DISPATCHED, GradSyncState.SYNCED
@@ -604,16 +605,26 @@ def test_reduce_scatter_scratch_kept_across_iterations(strategy: str) -> None:
         assert scratch is not None and scratch.shape == g.buckets[0].grad_data.shape
 
 
-# ---- NaN check --------------------------------------------------------------------------------
+# ---- NaN check ([Note: NaN check]) ------------------------------------------------------------
+def agree_on_nan(coll: RecordingCollectives, *groups: BucketGroup, dp_rank: int = 0) -> None:
+    """What DistributedDataParallel.finish_grad_sync does after the reductions."""
+    raise_on_nonfinite_grads(
+        groups, coll, None, dp_rank=dp_rank, dp_size=groups[0].dp_size, rank=RANK
+    )
+
+
 def test_nan_check_names_global_ranks_and_local_params() -> None:
     coll = RecordingCollectives(4, bad_peer_ranks=(2,))
     cfg = Config(check_for_nan_in_grad=True)
     g = make_group((2, 2, 2), cfg=cfg, coll=coll, dp_rank=1, dp_size=4)
     grad(g, 0)
     grad(g, 1, float("inf"))
+    g.start_grad_sync()  # flags recorded on the device, nothing agreed on yet
+    assert coll.max_calls == 0 and len(coll.calls) == 1
+    g.finish_grad_sync()
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[101, 102\].*grads in: g0.p1$"):
-        g.start_grad_sync()
-    assert coll.max_calls == 1 and coll.calls == [] and g.grad_state is IDLE
+        agree_on_nan(coll, g, dp_rank=1)
+    assert coll.max_calls == 1 and g.grad_state is IDLE  # the NaN grads are dropped
 
 
 def test_nan_check_ignores_stale_values_of_unwritten_grads() -> None:
@@ -621,7 +632,9 @@ def test_nan_check_ignores_stale_values_of_unwritten_grads() -> None:
     g = make_group(cfg=Config(check_for_nan_in_grad=True), coll=coll, dp_size=2)
     g.buckets[0].grad_data[:2] = float("nan")  # param 0 is stale NaN, never written
     grad(g, 1)
-    g.start_grad_sync()  # zero-filled before the check
+    g.start_grad_sync()  # zero-filled before the flags are taken
+    g.finish_grad_sync()
+    agree_on_nan(coll, g)
     assert coll.max_calls == 1 and g.unused_indices == (0,) and len(coll.calls) == 1
 
 

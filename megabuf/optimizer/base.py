@@ -37,6 +37,7 @@ from torch.distributed import ProcessGroup
 
 from megabuf.bucket_group import GradSyncState
 from megabuf.ddp import DistributedDataParallel
+from megabuf.devices import params_device
 from megabuf.optimizer.clip import NormPart, clip_grads_, count_zeros, global_grad_norm
 from megabuf.optimizer.grad_scaler import GradScaler
 from megabuf.optimizer.main_params import MainParam
@@ -99,8 +100,8 @@ class MegabufOptimizer(torch.optim.Optimizer):
         self.clip_grad = clip_grad
         self.grad_scaler = grad_scaler
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
-        first = next(iter(self.model_chunks[0].param_to_name), None)
-        self.device = first.device if first is not None else torch.device("cpu")
+        # flags, norms and the loss scale live here ([Note: allocation device])
+        self.device = params_device(self.model_params(), None)
         self.keys = model_space_keys(self.model_chunks)
         self._hparams, self._group_of = resolve_param_groups(self.model_chunks, param_groups)
         self.domains: list[Domain] = []
@@ -294,7 +295,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
 
     def get_loss_scale(self) -> torch.Tensor:
         if self.grad_scaler is None:
-            return torch.ones(1)
+            return torch.ones(1, device=self.device)
         return self.grad_scaler.scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

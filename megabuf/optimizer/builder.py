@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from megabuf.ddp import DistributedDataParallel
+from megabuf.devices import params_device
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.config import OptimizerConfig
 from megabuf.optimizer.distributed import DistributedOptimizer
@@ -44,7 +45,7 @@ def build_optimizer(
     params = [p for c in chunks for p in c.param_to_name]
     dtypes = {p.dtype for p in params}
     _check_precision(config, dtypes)
-    device = params[0].device if params else torch.device("cpu")
+    device = params_device(params, None)  # [Note: allocation device]
     optimizer_cls, kwargs = optimizer_class_and_kwargs(config, device)
     grad_scaler = make_grad_scaler(config, device)
     if flags == {True}:

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megabuf.collectives import Collectives
+from megabuf.devices import comm_device
 
 CLIP_EPS = 1e-6  # same as torch.nn.utils.clip_grad_norm_
 
@@ -49,7 +50,7 @@ def _device_of(parts: Sequence[NormPart], device: torch.device | None) -> torch.
     for part in parts:
         for grad in part.grads:
             return grad.device
-    return torch.device("cpu")
+    return comm_device(parts[0].groups[0] if parts and parts[0].groups else None)
 
 
 def _local_sq_sum(grads: Sequence[Tensor], device: torch.device) -> Tensor:

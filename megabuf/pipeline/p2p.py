@@ -53,9 +53,10 @@ class P2PExchange:
 
 class PipelineP2P:
     """Point-to-point traffic of one rank for one schedule run (`tensor_shape`/`dtype` of the
-    activations every stage boundary carries). The compute side leaves what it produced with
-    `put_output` / `put_input_grad` and takes its inputs with `take_input` / `take_output_grad`;
-    `run(steps)` moves them, one batched group per step ([Note: pipeline point-to-point])."""
+    activations every stage boundary carries, received into buffers on `device`). The compute
+    side leaves what it produced with `put_output` / `put_input_grad` and takes its inputs with
+    `take_input` / `take_output_grad`; `run(steps)` moves them, one batched group per step
+    ([Note: pipeline point-to-point])."""
 
     def __init__(
         self,
@@ -66,7 +67,7 @@ class PipelineP2P:
         num_microbatches: int,
         tensor_shape: tuple[int, ...],
         dtype: torch.dtype,
-        device: torch.device | None = None,
+        device: torch.device,
     ) -> None:
         self.group = process_groups.pp
         self.pp_size = process_groups.pp_size
@@ -77,7 +78,8 @@ class PipelineP2P:
         self.num_stages = self.pp_size * num_chunks  # virtual stages
         self.tensor_shape = tuple(tensor_shape)
         self.dtype = dtype
-        self.device = device or torch.device("cpu")
+        # receive buffers: the stage's param device ([Note: allocation device])
+        self.device = device
         self._outbox: dict[Key, Tensor] = {}  # produced here, sent by the next step's group
         self._inbox: dict[Key, Tensor] = {}  # received, not yet consumed
 

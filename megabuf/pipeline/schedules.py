@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from megabuf.collectives import Collectives
+from megabuf.devices import params_device
 from megabuf.pipeline.chunks import set_input_tensor
 from megabuf.pipeline.hooks import GradSyncSwitch, ScheduleHooks, per_chunk
 from megabuf.pipeline.order import (
@@ -46,6 +47,7 @@ class _Runner:
         num_microbatches: int,
         p2p: PipelineP2P | None,
         per_token_loss: bool,
+        device: torch.device,
     ) -> None:
         self.forward_step_func = forward_step_func
         self.data_iterators = data_iterators
@@ -55,7 +57,8 @@ class _Runner:
         self.per_token_loss = per_token_loss
         self.saved: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         self.metrics: list[Any] = []
-        self.num_tokens = torch.zeros(1, dtype=torch.float64)
+        # 1-D, float64, one element; on the stage's param device ([Note: allocation device])
+        self.num_tokens = torch.zeros(1, dtype=torch.float64, device=device)
 
     def is_first(self, chunk: int) -> bool:
         return self.p2p is None or self.p2p.is_first(chunk)
@@ -95,7 +98,8 @@ class _Runner:
                 f"megabuf: per_token_loss=True but loss_func of chunk {chunk} micro-batch "
                 f"{microbatch} returned no token count; return (loss_sum, num_tokens, metrics)"
             )
-        self.num_tokens += torch.as_tensor(num_tokens, dtype=torch.float64).reshape(1)
+        count = torch.as_tensor(num_tokens, dtype=torch.float64, device=self.num_tokens.device)
+        self.num_tokens += count.reshape(1)
         return loss  # type: ignore[no-any-return]
 
     def backward(self, chunk: int, microbatch: int) -> None:
@@ -161,8 +165,10 @@ def forward_backward_no_pipelining(
     if len(chunks) != 1:
         raise ValueError(f"megabuf: no-pipelining schedule takes one model, got {len(chunks)}")
     hooks = hooks or ScheduleHooks()
+    pgs = getattr(chunks[0], "process_groups", None)
+    device = params_device(chunks[0].parameters(), pgs.dp if pgs is not None else None)
     runner = _Runner(forward_step_func, _iterators(data_iterator, 1), chunks,
-                     num_microbatches, None, per_token_loss)  # fmt: skip
+                     num_microbatches, None, per_token_loss, device)  # fmt: skip
     switch = GradSyncSwitch(hooks, chunks)
     switch.disable()
     for m in range(num_microbatches - 1):
@@ -192,6 +198,12 @@ def _pipeline_setup(
     return chunks, pgs, coll
 
 
+def _stage_device(chunks: list[nn.Module], pgs: ProcessGroups) -> torch.device:
+    """Where this stage's receive buffers and token count live: its params' device, or the
+    pipeline group's device if it has no params ([Note: allocation device])."""
+    return params_device((p for chunk in chunks for p in chunk.parameters()), pgs.pp)
+
+
 def forward_backward_pipelining_without_interleaving(
     *,
     forward_step_func: ForwardStepFunc,
@@ -214,10 +226,11 @@ def forward_backward_pipelining_without_interleaving(
     if len(chunks) != 1:
         raise ValueError(f"megabuf: 1F1B takes one model chunk per stage, got {len(chunks)}")
     hooks = hooks or ScheduleHooks()
+    device = _stage_device(chunks, pgs)
     p2p = PipelineP2P(pgs, coll, num_chunks=1, num_microbatches=num_microbatches,
-                      tensor_shape=tensor_shape, dtype=dtype)  # fmt: skip
+                      tensor_shape=tensor_shape, dtype=dtype, device=device)  # fmt: skip
     runner = _Runner(forward_step_func, _iterators(data_iterator, 1), chunks,
-                     num_microbatches, p2p, per_token_loss)  # fmt: skip
+                     num_microbatches, p2p, per_token_loss, device)  # fmt: skip
     order = one_f_one_b_order(num_microbatches, pgs.pp_size, pgs.pp_rank)
     grad_sync = per_chunk(hooks.grad_sync_func, 1, "grad_sync_func")
     switch = GradSyncSwitch(hooks, chunks)
@@ -258,10 +271,11 @@ def forward_backward_pipelining_with_interleaving(
     chunks, pgs, coll = _pipeline_setup(model, process_groups, collectives)
     hooks = hooks or ScheduleHooks()
     n_chunks = len(chunks)
+    device = _stage_device(chunks, pgs)
     p2p = PipelineP2P(pgs, coll, num_chunks=n_chunks, num_microbatches=num_microbatches,
-                      tensor_shape=tensor_shape, dtype=dtype)  # fmt: skip
+                      tensor_shape=tensor_shape, dtype=dtype, device=device)  # fmt: skip
     runner = _Runner(forward_step_func, _iterators(data_iterator, n_chunks), chunks,
-                     num_microbatches, p2p, per_token_loss)  # fmt: skip
+                     num_microbatches, p2p, per_token_loss, device)  # fmt: skip
     order = interleaved_order(num_microbatches, pgs.pp_size, pgs.pp_rank, n_chunks)
     actions = p2p.run(_steps(p2p, order, forward_only, paired=True))
     _InterleavedDriver(runner, order, hooks, chunks, pgs.pp_rank, forward_only).run(actions)

@@ -186,7 +186,9 @@ class MoELayer(nn.Module):
     def _run_experts(self, received: Tensor, recv_counts: Tensor) -> Tensor:
         """Apply local expert e to its rows (every expert runs, on zero rows if need be, so
         each expert param gets a grad every step)."""
-        local_ids = torch.arange(self.num_local_experts).repeat(recv_counts.shape[0])
+        local_ids = torch.arange(self.num_local_experts, device=recv_counts.device).repeat(
+            recv_counts.shape[0]
+        )
         row_expert = local_ids.repeat_interleave(recv_counts.reshape(-1))
         rows = [torch.nonzero(row_expert == e).flatten() for e in range(self.num_local_experts)]
         outs = [expert(received[idx]) for expert, idx in zip(self.experts, rows, strict=True)]
