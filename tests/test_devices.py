@@ -50,6 +50,11 @@ CPU_ALLOWLIST = {
     "params' device; allocates nothing",
     ("testing/models.py", "*"): "seeded CPU generator for reproducible test data",
     ("bench/systems.py", "*"): "benchmark systems, CPU by choice (see megabuf.bench)",
+    ("bench/options.py", "build_parser"): "--device's default: CPU models and gloo on any "
+    "machine unless --device cuda is asked for",
+    ("bench/worker.py", "_rank_device"): "the benchmark's own choice of device (--device)",
+    ("process_groups.py", "init_distributed"): "device='cpu' default: gloo for CPU models "
+    "even where CUDA is visible (the caller says which device its model is on)",
 }
 
 
