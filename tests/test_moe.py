@@ -80,3 +80,4 @@ def test_dense_grads_reduce_over_dp_and_expert_grads_over_expt_dp(results: Any, 
 def test_global_grad_norm_with_experts_matches_reference(results: Any, name: str) -> None:
     for rank, res in enumerate(case_result(results, name)):
         assert abs(res["got"] - res["want"]) <= 1e-5 * res["want"], (name, rank, res)
+        assert abs(res["optimizer"] - res["want"]) <= 1e-5 * res["want"], (name, rank, res)
