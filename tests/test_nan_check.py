@@ -138,14 +138,7 @@ def counting_case() -> dict[str, Any]:
         with model.deferred_grad_sync():
             model(x).sum().backward()
         out[f"backward_calls{it}"] = coll.max_calls - before
-        out[f"dispatched{it}"] = sum(
-            g.grad_state.name == "DISPATCHED" for g in model.all_bucket_groups
-        )
-        try:
-            model.finish_grad_sync()
-            out[f"error{it}"] = None
-        except RuntimeError as exc:
-            out[f"error{it}"] = str(exc)
+        _finish(model, out, it)
         out[f"calls{it}"] = coll.max_calls - before
         out[f"unsynced{it}"] = model.unsynced_group() is not None  # grads dropped on error
     return out
@@ -203,14 +196,7 @@ def cuda_backward_syncs_case() -> dict[str, Any]:
                 loss.backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        out[f"dispatched{it}"] = sum(
-            g.grad_state.name == "DISPATCHED" for g in model.all_bucket_groups
-        )
-        try:
-            model.finish_grad_sync()
-            out[f"error{it}"] = None
-        except RuntimeError as exc:
-            out[f"error{it}"] = str(exc)
+        _finish(model, out, it)
     return out
 
 
@@ -221,3 +207,13 @@ def test_cuda_backward_with_nan_check_never_synchronises(pools: Any) -> None:
     assert res["dispatched1"] == res["dispatched2"] == 4, res  # flags taken in the hooks
     assert res["error0"] is None and res["error1"] is None, res
     assert res["error2"] is not None and "rank(s) [0]" in res["error2"], res
+
+
+def _finish(model: Any, out: dict[str, Any], it: int) -> None:
+    """Record how many groups backward dispatched, then finish_grad_sync's error (or None)."""
+    out[f"dispatched{it}"] = sum(g.grad_state.name == "DISPATCHED" for g in model.all_bucket_groups)
+    try:
+        model.finish_grad_sync()
+        out[f"error{it}"] = None
+    except RuntimeError as exc:
+        out[f"error{it}"] = str(exc)
