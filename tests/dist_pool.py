@@ -56,7 +56,13 @@ def _free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, backend: str, env: dict[str, str], inbox: Any, outbox: Any
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    env: dict[str, str],
+    inbox: Any,
+    outbox: Any,
 ) -> None:
     os.environ.update(env)  # before the first CUDA call, which reads CUDA_LAUNCH_BLOCKING
     import torch
@@ -130,7 +136,15 @@ class DistPool:
         self._procs = [
             _CTX.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self.backend, self.env, self._inboxes[r], self._outbox),
+                args=(
+                    r,
+                    self.world_size,
+                    port,
+                    self.backend,
+                    self.env,
+                    self._inboxes[r],
+                    self._outbox,
+                ),
                 daemon=True,
             )
             for r in range(self.world_size)

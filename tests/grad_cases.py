@@ -249,7 +249,9 @@ def grad_case(case: dict[str, Any]) -> dict[str, Any]:
         "linked": linked,
         "frozen_ok": frozen_ok,
         "grad_copies": {} if distopt else grad_copies(model),
-        "reduce_scatter": model.collectives.strategy(model.process_groups.dp, device).reduce_scatter,
+        "reduce_scatter": model.collectives.strategy(
+            model.process_groups.dp, device
+        ).reduce_scatter,
         "all_params": sorted(names.values()),
         "device": str(next(iter(names)).main_grad.device),
         # every main_grad, for comparing runs with each other ([Note: race windows])
