@@ -14,6 +14,7 @@ import torch
 from case_devices import case_device, race_window
 from dist_pool import run_each
 from gpu_cases import (
+    check,
     check_sweep,
     checkpoint_crosses_devices,
     race_windows_match_launch_blocking,
@@ -64,3 +65,13 @@ def test_case_device_and_race_window_on_cpu() -> None:
     assert not race_window({}, "step")
     assert race_window({"sleep_cycles": {"step": 1000}}, "step")
     assert not race_window({"sleep_cycles": {"step": 1000}}, "finish_grad_sync")
+
+
+def test_checks_fail_on_a_wrong_param_or_strategy() -> None:
+    """The GPU tier's checks can fail: a param off by 1e-3 or the wrong collective strategy."""
+    res = {"strategy": ("native", "native"), "errors": {"w": 1e-3}, "norms": [], "zeros": []}
+    with pytest.raises(AssertionError, match="w"):
+        check("equal", {}, [res], "case", "native")
+    with pytest.raises(AssertionError, match="strategy"):
+        check("equal", {}, [{**res, "errors": {"w": 0.0}}], "case", "all_to_all")
+    check("equal", {}, [{**res, "errors": {"w": 0.0}}], "case", "native")
