@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv test demo lint bench mutants clean
+.PHONY: venv test test-gpu demo lint bench mutants clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -17,6 +17,12 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q
+
+# The GPU tier only (tests marked `gpu`: tests/test_gpu.py, tests/test_gpu_tier.py); every test
+# skips with its reason without CUDA (one GPU: the 2-GPU cases skip). Needs a CUDA build of torch
+# in .venv (the stamp above installs the CPU one): pip install torch==2.13.0 from a CUDA index.
+test-gpu: $(STAMP)
+	$(VPY) -m pytest -q -rs -m gpu
 
 demo: $(STAMP)
 	$(VPY) examples/train_gpt.py --steps 20 --check

@@ -55,7 +55,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, inbox: Any, outbox: Any) -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    env: dict[str, str],
+    inbox: Any,
+    outbox: Any,
+) -> None:
+    os.environ.update(env)  # before the first CUDA call, which reads CUDA_LAUNCH_BLOCKING
     import torch
     import torch.distributed as dist
 
@@ -104,9 +113,19 @@ def _world_size() -> int:
 
 
 class DistPool:
-    def __init__(self, world_size: int, timeout_s: float = 120.0, backend: str = "gloo") -> None:
+    """`backend` "nccl" binds rank r to cuda:r; "gloo" ranks share cuda:0 if a case asks for CUDA.
+    `env` is added to every rank's environment (e.g. CUDA_LAUNCH_BLOCKING=1)."""
+
+    def __init__(
+        self,
+        world_size: int,
+        timeout_s: float = 120.0,
+        backend: str = "gloo",
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.world_size = world_size
         self.backend = backend
+        self.env = dict(env or {})
         self.timeout_s = timeout_s
         self._procs: list[Any] = []
 
@@ -117,7 +136,15 @@ class DistPool:
         self._procs = [
             _CTX.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self.backend, self._inboxes[r], self._outbox),
+                args=(
+                    r,
+                    self.world_size,
+                    port,
+                    self.backend,
+                    self.env,
+                    self._inboxes[r],
+                    self._outbox,
+                ),
                 daemon=True,
             )
             for r in range(self.world_size)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from case_devices import case_device, race_window, to_device
 from torch import nn
 
 import megabuf
@@ -71,6 +72,11 @@ def make_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(GLOBAL_BATCH, DIM, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
 
 
+def case_data(case: dict[str, Any], step: int) -> tuple[torch.Tensor, ...]:
+    """`make_data(step)` (drawn on CPU: the same numbers everywhere) on the case's device."""
+    return to_device(case, *make_data(step))
+
+
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y) ** 2).mean()
 
@@ -85,6 +91,7 @@ def build(case: dict[str, Any]) -> tuple[nn.Module, nn.Module]:
     broadcast_params must make every rank start from rank 0's weights."""
     torch.manual_seed(0)
     net = Net(bf16_tail=case.get("bf16", False), frozen=case.get("frozen", False))
+    net.to(case_device(case))
     ref = copy.deepcopy(net)
     if dist.get_rank() != 0:
         with torch.no_grad():
@@ -95,12 +102,14 @@ def build(case: dict[str, Any]) -> tuple[nn.Module, nn.Module]:
 
 def reference_grads(ref: nn.Module, case: dict[str, Any]) -> dict[str, torch.Tensor]:
     for step in range(case.get("backwards", 1)):
-        x, y = make_data(step)
+        x, y = case_data(case, step)
         loss_fn(ref(x), y).backward()
     return {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
 
 
-def grad_bounds(ref: nn.Module, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def grad_bounds(
+    ref: nn.Module, expected: dict[str, torch.Tensor], case: dict[str, Any]
+) -> dict[str, torch.Tensor]:
     """Per-element bound on |megabuf grad - expected| (one backward, no micro-batches): fp32
     grads FP32_ATOL; bf16 grads [Note: bf16 grad bound], from every rank's local grad, each
     computed here on a fresh copy of the reference model and that rank's slice."""
@@ -108,7 +117,7 @@ def grad_bounds(ref: nn.Module, expected: dict[str, torch.Tensor]) -> dict[str, 
     local_abs: dict[str, torch.Tensor] = {
         n: torch.zeros_like(g, dtype=torch.float32) for n, g in expected.items()
     }
-    x, y = make_data(0)
+    x, y = case_data(case, 0)
     n = GLOBAL_BATCH // world
     for r in range(world):
         local = copy.deepcopy(ref)
@@ -122,7 +131,7 @@ def grad_bounds(ref: nn.Module, expected: dict[str, torch.Tensor]) -> dict[str, 
         if g.dtype == torch.bfloat16:
             bounds[name] = BF16_GRAD_C * BF16_U * (g.float().abs() + local_abs[name])
         else:
-            bounds[name] = torch.full(g.shape, FP32_ATOL)
+            bounds[name] = torch.full(g.shape, FP32_ATOL, device=g.device)
     return bounds
 
 
@@ -134,7 +143,7 @@ def run_ddp(net: nn.Module, case: dict[str, Any]) -> megabuf.DistributedDataPara
     )
     micro = case.get("micro_batches", 1)
     for step in range(case.get("backwards", 1)):
-        x, y = make_data(step)
+        x, y = case_data(case, step)
         xs, ys = local_slice(x).chunk(micro), local_slice(y).chunk(micro)
         for i in range(micro):
             last = i == micro - 1
@@ -142,6 +151,7 @@ def run_ddp(net: nn.Module, case: dict[str, Any]) -> megabuf.DistributedDataPara
             with ctx:
                 # mean over micro-batches of per-micro-batch means = mean over the local batch
                 (loss_fn(model(xs[i]), ys[i]) / micro).backward()
+        race_window(case, "finish_grad_sync")  # [Note: race windows]
         model.finish_grad_sync()
     return model
 
@@ -160,7 +170,7 @@ def grad_errors(
     expected: dict[str, torch.Tensor],
 ) -> dict[str, float]:
     """Max |megabuf grad - expected[names[param]]| per param (see `grad_deviations`)."""
-    bounds = {name: torch.full(g.shape, FP32_ATOL) for name, g in expected.items()}
+    bounds = {name: torch.full(g.shape, FP32_ATOL, device=g.device) for name, g in expected.items()}
     return grad_deviations(model, names, expected, bounds)[0]
 
 
@@ -213,11 +223,14 @@ def grad_case(case: dict[str, Any]) -> dict[str, Any]:
     fresh_ref = copy.deepcopy(ref)
     expected = reference_grads(ref, case)
     if case.get("bf16"):
-        bounds = grad_bounds(fresh_ref, expected)
+        bounds = grad_bounds(fresh_ref, expected, case)
     else:
-        bounds = {name: torch.full(g.shape, FP32_ATOL) for name, g in expected.items()}
+        bounds = {
+            name: torch.full(g.shape, FP32_ATOL, device=g.device) for name, g in expected.items()
+        }
     model = run_ddp(net, case)
     names = model.param_to_name
+    device = case_device(case).type
     errors, ratios = grad_deviations(model, names, expected, bounds)
     # param.grad must be the main_grad view itself (no copy) when dtypes match; with the
     # distributed optimizer it is never exposed (only a shard is reduced)
@@ -236,6 +249,13 @@ def grad_case(case: dict[str, Any]) -> dict[str, Any]:
         "linked": linked,
         "frozen_ok": frozen_ok,
         "grad_copies": {} if distopt else grad_copies(model),
-        "reduce_scatter": model.collectives.strategy(model.process_groups.dp, "cpu").reduce_scatter,
+        "reduce_scatter": model.collectives.strategy(
+            model.process_groups.dp, device
+        ).reduce_scatter,
         "all_params": sorted(names.values()),
+        "device": str(next(iter(names)).main_grad.device),
+        # every main_grad, for comparing runs with each other ([Note: race windows])
+        "main_grads": {n: p.main_grad.detach().cpu() for p, n in names.items()}
+        if case.get("keep_grads")
+        else {},
     }

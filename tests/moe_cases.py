@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from case_devices import case_device, params_device
 from grad_cases import grad_errors
 
 import megabuf
@@ -44,16 +45,17 @@ def _loss(out: torch.Tensor, y: torch.Tensor, per_token: bool) -> torch.Tensor:
     return per_row.sum() if per_token else per_row.mean()
 
 
-def reference_grads() -> dict[str, torch.Tensor]:
-    ref = MoEModel(CFG, seed=3)
-    x, y = moe_batch(CFG, GLOBAL_BATCH, seed=100)
+def reference_grads(device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    device = device or torch.device("cpu")
+    ref = MoEModel(CFG, seed=3).to(device)
+    x, y = (t.to(device) for t in moe_batch(CFG, GLOBAL_BATCH, seed=100))
     _loss(ref(x), y, per_token=False).backward()
     return {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
 
 
 def build(case: dict[str, Any]) -> megabuf.DistributedDataParallel:
     pgs = groups(ep_size=case["ep"])
-    net = MoEModel(CFG, ep_group=pgs.ep, seed=3)
+    net = MoEModel(CFG, ep_group=pgs.ep, seed=3).to(case_device(case))
     cfg = megabuf.DistributedDataParallelConfig.from_dict(case.get("config", {}))
     model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
     net.moe.collectives = model.collectives  # one byte counter for the whole engine
@@ -62,11 +64,12 @@ def build(case: dict[str, Any]) -> megabuf.DistributedDataParallel:
 
 def run_step(model: megabuf.DistributedDataParallel, step: int, per_token: bool) -> None:
     pgs = model.process_groups
-    x, y = moe_batch(CFG, GLOBAL_BATCH, seed=100 + step)
+    device = params_device(model.module)
+    x, y = (t.to(device) for t in moe_batch(CFG, GLOBAL_BATCH, seed=100 + step))
     n = GLOBAL_BATCH // pgs.dp_size
     rows = slice(pgs.dp_rank * n, (pgs.dp_rank + 1) * n)
     _loss(model(x[rows]), y[rows], per_token).backward()
-    num_tokens = torch.tensor(n) if per_token else None
+    num_tokens = torch.tensor(n, device=device) if per_token else None
     finalize_model_grads([model], num_tokens=num_tokens)
 
 
@@ -80,7 +83,7 @@ def compare(model: megabuf.DistributedDataParallel, expected: dict[str, torch.Te
 def grads_case(case: dict[str, Any]) -> dict[str, Any]:
     model = build(case)
     run_step(model, 0, case.get("per_token", False))
-    expected = reference_grads()
+    expected = reference_grads(case_device(case))
     return {
         "errors": compare(model, expected),
         "n_expert_buffers": len(model.expert_parallel_buffers),

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from case_devices import case_device, params_device, race_window
 from grad_cases import NATIVE_GLOO
 from torch import nn
 
@@ -171,6 +172,7 @@ def build_model(case: dict[str, Any], **ddp_overrides: Any) -> megabuf.Distribut
     net = MODELS[case.get("model", "net")]()
     if case.get("bf16") or case.get("fp16"):
         net.to(torch.bfloat16 if case.get("bf16") else torch.float16)
+    net.to(case_device(case))
     if case.get("expert"):  # ep=1: expert params replicated over expt_dp == dp
         megabuf.mark_expert_parallel(net.tail.parameters())
     cfg = megabuf.DistributedDataParallelConfig.from_dict({**case["ddp"], **ddp_overrides})
@@ -204,13 +206,20 @@ def _scaler(case: dict[str, Any]) -> DynamicGradScaler | None:
     return None if kwargs is None else DynamicGradScaler(**kwargs)
 
 
-def train_step(model: Any, opt: Any, step: int, poison: bool = False) -> Any:
-    x, y = make_data(step)
+def train_step(
+    model: Any, opt: Any, step: int, poison: bool = False, case: dict[str, Any] | None = None
+) -> Any:
+    """One step on this rank's slice, on the model's device; `case` may open race windows
+    before finish_grad_sync() and step() ([Note: race windows] in case_devices.py)."""
+    device = params_device(model.module)
+    x, y = (t.to(device) for t in make_data(step))
     opt.zero_grad()
     opt.scale_loss(loss_fn(model(local_slice(x)), local_slice(y))).backward()
+    race_window(case or {}, "finish_grad_sync")
     model.finish_grad_sync()
     if poison and dist.get_rank() == dist.get_world_size() - 1:
         _poison_own_grad(model)
+    race_window(case or {}, "step")
     return opt.step()
 
 
@@ -237,6 +246,7 @@ class Reference:
         self.model = MODELS[case.get("model", "net")]()
         if case.get("bf16") or case.get("fp16"):
             self.model.to(torch.bfloat16 if case.get("bf16") else torch.float16)
+        self.model.to(case_device(case))
         self.params = list(self.model.parameters())
         self.names = [name for name, _ in self.model.named_parameters()]
         self.masters = [p.detach().float().clone() for p in self.params]
@@ -262,7 +272,8 @@ class Reference:
         return [acc.mul_(1.0 / self.slices) for acc in total]  # a power of 2: exact
 
     def step(self, step: int) -> tuple[float, int]:
-        x, y = make_data(step)
+        device = self.masters[0].device
+        x, y = (t.to(device) for t in make_data(step))
         for master, grad in zip(self.masters, self._grads(x, y), strict=True):
             master.grad = grad
         zeros = sum(int((m.grad == 0).sum()) for m in self.masters)
@@ -313,7 +324,7 @@ def master_errors(opt: Any, ref: Reference, steps: int) -> dict[str, tuple[float
 
 
 def _strategy(model: megabuf.DistributedDataParallel) -> tuple[str, str]:
-    strategy = model.collectives.strategy(model.process_groups.dp, "cpu")
+    strategy = model.collectives.strategy(model.process_groups.dp, params_device(model.module))
     return strategy.reduce_scatter, strategy.all_gather
 
 
@@ -324,7 +335,7 @@ def equality_case(case: dict[str, Any]) -> dict[str, Any]:
     ref = Reference(case)
     norms, zeros = [], []
     for step in range(case.get("steps", 3)):
-        ok, norm, n_zeros = train_step(model, opt, step)
+        ok, norm, n_zeros = train_step(model, opt, step, case=case)
         ref_norm, ref_zeros = ref.step(step)
         if not ok:
             raise RuntimeError(f"step {step} unexpectedly skipped")
@@ -337,8 +348,16 @@ def equality_case(case: dict[str, Any]) -> dict[str, Any]:
     return {
         "errors": param_errors(model, ref), "norms": norms, "zeros": zeros, "scale": scale,
         "domains": domains, "masters": masters, "ulps": bf16_param_ulps(model, ref) if bf16 else {},
-        "strategy": _strategy(model),
+        "strategy": _strategy(model), "final": _kept_params(model, case),
     }  # fmt: skip
+
+
+def _kept_params(model: megabuf.DistributedDataParallel, case: dict[str, Any]) -> dict[str, Any]:
+    """Every param on CPU if the case asks (`keep_params`), to compare runs with each other."""
+    if not case.get("keep_params"):
+        return {}
+    model.publish_params()
+    return {n: p.detach().cpu() for n, p in model.module.named_parameters()}
 
 
 def overlap_case(case: dict[str, Any]) -> dict[str, Any]:
@@ -349,7 +368,7 @@ def overlap_case(case: dict[str, Any]) -> dict[str, Any]:
         model = build_model(case, overlap_param_gather=overlap)
         opt = build_opt(model, case)
         for step in range(case.get("steps", 4)):
-            train_step(model, opt, step)
+            train_step(model, opt, step, case=case)
             if overlap:
                 states = {g.param_state for g in model.all_bucket_groups}
                 in_flight &= states == {ParamSyncState.DISPATCHED}
@@ -368,7 +387,7 @@ def overlap_case(case: dict[str, Any]) -> dict[str, Any]:
         "bitwise": bitwise, "in_flight": in_flight, "errors": errors,
         "masters": master_errors(opt, ref, case.get("steps", 4)) if bf16 else {},
         "ulps": bf16_param_ulps(model, ref) if bf16 else {},
-        "strategy": _strategy(model),
+        "strategy": _strategy(model), "final": _kept_params(model, case),
     }  # fmt: skip
 
 

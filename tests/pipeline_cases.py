@@ -16,6 +16,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from case_devices import case_device
 from moe_cases import groups
 
 import megabuf
@@ -42,14 +43,17 @@ def global_batch(step: int, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return make_batch(GCFG, batch_size=n_rows, seed=500 + step)
 
 
-def reference_params(steps: int, n_rows: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Params after `steps` one-process SGD steps, and the global grad norm of each step (the
-    tied embedding is one param here, so it counts once)."""
-    gpt = GPT(GCFG, seed=0)
+def reference_params(
+    steps: int, n_rows: int, device: torch.device | None = None
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Params after `steps` one-process SGD steps on `device` (default CPU), and the global grad
+    norm of each step (the tied embedding is one param here, so it counts once)."""
+    device = device or torch.device("cpu")
+    gpt = GPT(GCFG, seed=0).to(device)
     opt = make_sgd(gpt.parameters())
     norms = []
     for step in range(steps):
-        x, y = global_batch(step, n_rows)
+        x, y = (t.to(device) for t in global_batch(step, n_rows))
         gpt_loss(gpt(x), y).backward()
         norms.append(torch.stack([p.grad.norm() for p in gpt.parameters()]).norm().item())
         opt.step()
@@ -124,7 +128,8 @@ def pipeline_case(case: dict[str, Any]) -> dict[str, Any]:
     pp, n_chunks, m_count = case["pp"], case.get("chunks", 1), case.get("microbatches", 4)
     pgs = groups(pp_size=pp)
     stages = split_gpt(GPT(GCFG, seed=0), pp * n_chunks)
-    mine = [stages[stage_index(pgs.pp_rank, c, pp)] for c in range(n_chunks)]
+    device = case_device(case)
+    mine = [stages[stage_index(pgs.pp_rank, c, pp)].to(device) for c in range(n_chunks)]
     cfg = megabuf.DistributedDataParallelConfig.from_dict(case.get("config", {}))
     chunks = wrap_model_chunks(mine, cfg, pgs)
     params = [p for c in chunks for p in c.parameters()]
@@ -145,7 +150,7 @@ def pipeline_case(case: dict[str, Any]) -> dict[str, Any]:
             opt.zero_grad()  # also dispatches the first lazy param gather (no align)
         for chunk in chunks:
             chunk.zero_grad_buffer()
-        x, y = global_batch(step, n_rows)
+        x, y = (t.to(device) for t in global_batch(step, n_rows))
         start = pgs.dp_rank * m_count * MBS
         batches = [
             (x[start + m * MBS : start + (m + 1) * MBS], y[start + m * MBS : start + (m + 1) * MBS])
@@ -169,7 +174,7 @@ def pipeline_case(case: dict[str, Any]) -> dict[str, Any]:
             opt.step()
     for chunk in chunks:
         chunk.publish_params()  # lazy gathers (overlap_param_gather) land before we read
-    expected, ref_norms = reference_params(steps, n_rows)
+    expected, ref_norms = reference_params(steps, n_rows, device)
     return {**_report(chunks, expected, rec, pgs), "norms": norms, "ref_norms": ref_norms}
 
 
