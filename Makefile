@@ -18,11 +18,24 @@ venv: $(STAMP)
 test: $(STAMP)
 	$(VPY) -m pytest -q
 
-# The GPU tier only (tests marked `gpu`: tests/test_gpu.py, tests/test_gpu_tier.py); every test
-# skips with its reason without CUDA (one GPU: the 2-GPU cases skip). Needs a CUDA build of torch
-# in .venv (the stamp above installs the CPU one): pip install torch==2.13.0 from a CUDA index.
-test-gpu: $(STAMP)
-	$(VPY) -m pytest -q -rs -m gpu
+# The GPU tier (tests marked `gpu`: NCCL at world size 1 and 2, gloo ranks sharing a GPU, race
+# windows, checkpoints across devices); every case skips with its reason without CUDA. It runs
+# in its own venv that sees the machine's site-packages, so a CUDA build of torch already
+# installed there is used as it is; otherwise pip installs torch==2.13.0 from its default index
+# (PyPI's Linux wheels are CUDA builds). `.venv` keeps this machine kind's CPU build.
+GPU_VENV := .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.installed
+
+$(GPU_STAMP): pyproject.toml
+	test -x $(GPU_VENV)/bin/python || $(PY) -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_VENV)/bin/python -c 'import torch' 2>/dev/null || \
+		$(GPU_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(GPU_VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+test-gpu: $(GPU_STAMP)
+	$(GPU_VENV)/bin/python -c 'import torch; print("torch", torch.__version__, "cuda devices:", torch.cuda.device_count())'
+	$(GPU_VENV)/bin/python -m pytest -q -rs -m gpu
 
 demo: $(STAMP)
 	$(VPY) examples/train_gpt.py --steps 20 --check
@@ -42,4 +55,4 @@ mutants: $(STAMP)
 	$(VPY) tests/mutants.py $(MUTANTS_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .mypy_cache .ruff_cache
