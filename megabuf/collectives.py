@@ -26,10 +26,11 @@ with CUDA tensors takes the native collectives. The backend comes from the group
 [Note: one collective per bucket group]
 A bucket group holding several buckets (`disable_bucketing`) is reduced and gathered with as few
 collectives as the backend allows, decided by `CollectiveStrategy.coalesce` per (backend, device):
-- all-reduce, any backend: buckets that are adjacent views of one buffer (every bucket of a
-  buffer, in a group) are reduced as one view over their union (`adjacent_runs`): one call, no
-  copy. Elementwise the result is the same sum; the backend may split a longer tensor into other
-  ring chunks, so at dp > 2 the fp32 summation order of an element can differ from per-bucket calls
+- all-reduce, any backend: buckets that are adjacent views of one buffer are reduced as one view
+  over their union (`adjacent_runs`): one call, no copy. (Today's plans give a multi-bucket group
+  one bucket per buffer, `disable_bucketing`; the merge is for plans that group adjacent buckets.)
+  Elementwise the result is the same sum; the backend may split a longer tensor into other ring
+  chunks, so at dp > 2 an element's fp32 summation order can differ from per-bucket calls
   (bitwise-equal at dp <= 2, like any change of bucket size).
 - reduce-scatter, never by union: each bucket is sharded separately (rank r owns chunk r of
   *every* bucket), so rank r's rows of the union are not contiguous and one all-to-all or

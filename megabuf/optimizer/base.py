@@ -79,7 +79,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
 
     sharded = False  # main params are shards of the buffers (memory_report counts shard padding)
     # sharded, no grad scaler: bf16/fp16 grads are upcast this many elements at a time
-    grad_upcast_window_numel = DEFAULT_WINDOW_NUMEL
+    grad_upcast_window_numel: int | None = DEFAULT_WINDOW_NUMEL  # None: one full copy
     # torch.amp.GradScaler then hands itself to step() instead of unscaling grads it cannot see
     # (fp32 main-param copies get their grads inside step()): step() refuses it by name.
     _step_supports_amp_scaling = True
