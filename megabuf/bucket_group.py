@@ -239,15 +239,17 @@ class BucketGroup:
 
     def zero_unwritten_grads(self) -> None:
         """Zero the main_grad of params that got no grad since zero_grad_buffer(), and remember
-        which they were (`unused_indices`)."""
+        which they were (`unused_indices`). One `_foreach_zero_` per dtype, not one call each."""
         unused = []
         i = self._unwritten.find(1)
         while i != -1:
-            self.params_list[i].main_grad.zero_()  # type: ignore[attr-defined]
             self._unwritten[i] = 0
             unused.append(i)
             i = self._unwritten.find(1, i + 1)
         self.unused_indices = tuple(unused)
+        grads = [self.params_list[i].main_grad for i in unused]  # type: ignore[attr-defined]
+        for same_dtype in _by_dtype(grads):
+            torch._foreach_zero_(same_dtype)
 
     # ---- readiness ([Note: grad readiness]) ---------------------------------------------------
     @property
@@ -334,31 +336,35 @@ class BucketGroup:
         self.zero_unwritten_grads()
         if self.ddp_config.check_for_nan_in_grad:
             self._record_nonfinite()
-        async_op = self.ddp_config.overlap_grad_reduce
-        self._grad_work = SyncWork([self._reduce(b, async_op) for b in self.buckets])
+        self._grad_work = SyncWork(self._reduce(self.ddp_config.overlap_grad_reduce))
         self.grad_state = GradSyncState.DISPATCHED
         if self.timeline is not None:
             self.timeline.record(self.group_id, "dispatch")
 
-    def _reduce(self, bucket: _ParamAndGradBucket, async_op: bool) -> PendingCollective:
+    def _reduce(self, async_op: bool) -> list[PendingCollective]:
+        """Every bucket's reduction, with as few collectives as the strategy allows ([Note: one
+        collective per bucket group] in collectives.py)."""
         cfg = self.ddp_config
-        average, scale = cfg.average_in_collective, bucket.gradient_scaling_factor
-        if not cfg.use_distributed_optimizer or bucket.grad_data.dtype == torch.float16:
-            # Pre-scale, as torch DDP does (all-reduce results match it bit for bit). fp16 is
-            # always pre-scaled: a sum of dp fp16 values can overflow where their mean cannot.
-            if scale != 1.0:
-                bucket.grad_data.mul_(scale)
-            scale = 1.0
+        grads = [b.grad_data for b in self.buckets]
+        scales = [b.gradient_scaling_factor for b in self.buckets]
+        # Pre-scale, as torch DDP does (all-reduce results match it bit for bit). fp16 is always
+        # pre-scaled: a sum of dp fp16 values can overflow where their mean cannot. The
+        # distributed optimizer otherwise scales after the reduce-scatter: 1/dp of the elements.
+        pre = [not cfg.use_distributed_optimizer or g.dtype == torch.float16 for g in grads]
+        _foreach_scale([g for g, p, f in zip(grads, pre, scales) if p and f != 1.0],
+                       [f for g, p, f in zip(grads, pre, scales) if p and f != 1.0])  # fmt: skip
+        group, average = self.collective_group, cfg.average_in_collective
         if not cfg.use_distributed_optimizer:
-            return self.collectives.all_reduce(
-                bucket.grad_data, self.collective_group, average=average, async_op=async_op
+            return self.collectives.all_reduce_many(
+                grads, group, average=average, async_op=async_op
             )
-        # Otherwise scale after the reduce-scatter: only the shard, 1/dp of the elements.
-        if bucket.scratch is None and self._needs_scratch(bucket.grad_data.device):
-            bucket.scratch = torch.empty_like(bucket.grad_data)
-        return self.collectives.reduce_scatter(
-            self._local_shard(bucket.grad_data), bucket.grad_data, self.collective_group,
-            average=average, async_op=async_op, scratch=bucket.scratch, scale=scale,
+        for bucket in self.buckets:
+            if bucket.scratch is None and self._needs_scratch(bucket.grad_data.device):
+                bucket.scratch = torch.empty_like(bucket.grad_data)
+        return self.collectives.reduce_scatter_many(
+            [self._local_shard(g) for g in grads], grads, group, average=average,
+            async_op=async_op, scratches=[b.scratch for b in self.buckets],
+            scales=[1.0 if p else f for p, f in zip(pre, scales)],
         )  # fmt: skip
 
     def finish_grad_sync(self) -> None:
@@ -423,15 +429,14 @@ class BucketGroup:
         if self.param_state is not ParamSyncState.STALE:
             return
         async_op = self.ddp_config.overlap_param_gather and not force_sync
-        pending = []
-        for bucket in self.buckets:
-            if bucket.param_data is None:
-                raise RuntimeError("megabuf: param sync needs use_distributed_optimizer=True")
-            work = self.collectives.all_gather(
-                bucket.param_data, self._local_shard(bucket.param_data), self.collective_group,
-                async_op=async_op, tag=self.group_id,
-            )  # fmt: skip
-            pending.append(work)
+        params = [b.param_data for b in self.buckets]
+        if any(p is None for p in params):
+            raise RuntimeError("megabuf: param sync needs use_distributed_optimizer=True")
+        full = [p for p in params if p is not None]
+        pending = self.collectives.all_gather_many(
+            full, [self._local_shard(p) for p in full], self.collective_group,
+            async_op=async_op, tag=self.group_id,
+        )  # fmt: skip
         self._param_work = SyncWork(pending)
         self.param_state = ParamSyncState.DISPATCHED
         if not async_op:
@@ -466,6 +471,23 @@ class BucketGroup:
 
     def _name(self, param: torch.nn.Parameter) -> str:
         return self.param_to_name.get(param, f"<param of shape {tuple(param.shape)}>")
+
+
+def _by_dtype(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
+    """`tensors` split into lists of one (device, dtype) each, as the foreach ops want them."""
+    lists: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        lists.setdefault((t.device, t.dtype), []).append(t)
+    return list(lists.values())
+
+
+def _foreach_scale(tensors: Sequence[Tensor], factors: Sequence[float]) -> None:
+    """tensors[i] *= factors[i] in place: one `_foreach_mul_` per (device, dtype, factor)."""
+    lists: dict[tuple[torch.device, torch.dtype, float], list[Tensor]] = {}
+    for t, f in zip(tensors, factors, strict=True):
+        lists.setdefault((t.device, t.dtype, f), []).append(t)
+    for (_, _, factor), same in lists.items():
+        torch._foreach_mul_(same, factor)
 
 
 def build_chain(groups: Sequence[BucketGroup], order_key: Callable[[BucketGroup], int]) -> None:

@@ -22,6 +22,28 @@ with CUDA tensors takes the native collectives. The backend comes from the group
 `dist.get_backend_config` ("cpu:gloo,cuda:gloo" for "gloo"; "cpu:gloo" for an
 `init_process_group()` without a backend on a machine without an accelerator), never from
 `dist.get_backend`, which reports "undefined" or the mixed string there.
+
+[Note: one collective per bucket group]
+A bucket group holding several buckets (`disable_bucketing`) is reduced and gathered with as few
+collectives as the backend allows, decided by `CollectiveStrategy.coalesce` per (backend, device):
+- all-reduce, any backend: buckets that are adjacent views of one buffer are reduced as one view
+  over their union (`adjacent_runs`): one call, no copy. (Today's plans give a multi-bucket group
+  one bucket per buffer, `disable_bucketing`; the merge is for plans that group adjacent buckets.)
+  Elementwise the result is the same sum; the backend may split a longer tensor into other ring
+  chunks, so at dp > 2 an element's fp32 summation order can differ from per-bucket calls
+  (bitwise-equal at dp <= 2, like any change of bucket size).
+- reduce-scatter, never by union: each bucket is sharded separately (rank r owns chunk r of
+  *every* bucket), so rank r's rows of the union are not contiguous and one all-to-all or
+  reduce-scatter over the union would hand rank r the wrong elements (chunk r of the union).
+- coalesce="manager" (NCCL on CUDA): the remaining calls of a group (one per buffer for all-reduce,
+  one per bucket for reduce-scatter and all-gather) go into one `_coalescing_manager` batch, which
+  torch turns into one grouped NCCL launch (allreduce_coalesced, reduce_scatter_tensor_coalesced,
+  allgather_into_tensor_coalesced) with one work handle. Per-tensor results are those of separate
+  calls.
+- coalesce="none" (gloo, fallback): gloo accepts the same batch but flattens it into a copy and
+  does not speed it up (supports_coalescing is False); its reduce-scatter is an all-to-all per
+  bucket, and its p2p all-gather sends every bucket's shard in one `batch_isend_irecv`.
+`CommStats.calls` counts one call per issued batch.
 """
 
 from __future__ import annotations
@@ -29,7 +51,7 @@ from __future__ import annotations
 import functools
 import pickle
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.distributed_c10d import _coalescing_manager
 
 Group = ProcessGroup | None
 
@@ -49,6 +72,8 @@ class CollectiveStrategy:
     reduce_scatter: Literal["native", "all_to_all"]
     all_gather: Literal["native", "p2p"]
     has_avg: bool  # backend supports ReduceOp.AVG
+    # batch a bucket group's calls ([Note: one collective per bucket group])
+    coalesce: Literal["manager", "none"] = "none"
 
 
 STRATEGIES: dict[tuple[str, str], CollectiveStrategy] = {
@@ -57,7 +82,7 @@ STRATEGIES: dict[tuple[str, str], CollectiveStrategy] = {
         reduce_scatter="all_to_all", all_gather="p2p", has_avg=False
     ),
     ("nccl", "cuda"): CollectiveStrategy(
-        reduce_scatter="native", all_gather="native", has_avg=True
+        reduce_scatter="native", all_gather="native", has_avg=True, coalesce="manager"
     ),
 }
 FALLBACK_STRATEGY = CollectiveStrategy(reduce_scatter="native", all_gather="native", has_avg=False)
@@ -189,6 +214,32 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def adjacent_runs(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """`tensors` in order, each run of 1-D views that continue one another in one storage merged
+    into one view over the run ([Note: one collective per bucket group]); nothing is copied."""
+    runs: list[Tensor] = []
+    for t in tensors:
+        if runs and _continues(runs[-1], t):
+            last = runs[-1]
+            runs[-1] = last.as_strided((last.numel() + t.numel(),), (1,), last.storage_offset())
+        else:
+            runs.append(t)
+    return runs
+
+
+def _continues(a: Tensor, b: Tensor) -> bool:
+    """True if `b` starts in `a`'s storage right where the 1-D contiguous `a` ends."""
+    return (
+        a.dim() == b.dim() == 1
+        and a.is_contiguous()
+        and b.is_contiguous()
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() + a.numel() == b.storage_offset()
+    )
+
+
 @dataclass(frozen=True)
 class P2PMessage:
     """One message of a batched point-to-point group (`Collectives.batch_p2p`): send `tensor` to
@@ -301,7 +352,7 @@ class Collectives:
         self, output: Tensor, input: Tensor, group: Group, *, async_op: bool = True, tag: int = 0
     ) -> PendingCollective:
         """output = concatenation over ranks of each rank's `input` (a 1-D shard)."""
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        size = dist.get_world_size(group)
         if output.numel() != input.numel() * size:
             raise ValueError(
                 f"megabuf: all_gather output has {output.numel()} elements, expected "
@@ -316,25 +367,118 @@ class Collectives:
                 )  # fmt: skip
                 work = dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
                 return self._pending("all_gather", work, None, None, 1)
+        return self._p2p_all_gather([(output, input)], group, async_op=async_op, tag=tag)
+
+    def _p2p_all_gather(
+        self, pairs: Sequence[tuple[Tensor, Tensor]], group: Group, *, async_op: bool, tag: int
+    ) -> PendingCollective:
+        """The gloo all-gather of every (output, input) pair as one batch of point-to-point
+        messages (bucket by bucket, peer by peer: the same order on every rank)."""
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        ops, sent, received, ring = [], 0, 0, 0
+        for output, input in pairs:
             chunks = output.view(size, -1)
             if chunks[rank].data_ptr() != input.data_ptr():
                 chunks[rank].copy_(input)
-            ops = []
-            sent = received = 0
+            ring += (size - 1) * _nbytes(input)
             for peer in range(size):
                 if peer != rank:
                     peer_global = dist.get_global_rank(group, peer) if group else peer
                     ops.append(dist.P2POp(dist.isend, input, peer_global, group, tag))
                     ops.append(dist.P2POp(dist.irecv, chunks[peer], peer_global, group, tag))
                     sent, received = sent + _nbytes(input), received + _nbytes(chunks[peer])
-            self.stats.record(
-                "all_gather", input_nbytes=sent, output_nbytes=received, ring_nbytes=ring
-            )
+        self.stats.record("all_gather", input_nbytes=sent, output_nbytes=received, ring_nbytes=ring)
+        with torch.profiler.record_function("megabuf::all_gather"):
             handles = dist.batch_isend_irecv(ops) if ops else []
         pending = PendingCollective("all_gather", list(handles))
         if not async_op:
             pending.wait()
         return pending
+
+    # ---- one bucket group's calls ([Note: one collective per bucket group]) ------------------
+    def all_reduce_many(
+        self, tensors: Sequence[Tensor], group: Group, *, average: bool = False,
+        async_op: bool = True,
+    ) -> list[PendingCollective]:  # fmt: skip
+        """All-reduce every tensor in place: adjacent views as one, the rest batched if the
+        strategy coalesces."""
+        runs = adjacent_runs(tensors)
+        if len(runs) > 1 and self._coalesces(group, runs[0].device, "all_reduce"):
+            return self._coalesced(
+                "all_reduce", group, async_op,
+                lambda: [self.all_reduce(t, group, average=average) for t in runs],
+            )  # fmt: skip
+        return [self.all_reduce(t, group, average=average, async_op=async_op) for t in runs]
+
+    def reduce_scatter_many(
+        self,
+        outputs: Sequence[Tensor],
+        inputs: Sequence[Tensor],
+        group: Group,
+        *,
+        average: bool = False,
+        async_op: bool = True,
+        scratches: Sequence[Tensor | None],
+        scales: Sequence[float],
+    ) -> list[PendingCollective]:
+        """`reduce_scatter` of every (output, input) pair: batched if the strategy coalesces
+        native reduce-scatters, never merged ([Note: one collective per bucket group])."""
+        args = list(zip(outputs, inputs, scratches, scales, strict=True))
+
+        def issue(async_: bool) -> list[PendingCollective]:
+            return [
+                self.reduce_scatter(
+                    o, i, group, average=average, async_op=async_, scratch=sc, scale=f
+                )
+                for o, i, sc, f in args
+            ]
+
+        if len(args) > 1 and self._coalesces(group, inputs[0].device, "reduce_scatter"):
+            return self._coalesced("reduce_scatter", group, async_op, lambda: issue(True))
+        return issue(async_op)
+
+    def _coalesces(self, group: Group, device: torch.device, op: str) -> bool:
+        """The strategy batches `op` in the coalescing manager (its native form only)."""
+        strategy = self.strategy(group, device)
+        native = op == "all_reduce" or getattr(strategy, op) == "native"
+        return strategy.coalesce == "manager" and native
+
+    def all_gather_many(
+        self, outputs: Sequence[Tensor], inputs: Sequence[Tensor], group: Group, *,
+        async_op: bool = True, tag: int = 0,
+    ) -> list[PendingCollective]:  # fmt: skip
+        """`all_gather` of every (output, input) pair: one p2p batch on gloo, a coalesced batch
+        where the strategy coalesces native all-gathers, else one call each."""
+        pairs = list(zip(outputs, inputs, strict=True))
+        if not pairs:
+            return []
+        strategy = self.strategy(group, inputs[0].device)
+        if strategy.all_gather == "p2p":
+            return [self._p2p_all_gather(pairs, group, async_op=async_op, tag=tag)]
+        if len(pairs) > 1 and self._coalesces(group, inputs[0].device, "all_gather"):
+            return self._coalesced(
+                "all_gather", group, async_op,
+                lambda: [self.all_gather(o, i, group, tag=tag) for o, i in pairs],
+            )  # fmt: skip
+        return [self.all_gather(o, i, group, async_op=async_op, tag=tag) for o, i in pairs]
+
+    def _coalesced(
+        self, op: str, group: Group, async_op: bool, issue: Callable[[], list[PendingCollective]]
+    ) -> list[PendingCollective]:
+        """Issue native collectives (each `async_op=True`) inside torch's coalescing manager,
+        which records them and launches them as one batch with one work handle. The records
+        keep their epilogues (AVG division, scale); the first one owns the handle, so waiting
+        in order waits for the batch first. Counted as one call."""
+        with _coalescing_manager(group, None, async_ops=True) as manager:
+            pendings = issue()  # placeholders: torch returns no real work inside the manager
+        for pending in pendings:
+            pending.handles = []
+        pendings[0].handles = list(manager.works)
+        self.stats.calls[op] -= len(pendings) - 1
+        if not async_op:
+            for pending in pendings:
+                pending.wait()
+        return pendings
 
     def broadcast(self, tensor: Tensor, src_group_rank: int, group: Group) -> None:
         """Synchronously copy `tensor` from group rank `src_group_rank` to every rank."""

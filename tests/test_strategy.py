@@ -22,7 +22,9 @@ from megabuf.collectives import (
 from megabuf.testing import spawn
 
 GLOO_CPU = CollectiveStrategy(reduce_scatter="all_to_all", all_gather="p2p", has_avg=False)
-NCCL_CUDA = CollectiveStrategy(reduce_scatter="native", all_gather="native", has_avg=True)
+NCCL_CUDA = CollectiveStrategy(
+    reduce_scatter="native", all_gather="native", has_avg=True, coalesce="manager"
+)
 NATIVE_NO_AVG = CollectiveStrategy(reduce_scatter="native", all_gather="native", has_avg=False)
 
 # (backend string as torch reports it, device type) -> strategy, written out by hand

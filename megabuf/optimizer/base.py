@@ -40,7 +40,8 @@ from megabuf.ddp import DistributedDataParallel
 from megabuf.devices import params_device
 from megabuf.optimizer.clip import NormPart, clip_grads_, count_zeros, global_grad_norm
 from megabuf.optimizer.grad_scaler import GradScaler
-from megabuf.optimizer.main_params import MainParam
+from megabuf.optimizer.grad_upcast import DEFAULT_WINDOW_NUMEL, is_half_grad, step_in_windows
+from megabuf.optimizer.main_params import MainParam, write_back_all
 from megabuf.optimizer.memory import OptimizerMemoryReport, memory_report
 from megabuf.optimizer.model_space import common_state, load_model_space_state, owned_pieces
 from megabuf.optimizer.param_groups import (
@@ -77,6 +78,8 @@ class MegabufOptimizer(torch.optim.Optimizer):
     """
 
     sharded = False  # main params are shards of the buffers (memory_report counts shard padding)
+    # sharded, no grad scaler: bf16/fp16 grads are upcast this many elements at a time
+    grad_upcast_window_numel: int | None = DEFAULT_WINDOW_NUMEL  # None: one full copy
     # torch.amp.GradScaler then hands itself to step() instead of unscaling grads it cannot see
     # (fp32 main-param copies get their grads inside step()): step() refuses it by name.
     _step_supports_amp_scaling = True
@@ -175,7 +178,9 @@ class MegabufOptimizer(torch.optim.Optimizer):
         with torch.profiler.record_function("megabuf::optimizer_step"):
             self._check_grads_synced()
             self._versions.reload_edited()
-            self._copied_grads = any([mp.attach_grad() for mp in self.main_params])
+            lazy = self._upcast_window_numel() is not None
+            attach = [mp for mp in self.main_params if not (lazy and is_half_grad(mp))]
+            self._copied_grads = any([mp.attach_grad() for mp in attach])
             grads = [mp.main.grad for mp in self.main_params if mp.main.grad is not None]
             if self._scaler_found_inf(grads):
                 return self._skip(None)
@@ -183,23 +188,36 @@ class MegabufOptimizer(torch.optim.Optimizer):
             grad_norm = global_grad_norm(parts, self.collectives, device=self.device)
             if not math.isfinite(grad_norm):  # the same value on every rank
                 return self._skip(grad_norm)
+            coef = 1.0  # applied to attached grads here, to upcast windows as they are made
             if self.clip_grad > 0.0:
-                clip_grads_(grads, self.clip_grad, grad_norm)
+                coef = clip_grads_(grads, self.clip_grad, grad_norm)
             num_zeros = None
             if self.log_num_zeros_in_grad:
                 num_zeros = count_zeros(parts, self.collectives, device=self.device)
-            self._update()
+            self._update(coef)
             return StepResult(True, grad_norm, num_zeros)
 
-    def _update(self) -> None:
-        """Step the inner optimizers and publish the new values into the model's memory."""
+    def _upcast_window_numel(self) -> int | None:
+        """Window of the half-precision grads' upcast, or None when every such grad gets its
+        fp32 copy at attach time; see [Note: bf16 grads without an fp32 copy]."""
+        if not self.sharded or self.grad_scaler is not None:
+            return None
+        return self.grad_upcast_window_numel
+
+    def _update(self, coef: float) -> None:
+        """Step the inner optimizers and publish the new values into the model's memory
+        (`coef`: the clip factor, for grads upcast during the step)."""
         self._before_update()
+        window = self._upcast_window_numel()
         with torch.profiler.record_function("megabuf::inner_step"):
-            for domain in self.domains:
-                domain.optimizer.step()
+            if window is not None:
+                optimizers = [d.optimizer for d in self.domains]
+                step_in_windows(optimizers, self.main_params, window, coef)
+            else:
+                for domain in self.domains:
+                    domain.optimizer.step()
         with torch.profiler.record_function("megabuf::copy_main_to_model"):
-            for mp in self.main_params:
-                mp.write_back()
+            write_back_all(self.main_params)
         self._versions.record()  # the write-back moves no version; record anyway
         self._release_grads()
         self._after_update()
@@ -235,14 +253,19 @@ class MegabufOptimizer(torch.optim.Optimizer):
         scaler.update(found_inf)
         return found_inf
 
-    @staticmethod
-    def _grads_of(domain: Domain, skip_shared: bool) -> list[torch.Tensor]:
-        return [
-            mp.main.grad
-            for mp in domain.main_params
-            if mp.main.grad is not None
-            and not (skip_shared and getattr(mp.model_param, "shared_embedding", False))
-        ]
+    def _grads_of(self, domain: Domain, skip_shared: bool) -> list[torch.Tensor]:
+        """The grads the norm reads: attached ones, and half-precision shards read in place
+        when they are upcast only during the step ([Note: bf16 grads without an fp32 copy])."""
+        lazy = self._upcast_window_numel() is not None
+        grads = []
+        for mp in domain.main_params:
+            if skip_shared and getattr(mp.model_param, "shared_embedding", False):
+                continue
+            if mp.main.grad is not None:
+                grads.append(mp.main.grad)
+            elif lazy and is_half_grad(mp):
+                grads.append(mp.model_grad)
+        return grads
 
     def _norm_parts(self) -> list[NormPart]:
         """One part per kind present anywhere in the model (empty where this rank has none).
@@ -326,6 +349,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
             num_param_groups=len(self._hparams),
             grad_scaler=self.grad_scaler,
             sharded=self.sharded,
+            grad_upcast_window_numel=self._upcast_window_numel(),
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -56,7 +56,9 @@ def _device_of(parts: Sequence[NormPart], device: torch.device | None) -> torch.
 def _local_sq_sum(grads: Sequence[Tensor], device: torch.device) -> Tensor:
     if not grads:
         return torch.zeros(1, dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(list(grads), 2)
+    # bf16/fp16 grads read in place: norm of the exact fp32 upcast, without making it
+    half = any(g.dtype != torch.float32 for g in grads)
+    norms = torch._foreach_norm(list(grads), 2, dtype=torch.float32 if half else None)
     return torch.stack([n.float() for n in norms]).pow(2).sum().reshape(1)
 
 

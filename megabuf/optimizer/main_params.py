@@ -15,6 +15,7 @@ sharding is invisible in the maths.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,20 @@ class MainParam:
         """Re-read the model's current values (after the model param was edited)."""
         if self.model_data is not None:
             self.main.copy_(self.model_data.view(self.main.shape))
+
+
+def write_back_all(main_params: Sequence[MainParam]) -> None:
+    """`write_back` of every main param that is a copy: one `_foreach_copy_` per (device, model
+    dtype) instead of one copy each (the same rounding, element by element)."""
+    lists: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
+    for mp in main_params:
+        if mp.model_data is not None:
+            key = (mp.model_data.device, mp.model_data.dtype)
+            dst, src = lists.setdefault(key, ([], []))
+            dst.append(mp.model_data)
+            src.append(mp.main.view(mp.model_data.shape))
+    for dst, src in lists.values():
+        torch._foreach_copy_(dst, src)
 
 
 def sharded_main_params(

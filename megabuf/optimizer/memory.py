@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from megabuf.optimizer.grad_upcast import is_half_grad, peak_window_nbytes
 from megabuf.optimizer.param_groups import grad_buffers
 from megabuf.optimizer.records import OptimizerParts
 
@@ -26,6 +27,10 @@ class OptimizerMemoryReport:
     scalar_state_nbytes: int  # per-tensor scalars (e.g. Adam's `step`, one per main param)
     param_buffer_nbytes: int  # model params (the param_data buffers, or the params themselves)
     grad_buffer_nbytes: int  # grad_data buffers
+    # transient fp32 copies of bf16/fp16 grads during a step (peak); see [Note: bf16 grads
+    # without an fp32 copy]: the largest upcast window, or all of them at once
+    grad_copy_nbytes: int = 0
+    grad_copy_saved_nbytes: int = 0  # fp32 bytes of copying every half grad, minus the above
 
     @property
     def padding_numel(self) -> int:
@@ -67,6 +72,9 @@ def memory_report(parts: OptimizerParts) -> OptimizerMemoryReport:
         _nbytes(b.param_data) if b.param_data is not None else sum(_nbytes(p) for p in b.params)
         for b in buffers
     )
+    full_copy = sum(4 * mp.numel for mp in parts.main_params if is_half_grad(mp))
+    window = parts.grad_upcast_window_numel
+    copy = full_copy if window is None else peak_window_nbytes(parts.main_params, window)
     return OptimizerMemoryReport(
         owned_numel=owned,
         shard_numel=shard,
@@ -75,4 +83,6 @@ def memory_report(parts: OptimizerParts) -> OptimizerMemoryReport:
         scalar_state_nbytes=scalar_nbytes,
         param_buffer_nbytes=param_nbytes,
         grad_buffer_nbytes=sum(_nbytes(b.grad_data) for b in buffers),
+        grad_copy_nbytes=copy,
+        grad_copy_saved_nbytes=full_copy - copy,
     )

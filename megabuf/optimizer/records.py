@@ -49,6 +49,8 @@ class OptimizerParts:
     num_param_groups: int  # user param groups (every inner optimizer has this many)
     grad_scaler: GradScaler | None
     sharded: bool  # main params are shards of the buffers (the distributed optimizer)
+    # half-precision grads upcast in windows of this many elements; None: all copied at once
+    grad_upcast_window_numel: int | None = None
 
     @property
     def main_params(self) -> list[MainParam]:
