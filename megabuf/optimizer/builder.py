@@ -103,7 +103,7 @@ def optimizer_class_and_kwargs(
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The optimizer class `config.implementation` names for params on `device` and its
     constructor args; see [Note: optimizer implementation]."""
-    common = {"lr": config.lr, "weight_decay": config.weight_decay}
+    common: dict[str, Any] = {"lr": config.lr, "weight_decay": config.weight_decay}
     name = config.optimizer if isinstance(config.optimizer, str) else None
     choice = choose_implementation(config.implementation, name, device.type, importable_packages())
     if name is None:
