@@ -177,3 +177,67 @@ def test_bench_quick_on_cuda(tmp_path: Path) -> None:
     assert {r["system"] for r in rows} == set(systems.split(",")), rows
     for row in rows:
         assert row["status"] == "ok", row
+
+
+# ---- optimizer implementations on CUDA ([Note: optimizer implementation]) ------------------
+def _installed(package: str) -> bool:
+    from megabuf.optimizer.builder import importable_packages
+
+    return package in importable_packages()
+
+
+def cuda_implementation_run(implementation: str, name: str) -> dict[str, Any]:
+    """Rank side: `build_optimizer` with `implementation` on a CUDA model, 3 steps; the class
+    and kernel flags it built, and the params against a for-loop torch optimizer's."""
+    from megabuf.optimizer.builder import optimizer_class_and_kwargs
+
+    megabuf.init_distributed(device="cuda")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    ref = copy.deepcopy(net).cuda()
+    model = megabuf.DistributedDataParallel(net.cuda(), megabuf.DistributedDataParallelConfig())
+    cfg = megabuf.OptimizerConfig(optimizer=name, implementation=implementation, lr=1e-2)
+    opt = megabuf.build_optimizer(model, cfg)
+    ref_opt = megabuf.OptimizerConfig(optimizer=name, implementation="for_loop", lr=1e-2)
+    ref_cls, ref_kwargs = optimizer_class_and_kwargs(ref_opt, torch.device("cuda"))
+    torch_opt = ref_cls(ref.parameters(), **ref_kwargs)
+    n = 8 // dist.get_world_size()
+    for step in range(3):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step)).cuda()
+        opt.zero_grad()
+        model(x[dist.get_rank() * n : (dist.get_rank() + 1) * n]).square().mean().backward()
+        model.finish_grad_sync()
+        opt.step()
+        torch_opt.zero_grad()
+        ref(x).square().mean().backward()
+        torch_opt.step()
+    inner = opt.parts().domains[0].optimizer
+    group = inner.param_groups[0]
+    worst = max(
+        (p - q).abs().max().item() for p, q in zip(net.parameters(), ref.parameters(), strict=True)
+    )
+    return {
+        "class": f"{type(inner).__module__}.{type(inner).__name__}",
+        "fused": group.get("fused"), "worst": worst,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd"])
+def test_auto_is_torch_fused_on_cuda_and_matches_the_for_loop_kernel(name: str) -> None:
+    for rank, res in enumerate(spawn(cuda_implementation_run, WORLD, "auto", name, timeout_s=300)):
+        assert res["class"].startswith("torch.optim.") and res["fused"] is True, (rank, res)
+        assert res["worst"] <= 1e-5, (rank, res)
+
+
+@pytest.mark.parametrize(
+    ("implementation", "module"),
+    [("apex", "apex.optimizers"), ("transformer_engine", "transformer_engine.pytorch.optimizers")],
+)
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_nvidia_fused_adam_when_asked(implementation: str, module: str, name: str) -> None:
+    if not _installed(implementation):
+        pytest.skip(f"{implementation} is not installed (never faked)")
+    results = spawn(cuda_implementation_run, WORLD, implementation, name, timeout_s=300)
+    for rank, res in enumerate(results):
+        assert res["class"] == f"{module}.FusedAdam", (rank, res)
+        assert res["worst"] <= 1e-5, (rank, res)

@@ -1,5 +1,6 @@
 """Pure tests (no process group): optimizer config, grad scalers, clipping arithmetic, builder
-choices of torch optimizer class and arguments."""
+choices of torch optimizer class and arguments, the implementation choice and the state layout
+that checkpoints check."""
 
 from __future__ import annotations
 
@@ -12,6 +13,19 @@ import megabuf
 from megabuf.optimizer import ConstantGradScaler, DynamicGradScaler
 from megabuf.optimizer.builder import make_grad_scaler, optimizer_class_and_kwargs
 from megabuf.optimizer.clip import clip_grads_
+from megabuf.optimizer.implementation import TORCH_KWARGS, choose_implementation
+from megabuf.optimizer.state_layout import (
+    SCALAR,
+    conform_scalars,
+    describe_layout_problems,
+    entry_kind,
+    expected_layout,
+    group_problems,
+    layout_of,
+    layout_problems,
+    probe_state,
+    restorable,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -42,9 +56,144 @@ def test_builder_maps_names_to_torch_semantics() -> None:
     cls, _ = optimizer_class_and_kwargs(cfg.replace(optimizer="adamw"), CPU)
     assert cls is torch.optim.AdamW
     cls, kwargs = optimizer_class_and_kwargs(cfg.replace(optimizer="sgd"), CPU)
-    assert cls is torch.optim.SGD and kwargs == {"lr": 0.5, "weight_decay": 0.1, "momentum": 0.8}
+    assert cls is torch.optim.SGD
+    assert kwargs == {"lr": 0.5, "weight_decay": 0.1, "momentum": 0.8, "foreach": True}
     cls, kwargs = optimizer_class_and_kwargs(cfg.replace(optimizer=torch.optim.Adagrad), CPU)
     assert cls is torch.optim.Adagrad and kwargs == {"lr": 0.5, "weight_decay": 0.1}
+
+
+NONE: frozenset[str] = frozenset()
+BOTH = frozenset({"apex", "transformer_engine"})
+FUSED, FOREACH, FOR_LOOP = {"fused": True}, {"foreach": True}, {"foreach": False, "fused": False}
+TE = "transformer_engine.pytorch.optimizers"
+
+
+@pytest.mark.parametrize(
+    ("implementation", "optimizer", "device", "importable", "class_path", "kwargs"),
+    [
+        ("auto", "adam", "cuda", NONE, "torch.optim.Adam", FUSED),
+        ("auto", "adamw", "cuda", BOTH, "torch.optim.AdamW", FUSED),  # never apex/TE unasked
+        ("auto", "sgd", "cuda", NONE, "torch.optim.SGD", FUSED),
+        ("auto", "adam", "cpu", NONE, "torch.optim.Adam", FOREACH),
+        ("auto", None, "cuda", NONE, None, {}),  # a user's class keeps its own default
+        ("fused", "adamw", "cpu", NONE, "torch.optim.AdamW", FUSED),  # torch has CPU fused
+        ("fused", None, "cpu", NONE, None, FUSED),
+        ("foreach", "sgd", "cuda", NONE, "torch.optim.SGD", FOREACH),
+        ("for_loop", "adam", "cuda", NONE, "torch.optim.Adam", FOR_LOOP),
+        ("apex", "adamw", "cuda", BOTH, "apex.optimizers.FusedAdam", {"adam_w_mode": True}),
+        ("apex", "adam", "cuda", BOTH, "apex.optimizers.FusedAdam", {"adam_w_mode": False}),
+        ("apex", "sgd", "cuda", BOTH, "apex.optimizers.FusedSGD", {}),
+        ("transformer_engine", "adam", "cuda", BOTH, f"{TE}.FusedAdam", {"adam_w_mode": False}),
+        ("transformer_engine", "sgd", "cuda", BOTH, f"{TE}.FusedSGD", {}),
+    ],
+)
+def test_implementation_choice_is_explicit(
+    implementation: str, optimizer: str | None, device: str, importable: frozenset[str],
+    class_path: str | None, kwargs: dict[str, bool],
+) -> None:  # fmt: skip
+    choice = choose_implementation(implementation, optimizer, device, importable)
+    assert choice.class_path == class_path and dict(choice.kwargs) == kwargs
+
+
+@pytest.mark.parametrize(
+    ("implementation", "package"),
+    [("apex", "NVIDIA apex"), ("transformer_engine", "pip install transformer_engine")],
+)
+def test_absent_nvidia_package_raises_naming_field_and_package(
+    implementation: str, package: str
+) -> None:
+    others = BOTH - {implementation}
+    with pytest.raises(ImportError, match=f"implementation='{implementation}'") as info:
+        choose_implementation(implementation, "adam", "cuda", others)
+    assert package in str(info.value)
+
+
+def test_nvidia_implementations_refuse_cpu_params_and_user_classes() -> None:
+    with pytest.raises(ValueError, match="runs on CUDA params only, and the params are on cpu"):
+        choose_implementation("apex", "adam", "cpu", BOTH)
+    with pytest.raises(ValueError, match="needs optimizer='adam', 'adamw' or 'sgd', not a class"):
+        choose_implementation("transformer_engine", None, "cuda", BOTH)
+
+
+def test_config_rejects_unknown_implementation() -> None:
+    with pytest.raises(ValueError, match=r"OptimizerConfig.implementation='cuda' is not one of"):
+        megabuf.OptimizerConfig(implementation="cuda")
+    assert megabuf.OptimizerConfig().implementation == "auto"
+    assert "implementation = 'auto'" in (megabuf.OptimizerConfig.__doc__ or "")
+
+
+@pytest.mark.parametrize("implementation", ["auto", "fused", "foreach", "for_loop"])
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd"])
+def test_builder_torch_kernels_run_on_cpu_with_one_state_layout(
+    implementation: str, name: str
+) -> None:
+    """Every torch kernel builds and steps on CPU (fused included: torch 2.13 has it), with the
+    flags asked for, and keeps the same per-param state layout."""
+    cfg = megabuf.OptimizerConfig(optimizer=name, implementation=implementation)
+    cls, kwargs = optimizer_class_and_kwargs(cfg, CPU)
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = cls([param], **kwargs)
+    param.grad = torch.full((3,), 0.5)
+    opt.step()
+    flags = {k: opt.param_groups[0][k] for k in ("fused", "foreach")}
+    assert flags == {**{"fused": None, "foreach": None}, **dict(TORCH_KWARGS.get(
+        "foreach" if implementation == "auto" else implementation, {}))}  # fmt: skip
+    want = {"sgd": {"momentum_buffer": "elementwise torch.float32"}}.get(
+        name, {"step": SCALAR, "exp_avg": "elementwise torch.float32",
+               "exp_avg_sq": "elementwise torch.float32"},
+    )  # fmt: skip
+    assert layout_of(opt.state[param], 3) == want
+    assert expected_layout(probe_state(opt, opt.param_groups[0]), 3) == want
+
+
+def test_state_layout_kinds_and_problems() -> None:
+    assert entry_kind([4, 3], torch.float32, 12) == "elementwise torch.float32"
+    assert entry_kind([12], torch.bfloat16, 12) == "elementwise torch.bfloat16"  # flat
+    assert entry_kind([], torch.float32, 12) == SCALAR  # a 0-d step tensor
+    assert entry_kind(None, None, 12) == SCALAR  # a pickled Python number
+    assert entry_kind([1], torch.float32, 1) == SCALAR  # 1-element params: kinds collapse
+    adam = {"step": SCALAR, "exp_avg": "elementwise torch.float32"}
+    assert layout_problems({}, adam) == []  # saved before any step
+    assert layout_problems(adam, adam) == []
+    assert layout_problems({"momentum_buffer": "elementwise torch.float32"}, adam) == [
+        "state 'exp_avg' not saved", "state 'momentum_buffer' saved, this optimizer keeps none",
+        "state 'step' not saved",
+    ]  # fmt: skip
+    bf16 = {**adam, "exp_avg": "elementwise torch.bfloat16"}
+    assert layout_problems(bf16, adam) == [
+        "state 'exp_avg' saved elementwise torch.bfloat16, this optimizer keeps elementwise "
+        "torch.float32"
+    ]
+    text = describe_layout_problems({"a": ["x"], "b": ["x"], "c": ["x"], "d": ["y"]})
+    assert text == "x (params a, b, +1 more); y (params d)"
+
+
+def test_group_check_ignores_kernel_flags_and_names_algorithm_changes() -> None:
+    p = [torch.nn.Parameter(torch.ones(2))]
+    fused = torch.optim.Adam(p, fused=True).param_groups[0]
+    for_loop = torch.optim.Adam(p, foreach=False).param_groups[0]
+    adamw = torch.optim.AdamW(p).param_groups[0]
+    sgd = torch.optim.SGD(p).param_groups[0]
+    assert group_problems([fused], [for_loop]) == []
+    assert group_problems([fused], [adamw]) == [
+        "param group 0: decoupled_weight_decay=False saved, this optimizer has "
+        "decoupled_weight_decay=True"
+    ]
+    (problem,) = group_problems([fused], [sgd])
+    assert "['amsgrad', 'betas'" in problem and "['dampening', 'momentum'" in problem
+    assert restorable({**fused, "lr": 0.5}) == {
+        k: v for k, v in {**fused, "lr": 0.5}.items()
+        if k not in {"params", "fused", "foreach", "capturable", "differentiable"}
+    }  # fmt: skip
+
+
+def test_scalars_take_the_form_the_loading_optimizer_keeps() -> None:
+    tensor_step = {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}
+    got = conform_scalars({"step": 3, "exp_avg": torch.ones(2)}, tensor_step)
+    assert isinstance(got["step"], torch.Tensor) and got["step"].dtype == torch.float32
+    assert got["step"].item() == 3.0 and got["step"].dim() == 0
+    got = conform_scalars({"step": torch.tensor(5.0)}, {"step": 1})
+    assert got["step"] == 5.0 and not isinstance(got["step"], torch.Tensor)
 
 
 def test_builder_grad_scaler_choice() -> None:

@@ -37,6 +37,9 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     TensorProperties,
 )
 
+from megabuf.optimizer.model_space import MAIN
+from megabuf.optimizer.state_layout import Layout, entry_kind
+
 Ranges = dict[str, list[tuple[int, int, int]]]  # key -> [(global rank, start, end)]
 
 
@@ -108,6 +111,21 @@ def saved_optimizer_entries(dcp_meta: Any) -> Saved:
         if len(path) == 3 and path[0] == "optimizer":
             out.setdefault(path[1], {})[path[2]] = dcp_meta.state_dict_metadata[fqn]
     return out
+
+
+def saved_layout(entries: dict[str, Any], numel: int) -> Layout:
+    """One key's saved optimizer state layout, from its DCP storage metadata (a pickled Python
+    number has no size: a scalar); see [Note: optimizer state layout]."""
+    return {
+        name: entry_kind(getattr(md, "size", None), _dtype(md), numel)
+        for name, md in entries.items()
+        if name != MAIN
+    }
+
+
+def _dtype(md: Any) -> torch.dtype | None:
+    properties = getattr(md, "properties", None)
+    return getattr(properties, "dtype", None)
 
 
 def wanted_ranges(wanted: list[tuple[str, int, int, int]]) -> list[tuple[str, int, int]]:

@@ -17,6 +17,7 @@ from megabuf.checkpoint.dcp_state import (
     optimizer_template,
     quiet_sharded_tensor,
     ranges_from,
+    saved_layout,
     saved_optimizer_entries,
     wanted_ranges,
 )
@@ -36,14 +37,16 @@ from megabuf.checkpoint.model_state import (
 from megabuf.checkpoint.save import AnyOptimizer, Chunks, wait_for_pending_save
 from megabuf.checkpoint.torch_optim import (
     check_torch_common,
+    expected_torch_layouts,
     load_torch_optimizer_state,
     wanted_torch,
 )
 from megabuf.collectives import Collectives
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.base import MegabufOptimizer
-from megabuf.optimizer.model_space import check_common
+from megabuf.optimizer.model_space import check_common, expected_layouts
 from megabuf.optimizer.param_groups import as_chunks
+from megabuf.optimizer.state_layout import describe_layout_problems, layout_problems
 
 T = TypeVar("T")
 Wanted = list[tuple[str, int, int, int]]  # (key, start, end, numel of the param)
@@ -119,7 +122,36 @@ def _check(root: Path, chunks: Sequence[DistributedDataParallel], optimizer: Any
         extra = read_file(root, _record(meta, meta["extra"]), weights_only=False)
     verify_file(root, _record(meta, DCP_METADATA))  # every rank reads it next
     dcp_meta = dcp.FileSystemReader(root).read_metadata()
+    if optimizer is not None:
+        _check_layouts(chunks, optimizer, wanted, saved_optimizer_entries(dcp_meta), common)
     return {"root": root, "wanted": wanted, "common": common, "extra": extra, "dcp": dcp_meta}
+
+
+def _check_layouts(
+    chunks: Sequence[DistributedDataParallel],
+    optimizer: AnyOptimizer,
+    wanted: Wanted,
+    saved: dict[str, dict[str, Any]],
+    common: dict[str, Any] | None,
+) -> None:
+    """The saved state of every param this rank loads has the layout this optimizer keeps,
+    whatever class saved it: [Note: optimizer state layout]."""
+    if isinstance(optimizer, MegabufOptimizer):
+        expected = expected_layouts(optimizer.parts())
+    else:
+        expected = expected_torch_layouts(chunks, optimizer)
+    problems = {
+        key: layout_problems(saved_layout(saved.get(key, {}), numel), expected[key])
+        for key, _, _, numel in wanted
+    }
+    if any(problems.values()):
+        saved_by = (common or {}).get("optimizer_class")
+        raise ValueError(
+            f"megabuf: the optimizer state saved by {saved_by} does not fit this optimizer "
+            f"({type(optimizer).__name__}, rank {dist.get_rank()}): "
+            f"{describe_layout_problems(problems)}. Build the optimizer the checkpoint was "
+            "saved with (the implementation may differ, the math may not)"
+        )
 
 
 def load_checkpoint(

@@ -9,7 +9,9 @@ params, so the replicas hold identical state).
   rank 0, expt_dp rank 0 for expert params): {"key", "start": 0, "end": numel, "numel",
   "shape", "state": torch's per-param state as it is (param-shaped tensors, `step`)}.
 Loading maps keys back to this optimizer's params, so it works at any dp size and bucket layout,
-and requires the same param groups holding the same params.
+and requires the same param groups holding the same params and the same state layout, not the
+same class ([Note: optimizer state layout]): torch's fused, foreach and for-loop kernels load
+each other's checkpoints.
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ from torch import Tensor, nn
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.model_space import class_name
 from megabuf.optimizer.param_groups import model_space_keys
+from megabuf.optimizer.state_layout import (
+    Layout,
+    conform_scalars,
+    expected_layout,
+    group_problems,
+    probe_state,
+    restorable,
+)
 from megabuf.replicas import is_expert_parallel
 
 TORCH_FORMAT = "megabuf-torch-optimizer-v1"
@@ -117,15 +127,15 @@ def load_torch_optimizer_state(
     state: dict[int, dict[str, Any]] = {}
     torch_groups = []
     index = 0
-    for saved, keys in zip(saved_groups, groups, strict=True):
+    for saved, keys, group in zip(saved_groups, groups, optimizer.param_groups, strict=True):
         ids = []
+        probe = probe_state(optimizer, group)
         for _, key in keys:
             if key in by_key:
-                state[index] = dict(by_key[key]["state"])
+                state[index] = conform_scalars(by_key[key]["state"], probe)
             ids.append(index)
             index += 1
-        hparams = {k: v for k, v in saved.items() if k != "param_keys"}
-        torch_groups.append({**hparams, "params": ids})
+        torch_groups.append({**group, **restorable(saved), "params": ids})
     optimizer.load_state_dict({"state": state, "param_groups": torch_groups})
 
 
@@ -136,9 +146,20 @@ def check_torch_common(optimizer: torch.optim.Optimizer, common: dict[str, Any] 
             f"megabuf: checkpoint was saved with {saved}; it cannot fill the torch optimizer "
             f"{type(optimizer).__name__}"
         )
-    cls = class_name(type(optimizer))
-    if common["optimizer_class"] != cls:
+    problems = group_problems(common["param_groups"], optimizer.param_groups)
+    if problems:
         raise ValueError(
-            f"megabuf: optimizer class {common['optimizer_class']} was saved, this optimizer "
-            f"is {cls}"
+            f"megabuf: the {type(optimizer).__name__} optimizer does not fit the checkpoint "
+            f"(saved by {common.get('optimizer_class')}): " + "; ".join(problems)
         )
+
+
+def expected_torch_layouts(
+    chunks: Sequence[DistributedDataParallel], optimizer: torch.optim.Optimizer
+) -> dict[str, Layout]:
+    """The state layout each param of a torch optimizer takes ([Note: optimizer state layout])."""
+    out: dict[str, Layout] = {}
+    for group, keys in zip(optimizer.param_groups, _group_keys(chunks, optimizer), strict=True):
+        probe = probe_state(optimizer, group)
+        out |= {key: expected_layout(probe, p.numel()) for p, key in keys}
+    return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +16,11 @@ from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.config import OptimizerConfig
 from megabuf.optimizer.distributed import DistributedOptimizer
 from megabuf.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
+from megabuf.optimizer.implementation import (
+    PACKAGES,
+    ImplementationChoice,
+    choose_implementation,
+)
 from megabuf.optimizer.mixed_precision import FP32Optimizer, MixedPrecisionOptimizer
 from megabuf.optimizer.param_groups import ParamGroupsArg, as_chunks
 
@@ -94,29 +101,35 @@ def make_grad_scaler(config: OptimizerConfig, device: torch.device) -> GradScale
 def optimizer_class_and_kwargs(
     config: OptimizerConfig, device: torch.device
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    """The torch optimizer class (a fused GPU Adam when importable) and its constructor args."""
-    common = {"lr": config.lr, "weight_decay": config.weight_decay}
-    if not isinstance(config.optimizer, str):
-        return config.optimizer, common
-    if config.optimizer == "sgd":
-        return torch.optim.SGD, {**common, "momentum": config.sgd_momentum}
-    adam = {**common, "betas": (config.adam_beta1, config.adam_beta2), "eps": config.adam_eps}
-    decoupled = config.optimizer == "adamw"
-    fused = _fused_adam(device)
-    if fused is not None:
-        return fused, {**adam, "adam_w_mode": decoupled}
-    return (torch.optim.AdamW if decoupled else torch.optim.Adam), adam
+    """The optimizer class `config.implementation` names for params on `device` and its
+    constructor args; see [Note: optimizer implementation]."""
+    common: dict[str, Any] = {"lr": config.lr, "weight_decay": config.weight_decay}
+    name = config.optimizer if isinstance(config.optimizer, str) else None
+    choice = choose_implementation(config.implementation, name, device.type, importable_packages())
+    if name is None:
+        return config.optimizer, {**common, **choice.kwargs}  # type: ignore[return-value]
+    if name == "sgd":
+        hparams = {**common, "momentum": config.sgd_momentum}
+    else:
+        hparams = {
+            **common,
+            "betas": (config.adam_beta1, config.adam_beta2),
+            "eps": config.adam_eps,
+        }
+    return _load_class(config.implementation, choice), {**hparams, **choice.kwargs}
 
 
-def _fused_adam(device: torch.device) -> type[torch.optim.Optimizer] | None:
-    """Transformer Engine's or apex's multi-tensor FusedAdam, on CUDA only."""
-    if device.type != "cuda":
-        return None
-    for module, name in (("transformer_engine.pytorch.optimizers", "FusedAdam"),
-                         ("apex.optimizers", "FusedAdam")):  # fmt: skip
-        try:
-            mod = __import__(module, fromlist=[name])
-        except ImportError:
-            continue
-        return getattr(mod, name)  # type: ignore[no-any-return]
-    return None
+def importable_packages() -> frozenset[str]:
+    """Which of the optional optimizer packages (apex, transformer_engine) are installed."""
+    return frozenset(name for name in PACKAGES if importlib.util.find_spec(name) is not None)
+
+
+def _load_class(implementation: str, choice: ImplementationChoice) -> type[torch.optim.Optimizer]:
+    module, _, name = (choice.class_path or "").rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+    except (ImportError, AttributeError) as exc:  # installed, but broken or another version
+        raise ImportError(
+            f"megabuf: OptimizerConfig.implementation={implementation!r}: cannot import "
+            f"{choice.class_path}: {exc}"
+        ) from exc

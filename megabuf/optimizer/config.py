@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from megabuf.config import dataclass_from_dict, dataclass_from_toml, document_fields
+from megabuf.optimizer.implementation import IMPLEMENTATIONS
 
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
 
@@ -27,6 +28,14 @@ class OptimizerConfig:
     """"adam" (torch.optim.Adam: L2 weight decay added to the grad), "adamw" (torch.optim.AdamW:
     decoupled weight decay), "sgd" (torch.optim.SGD with `sgd_momentum`), or any pointwise torch
     optimizer class (built with `lr` and `weight_decay` only)."""
+
+    implementation: str = "auto"
+    """Which kernel runs the optimizer, never substituted ([Note: optimizer implementation]):
+    "auto" (torch `fused=True` on CUDA params, `foreach=True` elsewhere), "fused", "foreach",
+    "for_loop" (torch's three kernels, under the names torch's docs give them), "apex" or
+    "transformer_engine" (NVIDIA's FusedAdam / FusedSGD on CUDA; an ImportError naming the
+    package when it is not installed). A user's optimizer class gets `fused` / `foreach` passed
+    through, and its own default under "auto". Checkpoints move between implementations."""
 
     lr: float = 1e-3
     """Learning rate of every param group."""
@@ -92,6 +101,11 @@ class OptimizerConfig:
             raise ValueError(
                 f"megabuf: OptimizerConfig.optimizer={self.optimizer!r} is neither a name nor a "
                 "torch.optim.Optimizer subclass"
+            )
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"megabuf: OptimizerConfig.implementation={self.implementation!r} is not one of "
+                f"{IMPLEMENTATIONS}"
             )
         if self.fp16 and self.bf16:
             raise ValueError("megabuf: OptimizerConfig.fp16 and bf16 are both True; pick one")

@@ -2,7 +2,8 @@
 
 [Note: model-space optimizer state]
 `state_dict()` of a megabuf optimizer is {"common": ..., "pieces": [...]}:
-- "common" holds nothing rank-specific: optimizer class, each param group's hyperparameters,
+- "common" holds nothing rank-specific: optimizer class (information only: a load checks the
+  state layout instead, [Note: optimizer state layout]), each param group's hyperparameters,
   the grad scaler's state.
 - "pieces" are the ranges this rank owns: {"key": param name, "start", "end": range of the
   flattened param, "numel", "shape": of the whole param, "state": {"main": fp32 values,
@@ -21,6 +22,14 @@ from torch import Tensor
 
 from megabuf.optimizer.main_params import MainParam
 from megabuf.optimizer.records import OptimizerParts
+from megabuf.optimizer.state_layout import (
+    Layout,
+    conform_scalars,
+    expected_layout,
+    group_problems,
+    probe_state,
+    restorable,
+)
 
 FORMAT = "megabuf-optimizer-v1"
 MAIN = "main"
@@ -93,15 +102,17 @@ def load_model_space_state(parts: OptimizerParts, state: dict[str, Any]) -> None
         index = 0
         for gi, group in enumerate(domain.optimizer.param_groups):
             ids = []
+            probe = probe_state(domain.optimizer, group)
             for main in group["params"]:
                 mp = _main_param_of(domain.main_params, main)
                 values = assemble(mp, by_key[mp.key])
                 mp.main.view(-1).copy_(values.pop(MAIN))
                 if values:
-                    inner_state[index] = {k: _unflatten(mp, v) for k, v in values.items()}
+                    unflat = {k: _unflatten(mp, v) for k, v in values.items()}
+                    inner_state[index] = conform_scalars(unflat, probe)
                 ids.append(index)
                 index += 1
-            groups.append({**group, **common["param_groups"][gi], "params": ids})
+            groups.append({**group, **restorable(common["param_groups"][gi]), "params": ids})
         domain.optimizer.load_state_dict({"state": inner_state, "param_groups": groups})
     if parts.grad_scaler is not None and common.get("grad_scaler") is not None:
         parts.grad_scaler.load_state_dict(common["grad_scaler"])
@@ -157,18 +168,32 @@ def check_common(parts: OptimizerParts, common: dict[str, Any]) -> None:
             f"megabuf: optimizer state has format {common.get('format')!r}, expected {FORMAT!r}"
         )
     problems = []
-    saved_cls, cls = common["optimizer_class"], class_name(parts.optimizer_cls)
-    if saved_cls != cls:
-        problems.append(f"optimizer class {saved_cls} was saved, this optimizer is {cls}")
     if len(common["param_groups"]) != parts.num_param_groups:
         problems.append(
             f"{len(common['param_groups'])} param groups were saved, this optimizer has "
             f"{parts.num_param_groups}"
         )
+    if parts.domains:  # every domain's inner optimizer has the same groups
+        problems += group_problems(common["param_groups"], parts.domains[0].optimizer.param_groups)
     if (common.get("grad_scaler") is None) != (parts.grad_scaler is None):
         problems.append("grad scaler present in only one of checkpoint and optimizer")
     if problems:
-        raise ValueError("megabuf: optimizer state does not fit: " + "; ".join(problems))
+        raise ValueError(
+            f"megabuf: optimizer state (saved by {common.get('optimizer_class')}) does not fit: "
+            + "; ".join(problems)
+        )
+
+
+def expected_layouts(parts: OptimizerParts) -> dict[str, Layout]:
+    """The state layout each main param of this rank takes; see [Note: optimizer state layout]."""
+    out = {}
+    for domain in parts.domains:
+        for group in domain.optimizer.param_groups:
+            probe = probe_state(domain.optimizer, group)
+            for main in group["params"]:
+                mp = _main_param_of(domain.main_params, main)
+                out[mp.key] = expected_layout(probe, mp.model_param.numel())
+    return out
 
 
 def check_keys(parts: OptimizerParts, by_key: dict[str, list[dict[str, Any]]]) -> None:
