@@ -178,6 +178,12 @@ def test_bench_quick_on_cuda(tmp_path: Path) -> None:
     assert {r["system"] for r in rows} == set(systems.split(",")), rows
     for row in rows:
         assert row["status"] == "ok", row
+        assert row["peak_cuda_bytes"] > row["state_formula_bytes"] > 0, row
+        assert row["tokens_per_s"] > 0, row
+    assert "peak CUDA MiB" in output and "state formula MiB" in output, output[-4000:]
+    for name in ("megabuf_ar_overlap", "megabuf_distopt_overlap"):
+        overlap = next(r for r in rows if r["system"] == name)["overlap"]
+        assert overlap["steps"] == 2 and overlap["median_exposed_ms"] >= 0.0, overlap
 
 
 # ---- the overlap report on CUDA ([Note: timeline on CUDA]) ---------------------------------
