@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv test test-gpu demo lint bench mutants clean
+.PHONY: venv test test-gpu demo lint bench bench-gpu mutants clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -47,6 +47,13 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) -m megabuf.bench
+
+# NCCL on every visible GPU (one rank each; 1 GPU still compares megabuf with DDP/FSDP2 at
+# world 1). Runs in test-gpu's .venv-gpu (a CUDA build of torch; see there). Scale the GPT with
+# BENCH_GPU_ARGS, e.g. BENCH_GPU_ARGS='--models gpt_small:16 --gpt-width 1024 --gpt-depth 24'.
+BENCH_GPU_ARGS ?= --models gpt_small:16
+bench-gpu: $(GPU_STAMP)
+	$(GPU_VENV)/bin/python -m megabuf.bench --device cuda --out bench-gpu-results.jsonl $(BENCH_GPU_ARGS)
 
 # Planted bugs the suite must catch (tests/mutants.py); not part of `make test`. ~15 min on 2
 # shared cores (a surviving mutant costs a full-suite run, ~4 min);

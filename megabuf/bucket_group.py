@@ -33,9 +33,8 @@ was dispatched is an error (a second backward without no_sync(), or more arrival
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -45,6 +44,7 @@ from megabuf.buffer import _ParamAndGradBucket
 from megabuf.collectives import Collectives, PendingCollective
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.nan_check import nonfinite_flags
+from megabuf.timeline import Timeline  # re-exported: ddp.py and users import it from here
 
 
 class GradSyncState(enum.Enum):
@@ -68,16 +68,6 @@ class SyncWork:
     def wait(self) -> None:
         for work in self.pending:
             work.wait()
-
-
-@dataclass
-class Timeline:
-    """Optional event recorder for the overlap report: (group_id, event, perf_counter time)."""
-
-    events: list[tuple[int, str, float]] = field(default_factory=list)
-
-    def record(self, group_id: int, event: str) -> None:
-        self.events.append((group_id, event, time.perf_counter()))
 
 
 class DispatchChain:

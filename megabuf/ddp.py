@@ -334,8 +334,10 @@ class DistributedDataParallel(nn.Module):
     def enable_timeline(self) -> Timeline:
         """Record when every bucket group became ready, was dispatched and finished, and a
         "backward_end" marker (group id -1) at the start of each finish_grad_sync(), into one
-        shared `Timeline` (also `self.timeline`); `megabuf.overlap` turns it into a report."""
-        timeline = Timeline()
+        shared `Timeline` (also `self.timeline`); `megabuf.overlap` turns it into a report.
+        On CUDA params the events are timed CUDA events, resolved when `timeline.events` is
+        read: see [Note: timeline on CUDA] in timeline.py."""
+        timeline = Timeline(params_device(self.param_to_name, self.process_groups.dp))
         self.timeline = timeline
         for group in self.all_bucket_groups:
             group.set_timeline(timeline)

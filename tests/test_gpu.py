@@ -21,6 +21,7 @@ import torch.distributed as dist
 import megabuf
 from megabuf.collectives import STRATEGIES, Collectives
 from megabuf.layout import shard_pieces
+from megabuf.overlap import analyze
 from megabuf.testing import spawn
 
 REPO = Path(__file__).resolve().parent.parent
@@ -177,6 +178,103 @@ def test_bench_quick_on_cuda(tmp_path: Path) -> None:
     assert {r["system"] for r in rows} == set(systems.split(",")), rows
     for row in rows:
         assert row["status"] == "ok", row
+        assert row["peak_cuda_bytes"] > row["state_formula_bytes"] > 0, row
+        assert row["tokens_per_s"] > 0, row
+    assert "peak CUDA MiB" in output and "state formula MiB" in output, output[-4000:]
+    for name in ("megabuf_ar_overlap", "megabuf_distopt_overlap"):
+        overlap = next(r for r in rows if r["system"] == name)["overlap"]
+        assert overlap["steps"] == 2 and overlap["median_exposed_ms"] >= 0.0, overlap
+
+
+# ---- the overlap report on CUDA ([Note: timeline on CUDA]) ---------------------------------
+SLEEP_CYCLES = 20_000_000  # torch.cuda._sleep: ~10 ms at ~2 GHz
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward keeps the compute stream busy (stands in for a large layer)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return grad
+
+
+class _WaitOnEvent:
+    """A work handle whose wait() makes the current stream wait for `event`, as NCCL's does."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+class _SlowCollectives(Collectives):
+    """Every all-reduce also keeps a side stream busy for SLEEP_CYCLES / 2 after its dispatch:
+    a slow network on any number of GPUs, one at a time, like one communicator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stream = torch.cuda.Stream()
+
+    def all_reduce(self, tensor: torch.Tensor, group: Any, **kwargs: Any) -> Any:
+        pending = super().all_reduce(tensor, group, **kwargs)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(SLEEP_CYCLES // 2)
+            done = torch.cuda.Event()
+            done.record()
+        pending.handles.append(_WaitOnEvent(done))
+        return pending
+
+
+def exposed_comm_run(overlap: bool) -> dict[str, Any]:
+    """Rank side: 4 layers, one bucket group each, slow backward and slow communication; the
+    overlap report of 4 steps after the learning step."""
+    megabuf.init_distributed(device="cuda")
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(256, 256), _Slow()]
+    net = torch.nn.Sequential(*layers).cuda()
+    cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=256 * 257)
+    model = megabuf.DistributedDataParallel(net, cfg, collectives=_SlowCollectives())
+    x = torch.randn(32, 256, device="cuda")
+    timeline = None
+    for step in range(5):
+        if step == 1:
+            timeline = model.enable_timeline()
+        model.zero_grad_buffer()
+        model(x).square().mean().backward()
+        model.finish_grad_sync()
+    if timeline is None:
+        raise RuntimeError("no timeline")
+    report = analyze(timeline.events)
+    return {"on_device": timeline.on_device, "groups": len(model.all_bucket_groups),
+            **report.to_dict()}  # fmt: skip
+
+
+class _Slow(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SlowBackward.apply(x)
+
+
+def test_cuda_timeline_reports_exposed_communication_and_less_with_overlap() -> None:
+    sync = spawn(exposed_comm_run, WORLD, False, timeout_s=300)
+    overlapped = spawn(exposed_comm_run, WORLD, True, timeout_s=300)
+    for rank, (s, o) in enumerate(zip(sync, overlapped, strict=True)):
+        assert s["on_device"] and o["on_device"], rank
+        assert s["groups"] == o["groups"] == 4 and s["steps"] == o["steps"] == 4, (s, o)
+        # without overlap all four slow all-reduces (~5 ms each) run after backward: host
+        # clocks would see ~0 (NCCL's wait() returns at enqueue), CUDA events see them
+        assert s["median_exposed_ms"] > 5.0, s
+        assert o["median_dispatched_before_backward_end"] >= 3, o
+        # overlapped, each hides behind the next layer's slow backward but the last one
+        assert o["median_exposed_ms"] < 0.6 * s["median_exposed_ms"], (s, o)
 
 
 # ---- optimizer implementations on CUDA ([Note: optimizer implementation]) ------------------

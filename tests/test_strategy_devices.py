@@ -42,7 +42,9 @@ def test_train_gpt_device_cuda_without_cuda_stops_before_starting_ranks(
 
 def test_bench_device_defaults_to_cpu_and_reaches_every_job() -> None:
     assert parse_options(["--quick"]).device == "cpu"
-    opts = parse_options(["--quick", "--device", "cuda", "--systems", "no_comm,torch_ddp"])
+    # (--world-size given: its default on cuda is the visible GPUs, none here)
+    argv = ["--quick", "--device", "cuda", "--world-size", "2", "--systems", "no_comm,torch_ddp"]
+    opts = parse_options(argv)
     assert opts.device == "cuda"
     jobs = make_jobs(opts, dict.fromkeys(opts.models), Progress(1, stream=io.StringIO()))  # type: ignore[arg-type]
     assert len(jobs) == 2 * len(opts.models)

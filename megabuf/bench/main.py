@@ -18,6 +18,7 @@ from megabuf.bench.report import (
     Progress,
     add_ratios,
     combine_ranks,
+    cuda_table,
     phase_table,
     results_table,
     write_jsonl,
@@ -51,6 +52,7 @@ def make_jobs(opts: BenchOptions, refs: dict[str, Reference], progress: Progress
                 trace_dir=opts.trace_dir, trace_steps=opts.trace_steps,
                 progress=progress.prefix(len(jobs), label), reset_peak=not opts.isolate,
                 megabuf_overrides=dict(opts.megabuf_overrides), device=opts.device,
+                model_overrides=dict(opts.model_overrides),
             ))  # fmt: skip
     return jobs
 
@@ -127,6 +129,14 @@ def print_report(opts: BenchOptions, rows: list[dict[str, Any]], seconds: float)
     print()
     print("Where the time goes (median ms per phase, rank 0; grad sync = finish_grad_sync):")
     print(phase_table(rows))
+    gpu = cuda_table(rows)
+    if gpu:
+        print(
+            "\nOn CUDA (peak = torch.cuda.max_memory_allocated, largest rank; formula = model "
+            "state per [Note: model-state formula]; peak - formula ~ activations and workspace; "
+            "exposed comm from CUDA events, megabuf only):"
+        )
+        print(gpu)
     print(
         f"\n{opts.world_size} ranks, {opts.warmup} warm-up + {opts.steps} timed steps, "
         f"AdamW {OPTIMIZER_KWARGS}; 'x DDP' is relative to torch DDP with "
@@ -151,7 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = opts.started_at
     if opts.trace_dir:
         os.makedirs(opts.trace_dir, exist_ok=True)
-    refs = {m: compute_reference(m, b, opts.world_size) for m, b in opts.models.items()}
+    refs = {
+        m: compute_reference(m, b, opts.world_size, opts.model_overrides)
+        for m, b in opts.models.items()
+    }
     progress = Progress(len(opts.models) * len(opts.systems))
     jobs = make_jobs(opts, refs, progress)
     rows = run_all(opts, jobs, progress)

@@ -20,6 +20,37 @@ import megabuf
 from megabuf.testing.launch import spawn
 from megabuf.testing.models import build_model, loss_fn, make_batch
 
+# [Note: model-state formula]
+# The benchmark trains fp32 params with AdamW, so per param: 4 B param, 4 B grad, 8 B moments.
+# What each system keeps of those (sharded ones divided by dp), not counting activations, the
+# caching allocator's slack, padding or FSDP2's unsharded params while a unit computes; peak
+# CUDA memory minus this is roughly the activations and workspace:
+#   no_comm, torch_ddp_gabv, megabuf_ar_*: 4 + 4 + 8 = 16 (grads in the buckets / main_grad)
+#   torch_ddp: 20 (grads also copied into DDP's buckets: gradient_as_bucket_view=False)
+#   zero_ddp: 4 + 4 + 4 (DDP buckets) + 8/dp (ZeroRedundancyOptimizer shards the moments)
+#   fsdp2_*: 16/dp (params, grads and moments sharded)
+#   megabuf_distopt_*: 4 + 4 + 8/dp (fp32 params are stepped in place: no main copy)
+FP32_PARAM, FP32_GRAD, ADAM_MOMENTS = 4.0, 4.0, 8.0
+
+
+def state_bytes_per_param(system: str, dp_size: int) -> float:
+    """Model-state bytes per param one rank holds for benchmark `system` at `dp_size`; see
+    [Note: model-state formula]."""
+    if dp_size < 1:
+        raise ValueError(f"megabuf.bench: dp_size must be >= 1, got {dp_size}")
+    full = FP32_PARAM + FP32_GRAD + ADAM_MOMENTS
+    if system == "torch_ddp":
+        return full + FP32_GRAD
+    if system == "zero_ddp":
+        return FP32_PARAM + 2 * FP32_GRAD + ADAM_MOMENTS / dp_size
+    if system.startswith("fsdp2_"):
+        return full / dp_size
+    if system.startswith("megabuf_distopt_"):
+        return FP32_PARAM + FP32_GRAD + ADAM_MOMENTS / dp_size
+    if system in ("no_comm", "torch_ddp_gabv") or system.startswith("megabuf_ar_"):
+        return full
+    raise ValueError(f"megabuf.bench: no memory formula for system {system!r}")
+
 
 def _measure(model_name: str, distributed: bool) -> dict[str, Any]:
     pgs = megabuf.init_distributed()

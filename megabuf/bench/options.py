@@ -65,6 +65,8 @@ class BenchOptions:
     """DistributedDataParallelConfig fields set for every megabuf system (e.g. bucket_size)."""
     device: str = "cpu"
     """Where models and batches live: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)."""
+    model_overrides: dict[str, int] = field(default_factory=dict)
+    """GPTConfig fields set for every GPT preset (`--gpt-width/--gpt-depth/--gpt-seq-len`)."""
 
 
 def _parse_models(text: str) -> dict[str, int]:
@@ -98,7 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--models", help="comma list of preset[:batch_per_rank], e.g. gpt_small:4")
     p.add_argument("--systems", help=f"comma list out of {', '.join(SYSTEM_NAMES)}")
-    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks (default: 2 on cpu, every visible GPU on cuda)",
+    )
     p.add_argument("--warmup", type=int, default=None, help="untimed warm steps (default 3)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 12)")
     p.add_argument(
@@ -139,7 +146,38 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="cpu: gloo ranks (default); cuda: NCCL, rank r on GPU r (never run yet)",
     )
+    scale = p.add_argument_group("GPT size (every gpt_* model; batch: --models gpt_small:B)")
+    scale.add_argument("--gpt-width", type=int, metavar="D", help="d_model (d_ff = 4D, D/64 heads)")
+    scale.add_argument("--gpt-depth", type=int, metavar="L", help="transformer blocks")
+    scale.add_argument("--gpt-seq-len", type=int, metavar="T", help="tokens per sample")
     return p
+
+
+def gpt_overrides(width: int | None, depth: int | None, seq_len: int | None) -> dict[str, int]:
+    """GPTConfig fields for the GPT size flags: width D sets d_model = D, d_ff = 4D and D/64
+    heads (one below 64; above 64, D must be a multiple of 64), depth sets n_layers."""
+    out: dict[str, int] = {}
+    if width is not None:
+        heads = max(1, width // 64)
+        if width < 1 or (width > 64 and width % 64):
+            raise ValueError(
+                f"megabuf.bench: --gpt-width {width} must be >= 1 and a multiple of 64"
+            )
+        out.update(d_model=width, d_ff=4 * width, n_heads=heads)
+    if depth is not None:
+        out["n_layers"] = depth
+    if seq_len is not None:
+        out["seq_len"] = seq_len
+    return out
+
+
+def default_world_size(device: str, gpus: int) -> int:
+    """2 gloo ranks on the CPU; one rank per visible GPU on CUDA (an error without any)."""
+    if device != "cuda":
+        return 2
+    if gpus < 1:
+        raise ValueError("megabuf.bench: --device cuda but no CUDA device is visible")
+    return gpus
 
 
 def parse_options(argv: Sequence[str]) -> BenchOptions:
@@ -150,10 +188,15 @@ def parse_options(argv: Sequence[str]) -> BenchOptions:
     )
     warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
     steps = args.steps if args.steps is not None else (2 if quick else 12)
-    if steps < 1 or warmup < 0 or args.world_size < 1:
+    world_size = args.world_size
+    if world_size is None:
+        world_size = default_world_size(
+            args.device, _visible_gpus() if args.device == "cuda" else 0
+        )
+    if steps < 1 or warmup < 0 or world_size < 1:
         raise ValueError("megabuf.bench: need --steps >= 1, --warmup >= 0, --world-size >= 1")
     return BenchOptions(
-        models=dict(models), systems=_parse_systems(args.systems), world_size=args.world_size,
+        models=dict(models), systems=_parse_systems(args.systems), world_size=world_size,
         warmup=warmup, steps=steps, isolate=not (quick or args.no_isolate), out=args.out,
         trace_dir=args.trace, trace_steps=2 if quick else 3,
         retries=args.retries if args.retries is not None else (0 if quick else 1),
@@ -161,4 +204,11 @@ def parse_options(argv: Sequence[str]) -> BenchOptions:
         megabuf_overrides={} if args.megabuf_bucket_size is None
         else {"bucket_size": args.megabuf_bucket_size},
         device=args.device,
+        model_overrides=gpt_overrides(args.gpt_width, args.gpt_depth, args.gpt_seq_len),
     )  # fmt: skip
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

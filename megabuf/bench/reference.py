@@ -9,14 +9,22 @@ is cheap to ship to the ranks and to compare against.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from megabuf.bench.options import OPTIMIZER_KWARGS
-from megabuf.testing.models import build_model, loss_fn, make_batch
+from megabuf.testing.models import (
+    PRESETS,
+    GPTConfig,
+    ModelConfig,
+    loss_fn,
+    make_batch,
+    model_from_config,
+)
 
 SAMPLE_NUMEL = 4096
 
@@ -29,7 +37,23 @@ class Reference:
     samples: dict[str, tuple[Tensor, Tensor]]  # name -> (flat indices int64, values fp32)
 
 
-def rank_batch(model: str, batch_per_rank: int, rank: int) -> tuple[Tensor, Tensor]:
+def bench_model(model: str, overrides: Mapping[str, int] | None = None) -> ModelConfig:
+    """The shape of preset `model`, with GPTConfig fields from `overrides` if it is a GPT (the
+    `--gpt-width/--gpt-depth/--gpt-seq-len` flags; other models ignore them)."""
+    if model not in PRESETS:
+        raise ValueError(f"megabuf.bench: unknown model {model!r}; known: {sorted(PRESETS)}")
+    cfg = PRESETS[model]
+    if overrides and isinstance(cfg, GPTConfig):
+        return dataclasses.replace(cfg, **dict(overrides))  # type: ignore[arg-type]
+    return cfg
+
+
+def tokens_per_sample(cfg: ModelConfig) -> int | None:
+    """Tokens in one sample of a GPT batch (its seq_len); None for other models."""
+    return cfg.seq_len if isinstance(cfg, GPTConfig) else None
+
+
+def rank_batch(model: str | ModelConfig, batch_per_rank: int, rank: int) -> tuple[Tensor, Tensor]:
     """The batch rank `rank` trains on (the same every step: the benchmark times compute)."""
     return make_batch(model, batch_per_rank, seed=1000 + rank)
 
@@ -41,13 +65,16 @@ def sample_indices(name: str, numel: int) -> Tensor:
     return torch.randint(0, numel, (SAMPLE_NUMEL,), generator=gen)
 
 
-def compute_reference(model: str, batch_per_rank: int, world_size: int) -> Reference:
-    module = build_model(model, seed=0)
-    batches = [rank_batch(model, batch_per_rank, r) for r in range(world_size)]
+def compute_reference(
+    model: str, batch_per_rank: int, world_size: int, overrides: Mapping[str, int] | None = None
+) -> Reference:
+    cfg = bench_model(model, overrides)
+    module = model_from_config(cfg, seed=0)
+    batches = [rank_batch(cfg, batch_per_rank, r) for r in range(world_size)]
     x = torch.cat([b[0] for b in batches])
     y = torch.cat([b[1] for b in batches])
     optimizer = torch.optim.AdamW(module.parameters(), **OPTIMIZER_KWARGS)  # type: ignore[arg-type]
-    loss_fn(model)(module(x), y).backward()
+    loss_fn(cfg)(module(x), y).backward()
     optimizer.step()
     samples = {}
     with torch.no_grad():

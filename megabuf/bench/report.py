@@ -51,6 +51,8 @@ def combine_ranks(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
     row["step_ms_per_rank"] = [r["step_ms"] for r in per_rank]
     for key in ("peak_rss_bytes", "optimizer_state_nbytes"):
         row[key] = max(r[key] for r in per_rank)
+    if all("peak_cuda_bytes" in r for r in per_rank):
+        row["peak_cuda_bytes"] = max(r["peak_cuda_bytes"] for r in per_rank)
     errors = [r["check_max_abs_error"] for r in per_rank if r["check_max_abs_error"] is not None]
     row["check_max_abs_error"] = max(errors) if errors else None
     row["other_cpu_share"] = _other_cpu_share(per_rank)
@@ -85,6 +87,8 @@ def add_ratios(rows: list[dict[str, Any]], world_size: int) -> None:
             ok = ref is not None and ref.get("status") == "ok"
             row[key] = row["step_ms"] / ref["step_ms"] if ok and ref is not None else None
         row["samples_per_s"] = 1e3 * row["batch_per_rank"] * world_size / row["step_ms"]
+        tokens = row.get("tokens_per_sample")
+        row["tokens_per_s"] = None if tokens is None else row["samples_per_s"] * tokens
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -148,6 +152,31 @@ def phase_table(rows: Sequence[dict[str, Any]]) -> str:
             p = row["phase_ms"]
             lines.append([row["model"], row["system"]] + [f"{p[k]:.1f}" for k in PHASES])
     return markdown_table(PHASE_HEADER, lines) if lines else ""
+
+
+CUDA_HEADER = [
+    "model", "system", "step ms", "x DDP", "tokens/s", "peak CUDA MiB", "state formula MiB",
+    "B/param", "peak - formula MiB", "exposed comm ms",
+]  # fmt: skip
+
+
+def _cuda_cells(row: dict[str, Any]) -> list[str]:
+    peak, formula = row["peak_cuda_bytes"], row["state_formula_bytes"]
+    overlap = row.get("overlap") or {}
+    return [
+        row["model"], row["system"], _step_cell(row), _num(row.get("ratio_to_ddp"), ".2f"),
+        _num(row.get("tokens_per_s"), ".0f"), f"{peak / MiB:.0f}", f"{formula / MiB:.0f}",
+        f"{row['state_bytes_per_param']:g}", f"{(peak - formula) / MiB:.0f}",
+        _num(overlap.get("median_exposed_ms"), ".2f"),
+    ]  # fmt: skip
+
+
+def cuda_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Step time, tokens/s, peak CUDA memory (largest rank) against the model-state formula
+    ([Note: model-state formula] in memory.py) and exposed communication (CUDA timeline, megabuf
+    systems only); empty when no row ran on CUDA."""
+    lines = [_cuda_cells(r) for r in rows if r.get("status") == "ok" and "peak_cuda_bytes" in r]
+    return markdown_table(CUDA_HEADER, lines) if lines else ""
 
 
 def write_jsonl(path: str, header: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:

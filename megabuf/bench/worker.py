@@ -26,7 +26,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 import megabuf
-from megabuf.bench.reference import Reference, max_error, rank_batch
+from megabuf.bench.memory import state_bytes_per_param
+from megabuf.bench.reference import (
+    Reference,
+    bench_model,
+    max_error,
+    rank_batch,
+    tokens_per_sample,
+)
 from megabuf.bench.systems import (
     BUILDERS,
     MEGABUF_CONFIGS,
@@ -37,7 +44,7 @@ from megabuf.bench.systems import (
     optimizer_state_nbytes,
 )
 from megabuf.overlap import analyze
-from megabuf.testing.models import build_model, loss_fn
+from megabuf.testing.models import loss_fn, model_from_config
 
 PHASES = ("zero_grad", "forward", "backward", "grad_sync", "optimizer")
 # Chrome traces of the peers on the many-small model reach 100 MB per rank: trace megabuf, the
@@ -61,6 +68,7 @@ class Job:
     reset_peak: bool  # not isolated: see [Note: peak RSS per rank]
     megabuf_overrides: dict[str, Any] = field(default_factory=dict)  # config fields
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, GPU LOCAL_RANK)
+    model_overrides: dict[str, int] = field(default_factory=dict)  # GPTConfig fields
 
 
 def _load() -> float | None:
@@ -237,14 +245,16 @@ def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        module = build_model(job.model, seed=0).to(device)
+        cfg = bench_model(job.model, job.model_overrides)
+        module = model_from_config(cfg, seed=0).to(device)
+        result.update(_model_figures(job, module, tokens_per_sample(cfg)))
         if job.system in MEGABUF_CONFIGS:
             engine = build_megabuf(job.system, module, pgs, job.megabuf_overrides)
         else:
             engine = BUILDERS[job.system](module, pgs)
     except NotAvailable as exc:
         return {**result, "status": "n/a (not available)", "reason": str(exc)}
-    x, y = (t.to(device) for t in rank_batch(job.model, job.batch_per_rank, pgs.dp_rank))
+    x, y = (t.to(device) for t in rank_batch(cfg, job.batch_per_rank, pgs.dp_rank))
     _show(job, "checking one step")
     train_step(engine, x, y, loss_fn(job.model))
     result["check_max_abs_error"] = _check(job, engine)
@@ -260,6 +270,19 @@ def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
     result["status"] = "ok"
     del engine
     return result
+
+
+def _model_figures(job: Job, module: torch.nn.Module, tokens: int | None) -> dict[str, Any]:
+    """Params, tokens per sample, and the model-state bytes the bytes/param formula predicts
+    for this system on this rank (see megabuf/bench/memory.py), for the GPU table."""
+    n_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    per_param = state_bytes_per_param(job.system, dist.get_world_size())
+    return {
+        "n_params": n_params,
+        "tokens_per_sample": tokens,
+        "state_bytes_per_param": per_param,
+        "state_formula_bytes": int(n_params * per_param),
+    }
 
 
 def run_jobs(jobs: list[Job]) -> list[dict[str, Any]]:
