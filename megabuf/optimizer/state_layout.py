@@ -149,7 +149,7 @@ def conform_scalars(values: Mapping[str, Any], probe: Mapping[str, Any]) -> dict
     for name, value in values.items():
         like = probe.get(name)
         if isinstance(like, Tensor) and like.dim() == 0 and not isinstance(value, Tensor):
-            out[name] = torch.tensor(float(value), dtype=like.dtype)
+            out[name] = torch.tensor(float(value), dtype=like.dtype, device=like.device)
         elif like is not None and not isinstance(like, Tensor) and isinstance(value, Tensor):
             out[name] = value.item()
     return out
