@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from megabuf.collectives import backend_for_device
+from megabuf.strategy import backend_for_device
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,9 @@ from case_devices import case_device, race_window, to_device
 from torch import nn
 
 import megabuf
-from megabuf.collectives import Collectives, CollectiveStrategy
+from megabuf.collectives import Collectives
 from megabuf.layout import shard_pieces
+from megabuf.strategy import CollectiveStrategy
 
 GLOBAL_BATCH = 16
 DIM = 12

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 import megabuf
-from megabuf.collectives import STRATEGIES, Collectives
+from megabuf.collectives import Collectives
 from megabuf.layout import shard_pieces
 from megabuf.overlap import analyze
+from megabuf.strategy import STRATEGIES
 from megabuf.testing import spawn
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,8 +15,9 @@ from dist_pool import case_result, run_each
 
 import megabuf
 from megabuf import ProcessGroups
-from megabuf.collectives import STRATEGIES, Collectives
+from megabuf.collectives import Collectives
 from megabuf.process_groups import rank_layout
+from megabuf.strategy import STRATEGIES
 from megabuf.testing import spawn
 
 Groups = list[list[int]]

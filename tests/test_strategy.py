@@ -1,5 +1,5 @@
 """The collective strategy as a function of (backend, tensor device); see
-[Note: collective strategies] in megabuf/collectives.py. Pure tests of `choose_strategy` from
+[Note: collective strategies] in megabuf/strategy.py. Pure tests of `choose_strategy` from
 backend strings (no process group), the call sites read the tensor's device (torch.distributed
 faked), and one gloo run: `init_process_group()` without a backend on CPU gets gloo's strategy."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megabuf.collectives import (
+from megabuf.collectives import Collectives
+from megabuf.strategy import (
     FALLBACK_STRATEGY,
     STRATEGIES,
-    Collectives,
     CollectiveStrategy,
     backend_for_device,
     choose_strategy,

@@ -24,8 +24,8 @@ from megabuf.bench.report import (
     write_jsonl,
 )
 from megabuf.bench.worker import Job, run_jobs
-from megabuf.collectives import choose_strategy
 from megabuf.process_groups import DEFAULT_BACKENDS
+from megabuf.strategy import choose_strategy
 from megabuf.testing.launch import spawn
 
 
