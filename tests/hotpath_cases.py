@@ -98,6 +98,12 @@ def upcast_case(window: int) -> dict[str, Any]:
         params = torch.cat([b.param_data for b in model.buffers])
         runs.append((params, norms, opt.memory_report(), opt))
     (p0, n0, r0, opt0), (p1, n1, r1, _) = runs
+    # a class megabuf cannot know to be per-param (a user's subclass) keeps the full copy
+    user_cls = type("UserAdamW", (torch.optim.AdamW,), {})
+    user_model = megabuf.DistributedDataParallel(copy.deepcopy(net), cfg)
+    user_opt = DistributedOptimizer(user_model, user_cls, clip_grad=0.05, lr=1e-2)
+    user_opt.grad_upcast_window_numel = window
+    r2 = user_opt.memory_report()
     half_numel = sum(mp.numel for mp in opt0.main_params)
     largest = max(mp.numel for mp in opt0.main_params)
     return {
@@ -106,6 +112,7 @@ def upcast_case(window: int) -> dict[str, Any]:
         "clipped": all(n > 0.05 for n in n0),
         "full": (r0.grad_copy_nbytes, r0.grad_copy_saved_nbytes),
         "windowed": (r1.grad_copy_nbytes, r1.grad_copy_saved_nbytes),
+        "user_class": (r2.grad_copy_nbytes, r2.grad_copy_saved_nbytes),
         "half_numel": half_numel,
         "largest_numel": largest,
         "world": dist.get_world_size(),

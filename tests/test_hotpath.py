@@ -69,3 +69,4 @@ def test_bf16_grads_upcast_in_windows(results: Any, name: str, window: int) -> N
         copy_nbytes, saved = res["windowed"]
         assert copy_nbytes <= 4 * max(window, res["largest_numel"]), res
         assert copy_nbytes > 0 and saved == full_nbytes - copy_nbytes > 0, res
+        assert res["user_class"] == (full_nbytes, 0), res  # not windowed: one full copy

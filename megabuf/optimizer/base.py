@@ -40,7 +40,12 @@ from megabuf.ddp import DistributedDataParallel
 from megabuf.devices import params_device
 from megabuf.optimizer.clip import NormPart, clip_grads_, count_zeros, global_grad_norm
 from megabuf.optimizer.grad_scaler import GradScaler
-from megabuf.optimizer.grad_upcast import DEFAULT_WINDOW_NUMEL, is_half_grad, step_in_windows
+from megabuf.optimizer.grad_upcast import (
+    DEFAULT_WINDOW_NUMEL,
+    WINDOWED_OPTIMIZERS,
+    is_half_grad,
+    step_in_windows,
+)
 from megabuf.optimizer.main_params import MainParam, write_back_all
 from megabuf.optimizer.memory import OptimizerMemoryReport, memory_report
 from megabuf.optimizer.model_space import common_state, load_model_space_state, owned_pieces
@@ -202,6 +207,8 @@ class MegabufOptimizer(torch.optim.Optimizer):
         fp32 copy at attach time; see [Note: bf16 grads without an fp32 copy]."""
         if not self.sharded or self.grad_scaler is not None:
             return None
+        if not all(type(d.optimizer) in WINDOWED_OPTIMIZERS for d in self.domains):
+            return None  # other classes may keep per-group state (apex's step): one full copy
         return self.grad_upcast_window_numel
 
     def _update(self, coef: float) -> None:

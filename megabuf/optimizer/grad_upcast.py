@@ -19,6 +19,10 @@ whose grad is None and pointwise optimizers update a param from its own grad and
 stepping in windows gives the same bits as one step. The transient is the largest window, not
 the whole shard: `memory_report().grad_copy_saved_nbytes` says how much that saves.
 With a grad scaler (fp16) the full copy stays: unscaling fp16 grads in place would round them.
+Windows are used only for torch's Adam, AdamW and SGD (exact classes), whose state is per param
+(`step` included). Any other class keeps the full copy: apex's and Transformer Engine's FusedAdam
+count `step` per param group, so stepping a group once per window would advance it several times
+and change the bias correction; a user's class may do anything across its params.
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ import torch
 from megabuf.optimizer.main_params import MainParam
 
 DEFAULT_WINDOW_NUMEL = 1 << 22  # 16 MiB of fp32 grads upcast at a time
+# inner optimizers whose step of a subset of params equals their part of one full step
+WINDOWED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.SGD,
+)
 
 
 def is_half_grad(mp: MainParam) -> bool:
