@@ -99,6 +99,19 @@ class PendingCollective:
                 self.scale = 1.0
 
 
+class _WaitOnce:
+    """Works shared by several `PendingCollective`s: the first `wait()` waits for them all, later
+    ones return at once."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        works, self.works = self.works, []
+        for work in works:
+            work.wait()
+
+
 def _sum_chunks(scratch: Tensor, output: Tensor) -> None:
     """output = chunk 0 + chunk 1 + ... of `scratch` (in that fixed order: deterministic).
 
@@ -371,13 +384,15 @@ class Collectives:
     ) -> list[PendingCollective]:
         """Issue native collectives (each `async_op=True`) inside torch's coalescing manager,
         which records them and launches them as one batch with one work handle. The records
-        keep their epilogues (AVG division, scale); the first one owns the handle, so waiting
-        in order waits for the batch first. Counted as one call."""
+        keep their epilogues (AVG division, scale); every record holds the batch's handle
+        behind a wait-once guard, so waiting on any of them first waits for the batch, once
+        (a second wait of gloo's coalesced work would copy its results out again, over an
+        epilogue already applied). Counted as one call."""
         with _coalescing_manager(group, None, async_ops=True) as manager:
             pendings = issue()  # placeholders: torch returns no real work inside the manager
+        batch = _WaitOnce(list(manager.works))
         for pending in pendings:
-            pending.handles = []
-        pendings[0].handles = list(manager.works)
+            pending.handles = [batch]
         self.stats.calls[op] -= len(pendings) - 1
         if not async_op:
             for pending in pendings:

@@ -117,3 +117,20 @@ def upcast_case(window: int) -> dict[str, Any]:
         "largest_numel": largest,
         "world": dist.get_world_size(),
     }
+
+
+def reverse_wait_case(case: dict[str, Any]) -> dict[str, Any]:
+    """Two coalesced reduce-scatters with AVG emulated (a division epilogue each), waited in
+    reverse order: each shard must equal its own uncoalesced result."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    inputs = [torch.arange(8.0) * (rank + 1), torch.arange(4.0, dtype=torch.bfloat16) + rank]
+    outs = [torch.empty(t.numel() // world, dtype=t.dtype) for t in inputs]
+    coalesced = Collectives(NATIVE_COALESCED).reduce_scatter_many(
+        outs, inputs, None, average=True, scratches=[None, None], scales=[1.0, 1.0]
+    )
+    for pending in reversed(coalesced):
+        pending.wait()
+    want = [torch.empty_like(o) for o in outs]
+    for w, t in zip(want, inputs):
+        Collectives().reduce_scatter(w, t, None, average=True, async_op=False)
+    return {"same": all(torch.equal(o, w) for o, w in zip(outs, want))}

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from dist_pool import case_result, run_each
-from hotpath_cases import coalesce_case, upcast_case
+from hotpath_cases import coalesce_case, reverse_wait_case, upcast_case
 
 from megabuf.collectives import adjacent_runs
 
@@ -18,6 +18,7 @@ CASES: dict[str, tuple[Any, ...]] = {
     "all_reduce": (coalesce_case, {}),
     "reduce_scatter": (coalesce_case, {"distopt": True}),
     "reduce_scatter_coalesced": (coalesce_case, {"distopt": True, "coalesce": True}),
+    "reverse_wait": (reverse_wait_case, {}),
     "upcast_window_1": (upcast_case, 1),
     "upcast_window_100": (upcast_case, 100),
 }
@@ -70,3 +71,10 @@ def test_bf16_grads_upcast_in_windows(results: Any, name: str, window: int) -> N
         assert copy_nbytes <= 4 * max(window, res["largest_numel"]), res
         assert copy_nbytes > 0 and saved == full_nbytes - copy_nbytes > 0, res
         assert res["user_class"] == (full_nbytes, 0), res  # not windowed: one full copy
+
+
+def test_coalesced_batch_waited_in_any_order_gives_each_result_once(results: Any) -> None:
+    # every record holds the batch behind a wait-once guard: waiting the last first neither
+    # runs its epilogue before the data nor lets gloo copy the batch out twice
+    for rank, res in enumerate(case_result(results, "reverse_wait")):
+        assert res["same"], f"rank {rank}: {res}"
