@@ -303,7 +303,7 @@ class DistributedDataParallel(nn.Module):
         install_comm_hook(
             hook, self.all_bucket_groups, self.plan, expert_kinds=selected_kinds(buffers),
             use_distributed_optimizer=cfg.use_distributed_optimizer,
-            average=cfg.average_in_collective, param_to_name=self.param_to_name,
+            average=cfg.average_in_collective, param_to_name=self.param_to_name, rank=self.rank,
         )  # fmt: skip
 
     def start_grad_sync(self) -> None:

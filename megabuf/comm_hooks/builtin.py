@@ -108,15 +108,15 @@ class Compress:
                 )
 
     def __call__(self, bucket: GradBucket) -> Any:
+        if self.accumulate == "fp32":
+            return self._fp32_sum(bucket)
         low = bucket.workspace(self.dtype, "compress")
         low.copy_(bucket.data)
-        if self.accumulate == "fp32":
-            return self._fp32_sum(bucket, low)
+        coll = bucket.collectives
         if bucket.shard is None:
-            pending = bucket.collectives.all_reduce(low, bucket.group, average=bucket.average)
+            pending = coll.all_reduce(low, bucket.group, average=bucket.average)
             return _then_copy(pending, low, bucket.data)
         lo, hi = bucket.shard_range
-        coll = bucket.collectives
         scratch = None
         if coll.strategy(bucket.group, low.device).reduce_scatter == "all_to_all":
             scratch = bucket.workspace(self.dtype, "scratch")
@@ -125,24 +125,34 @@ class Compress:
         )
         return _then_copy(pending, low[lo:hi], bucket.shard)
 
-    def _fp32_sum(self, bucket: GradBucket, low: Tensor) -> Generator[Any, Any, None]:
-        coll, group = bucket.collectives, bucket.group
-        received = bucket.workspace(self.dtype, "scratch")
+    def _fp32_sum(self, bucket: GradBucket) -> Generator[Any, Any, None]:
+        """Two stages in all-reduce mode, one in reduce-scatter mode. An all-reduce bucket is
+        not padded for the group, so its low-precision copy is (zero-padded to a multiple of
+        group_size)."""
+        coll, group, size = bucket.collectives, bucket.group, bucket.group_size
+        numel = bucket.data.numel()
+        padded = -(-numel // size) * size  # == numel in reduce-scatter mode
+        low = bucket.workspace(self.dtype, "compress", padded)
+        low[:numel].copy_(bucket.data)
+        low[numel:].zero_()
+        received = bucket.workspace(self.dtype, "scratch", padded)
         yield coll.all_to_all(received, low, group)
-        lo, hi = bucket.shard_range
-        # the shard's fp32 home: the shard itself (reduce-scatter) or data's own slice of it
-        shard = bucket.shard if bucket.shard is not None else bucket.data[lo:hi]
-        chunks = received.view(bucket.group_size, -1)
+        shard = bucket.shard
+        if shard is None:
+            shard = bucket.workspace(bucket.data.dtype, "shard", padded // size)
+        chunks = received.view(size, -1)
         shard.copy_(chunks[0])
         for chunk in chunks[1:]:
-            shard.add_(chunk.to(shard.dtype))
+            shard.add_(chunk.to(shard.dtype))  # fp32 (the grad dtype), in rank order
         if bucket.average:
-            shard.div_(bucket.group_size)
+            shard.div_(size)
         if bucket.shard is not None:
             return
-        low[lo:hi].copy_(shard)
-        yield coll.all_gather(low, low[lo:hi], group)
-        bucket.data.copy_(low)
+        lo = bucket.group_rank * shard.numel()
+        mine = low[lo : lo + shard.numel()]
+        mine.copy_(shard)
+        yield coll.all_gather(low, mine, group)
+        bucket.data.copy_(low[:numel])
 
 
 def _then_copy(

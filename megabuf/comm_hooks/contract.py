@@ -98,7 +98,7 @@ class GradBucket:
     rank: int  # global rank, for messages
     average: bool  # average_in_collective: divide the sum by group_size
     collectives: Collectives
-    _workspace: dict[tuple[torch.dtype, str], Tensor] = field(default_factory=dict, repr=False)
+    _workspace: dict[tuple[torch.dtype, str, int], Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def target(self) -> Tensor:
@@ -115,19 +115,20 @@ class GradBucket:
         """Each param's main_grad (param-shaped views into `data`, no padding)."""
         return [p.main_grad for p in self.params]  # type: ignore[attr-defined]
 
-    def workspace(self, dtype: torch.dtype, name: str) -> Tensor:
-        """A persistent 1-D tensor of `data`'s numel in `dtype`, one per (dtype, name), allocated
-        on first use on `data`'s device, so steady-state steps allocate nothing."""
-        key = (dtype, name)
+    def workspace(self, dtype: torch.dtype, name: str, numel: int | None = None) -> Tensor:
+        """A persistent 1-D tensor of `numel` (default: `data`'s numel) elements in `dtype`, one
+        per (dtype, name, numel), allocated on first use on `data`'s device, so steady-state
+        steps allocate nothing. Its contents are whatever the hook left there."""
+        numel = self.data.numel() if numel is None else numel
+        key = (dtype, name, numel)
         if key not in self._workspace:
-            self._workspace[key] = torch.empty(
-                self.data.numel(), dtype=dtype, device=self.data.device
-            )
+            self._workspace[key] = torch.empty(numel, dtype=dtype, device=self.data.device)
         return self._workspace[key]
 
     def describe(self) -> str:
         kind = "expert" if self.expert else "dense"
-        return f"{kind} bucket {self.index} ({self.data.numel()} elements, {self.data.dtype})"
+        numel, dtype = self.data.numel(), self.data.dtype
+        return f"{kind} bucket {self.index} ({numel} elements, {dtype}, rank {self.rank})"
 
 
 def hook_name(hook: object) -> str:
@@ -189,9 +190,10 @@ class HookWork:
         if not isinstance(value, Tensor):
             raise self._error(f"left a {type(value).__name__} as its result")
         if value.shape != target.shape:
+            where = "the shard" if self.bucket.shard is not None else "data"
             raise self._error(
                 f"left a result of shape {tuple(value.shape)}, expected {tuple(target.shape)} "
-                f"({self.bucket.mode} mode: {'the shard' if self.bucket.shard is not None else 'data'})"
+                f"({self.bucket.mode} mode: {where})"
             )
         if value.data_ptr() != target.data_ptr() or value.dtype != target.dtype:
             target.copy_(value)
@@ -199,7 +201,7 @@ class HookWork:
     def _error(self, what: str) -> CommHookResultError:
         b = self.bucket
         return CommHookResultError(
-            f"megabuf: comm hook {self.hook_name} {what} for {b.describe()} (rank {b.rank}); "
+            f"megabuf: comm hook {self.hook_name} {what} for {b.describe()}; "
             "see [Note: comm hook contract]: return None, a Tensor shaped like bucket.target, "
             "something with wait(), or a generator yielding such"
         )
@@ -211,7 +213,7 @@ def check_modes(hook: object, mode: Mode, what: str) -> None:
     if not isinstance(modes, (set, frozenset)) or not modes <= MODES:
         raise CommHookModeError(
             f"megabuf: comm hook {hook_name(hook)} must declare `modes`, a set drawn from "
-            f"{sorted(MODES)}; got {modes!r}"
+            f"{sorted(MODES)}; got {modes!r} ({what})"
         )
     if mode not in modes:
         raise CommHookModeError(

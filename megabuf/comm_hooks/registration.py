@@ -37,7 +37,9 @@ def bucket_indices(plan: Plan) -> dict[tuple[int, int], int]:
 def selected_kinds(buffers: str) -> tuple[bool, ...]:
     """The `expert` flags `buffers` ("dense" | "expert" | "all") selects."""
     if buffers not in KINDS:
-        raise ValueError(f"megabuf: register_comm_hook buffers must be one of {KINDS}, got {buffers!r}")
+        raise ValueError(
+            f"megabuf: register_comm_hook buffers must be one of {KINDS}, got {buffers!r}"
+        )
     return {"dense": (False,), "expert": (True,), "all": (False, True)}[buffers]
 
 
@@ -50,14 +52,13 @@ def install(
     use_distributed_optimizer: bool,
     average: bool,
     param_to_name: Mapping[torch.nn.Parameter, str],
+    rank: int,
 ) -> list[GradBucket]:
     """Check `hook` against the mode and the selected groups, build their `GradBucket` views,
     let the hook see them (`setup`, optional) and attach it. Nothing is attached if any check
     fails. Returns the views."""
     mode: Mode = "reduce_scatter" if use_distributed_optimizer else "all_reduce"
-    what = "this model (use_distributed_optimizer=True)" if use_distributed_optimizer else (
-        "this model (use_distributed_optimizer=False)"
-    )
+    what = f"this model (use_distributed_optimizer={use_distributed_optimizer}, rank {rank})"
     check_modes(hook, mode, what)
     plans = {g.group_id: g for g in plan.groups}
     chosen = [g for g in groups if plans[g.group_id].expert in expert_kinds]
@@ -70,13 +71,13 @@ def install(
                 "backward (a new hook needs a new DistributedDataParallel)"
             )
     indices = bucket_indices(plan)
-    views = {
-        g.group_id: [
-            _view(g, bucket, indices[member], mode, average, param_to_name, plans[g.group_id].expert)
-            for bucket, member in zip(g.buckets, plans[g.group_id].members, strict=True)
+    views = {}
+    for g in chosen:
+        planned = plans[g.group_id]
+        views[g.group_id] = [
+            _view(g, bucket, indices[member], mode, average, param_to_name, planned.expert)
+            for bucket, member in zip(g.buckets, planned.members, strict=True)
         ]
-        for g in chosen
-    }
     setup = getattr(hook, "setup", None)
     all_views = [v for g in chosen for v in views[g.group_id]]
     if setup is not None:
@@ -116,4 +117,3 @@ def _view(
         average=average,
         collectives=group.collectives,
     )
-

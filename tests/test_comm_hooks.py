@@ -1,0 +1,127 @@
+"""Communication hooks on real gloo ranks at dp=2 ([Note: comm hook contract]): Reduce is the
+engine's reduction bitwise in both modes, Compress(bf16) is bitwise its single-process emulation
+and within the bf16 bound of the fp32 reduction, Noop warns, stage one of a hook is issued
+during backward, and every named error. At dp=2 a sum of two values is order independent and a
+1/2 pre-scale is exact, so "bitwise" is the right bar ([Note: low-precision wire, fp32 sum])."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from comm_hook_cases import compress_case, errors_case, noop_case, overlap_case, reduce_case
+from dist_pool import case_result, run_each
+
+from megabuf.comm_hooks import Compress, CompressDtypeError, Noop, Reduce, build
+
+AR: dict[str, Any] = {}
+RS = {"use_distributed_optimizer": True}
+MULTI = {"bucket_size": 64, "overlap_grad_reduce": True}
+
+CASES: dict[str, tuple[Any, ...]] = {
+    "reduce_ar": (reduce_case, AR),
+    "reduce_rs": (reduce_case, RS),
+    "reduce_ar_multi": (reduce_case, MULTI),
+    "reduce_rs_multi": (reduce_case, {**RS, **MULTI}),
+    "reduce_rs_avg": (reduce_case, {**RS, **MULTI, "average_in_collective": True}),
+    "compress_wire_ar": (compress_case, MULTI, "wire"),
+    "compress_wire_rs": (compress_case, {**RS, **MULTI}, "wire"),
+    "compress_fp32_ar": (compress_case, MULTI, "fp32"),
+    "compress_fp32_rs": (compress_case, {**RS, **MULTI}, "fp32"),
+    "noop": (noop_case,),
+    "overlap_ar": (overlap_case, {"bucket_size": 64}),
+    "overlap_rs": (overlap_case, {"bucket_size": 64, **RS}),
+    "errors": (errors_case,),
+}
+
+
+@pytest.fixture(scope="module")
+def results(pools: Any) -> list[dict[str, Any]]:
+    return pools(2).run(run_each, CASES)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    "name", ["reduce_ar", "reduce_rs", "reduce_ar_multi", "reduce_rs_multi", "reduce_rs_avg"]
+)
+def test_reduce_hook_is_bitwise_the_engines_reduction(results: Any, name: str) -> None:
+    for rank, res in enumerate(case_result(results, name)):
+        assert res["hooked"], res
+        assert res["same"] == [True, True, True], f"{name} rank {rank}: {res}"
+        if "multi" in name:
+            assert res["n_buckets"] > 2, res
+
+
+@pytest.mark.parametrize("name", ["compress_wire_ar", "compress_wire_rs", "compress_fp32_ar",
+                                  "compress_fp32_rs"])  # fmt: skip
+def test_compress_bf16_matches_its_emulation_and_the_bf16_bound(results: Any, name: str) -> None:
+    for rank, res in enumerate(case_result(results, name)):
+        assert res["calls"] == res["n_buckets"] > 2, res
+        assert res["bitwise"], f"{name} rank {rank}: differs from the emulated rounding"
+        assert res["bound_ratio"] <= 1.0, f"{name} rank {rank}: {res}"
+        assert res["differs_from_fp32"], res  # the rounding happened: not the fp32 path
+
+
+def test_noop_warns_once_and_leaves_local_grads(results: Any) -> None:
+    for res in case_result(results, "noop"):
+        assert res["warnings"] == 1 and res["category"] == "RuntimeWarning", res
+        assert res["local"], res
+        assert not any(op in res["calls"] for op in ("all_reduce", "reduce_scatter")), res
+
+
+@pytest.mark.parametrize("name", ["overlap_ar", "overlap_rs"])
+def test_hook_stage_one_is_issued_during_backward(results: Any, name: str) -> None:
+    for res in case_result(results, name):
+        early, late = res["at_backward_end"], res["after_finish"]
+        assert res["n_groups"] > 1, res
+        # every group but the last can only be dispatched by backward's grad hooks
+        assert early["dispatched"] >= 1 and early["hook_calls"] >= 1, res
+        assert early["all_to_all"] == early["hook_calls"], res
+        assert early["all_gather"] == 0, res  # stage two waits for finish_grad_sync
+        assert late["hook_calls"] == late["all_to_all"] == res["n_buckets"], res
+        want_gathers = res["n_buckets"] if name == "overlap_ar" else 0
+        assert late.get("all_gather", 0) == want_gathers, res
+
+
+ERRORS = {
+    "twice": ("CommHookRegistrationError", "already registered for the dense buffers"),
+    "after_backward": ("CommHookRegistrationError", "after a backward"),
+    "mode": ("CommHookModeError", "supports ['all_reduce'], but this model"),
+    "no_modes": ("CommHookModeError", "must declare `modes`"),
+    "bad_buffers": ("ValueError", "buffers must be one of"),
+    "wrong_shape": ("CommHookResultError", "left a result of shape"),
+    "yields_junk": ("CommHookResultError", "yielded a int"),
+    "bf16_to_bf16": ("CompressDtypeError", "to itself"),
+    "fp16_on_bf16": ("CompressDtypeError", "loses range"),
+    "bad_dtype": ("CompressDtypeError", "must be torch.bfloat16 or torch.float16"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(ERRORS))
+def test_named_errors(results: Any, what: str) -> None:
+    cls, text = ERRORS[what]
+    for rank, res in enumerate(case_result(results, "errors")):
+        got = res[what]
+        assert got is not None, f"{what}: nothing raised on rank {rank}"
+        assert got[0] == cls and text in got[1], got
+        if what not in ("bad_buffers", "bad_dtype"):
+            assert f"rank {rank}" in got[1], got
+
+
+def test_compress_to_bf16_of_bf16_params_with_fp32_grads_is_allowed(results: Any) -> None:
+    for res in case_result(results, "errors"):
+        assert res["bf16_fp32_grads"] is None, res
+
+
+def test_build_from_a_config_table() -> None:
+    hook = build({"name": "compress", "dtype": "bfloat16", "accumulate": "fp32"})
+    assert isinstance(hook, Compress) and hook.dtype is torch.bfloat16
+    assert hook.accumulate == "fp32"
+    assert isinstance(build({"name": "Reduce"}), Reduce)
+    assert isinstance(build({"name": "noop"}), Noop)
+    with pytest.raises(ValueError, match="unknown comm_hook name 'powersgd'"):
+        build({"name": "powersgd"})
+    with pytest.raises(ValueError, match="bad options for comm_hook 'compress'"):
+        build({"name": "compress", "rank": 2})
+    with pytest.raises(CompressDtypeError):
+        build({"name": "compress", "dtype": "float32"})
