@@ -34,6 +34,7 @@ from megabuf.backward_sync import BackwardEndSync
 from megabuf.bucket_group import BucketGroup, DispatchChain, GradSyncState, ParamSyncState, Timeline
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
+from megabuf.comm_hooks import build as build_comm_hook
 from megabuf.comm_hooks.contract import CommHookRegistrationError, hook_name
 from megabuf.comm_hooks.registration import install as install_comm_hook
 from megabuf.comm_hooks.registration import selected_kinds
@@ -110,6 +111,10 @@ class DistributedDataParallel(nn.Module):
             self.ddp_config.sync_grads_at_backward_end, self.finish_grad_sync
         )
         self._build(options.init_sync)
+        if self.ddp_config.comm_hook is not None:
+            spec = dict(self.ddp_config.comm_hook)
+            buffers = spec.pop("buffers", "all")
+            self.register_comm_hook(build_comm_hook(spec), buffers=buffers)
 
     # ---- construction -------------------------------------------------------------------------
     def _build(self, init_sync: bool) -> None:

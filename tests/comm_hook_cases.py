@@ -57,9 +57,14 @@ def _step(model: Any, step: int, *, finish: bool = True) -> None:
 
 
 def _reduced(model: Any) -> torch.Tensor:
-    """This rank's reduced grads: every buffer whole, or its shard of every bucket."""
+    return _reduced_of(model.buffers + model.expert_parallel_buffers)
+
+
+def _reduced_of(buffers: list[Any]) -> torch.Tensor:
+    """This rank's reduced grads: every buffer whole, or its shard of every bucket (the rest of
+    a reduce-scatter bucket is undefined, [Note: comm hook contract])."""
     parts = []
-    for buffer in model.buffers + model.expert_parallel_buffers:
+    for buffer in buffers:
         if buffer.param_data is None:
             parts.append(buffer.grad_data)
             continue
@@ -241,4 +246,75 @@ def errors_case() -> dict[str, Any]:
         "bf16_fp32_grads": _raises(
             lambda: _model(bf16, Compress(torch.bfloat16), grad_reduce_in_fp32=True)
         ),
+    }
+
+
+# ---- expert buffers, and the hook from the config ------------------------------------------------
+def _moe_model(ep: int, hook: Any = None, buffers: str = "all", **config: Any) -> Any:
+    from moe_cases import CFG, groups
+
+    from megabuf.testing.moe import MoEModel
+
+    pgs = groups(ep_size=ep)
+    net = MoEModel(CFG, ep_group=pgs.ep, seed=3)
+    cfg = megabuf.DistributedDataParallelConfig(bucket_size=256, **config)
+    model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
+    net.moe.collectives = model.collectives
+    if hook is not None:
+        model.register_comm_hook(hook, buffers=buffers)
+    return model
+
+
+def _moe_step(model: Any, step: int) -> None:
+    from moe_cases import run_step
+
+    model.zero_grad_buffer()
+    run_step(model, step, per_token=False)
+
+
+def _dense_and_expert(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's reduced dense and expert grads (whole buffers, or shards)."""
+    return _reduced_of(model.buffers), _reduced_of(model.expert_parallel_buffers)
+
+
+def expert_case(ep: int, config: dict[str, Any]) -> dict[str, Any]:
+    """MoE model (dense + expert buffers): Reduce on all buffers is bitwise no hook; Compress on
+    the expert buffers only leaves the dense grads bitwise and changes the expert ones; every
+    expert bucket reduces over expt_dp."""
+    plain = _moe_model(ep, **config)
+    reduce_all = _moe_model(ep, Capture(Reduce()), "all", **config)
+    expert_only = Capture(Compress(torch.bfloat16))
+    compressed = _moe_model(ep, expert_only, "expert", **config)
+    for model in (plain, reduce_all, compressed):
+        for step in range(2):
+            _moe_step(model, step)
+    (d0, e0), (d1, e1), (d2, e2) = map(_dense_and_expert, (plain, reduce_all, compressed))
+    expt_dp = compressed.process_groups.expt_dp
+    return {
+        "reduce_same": torch.equal(d0, d1) and torch.equal(e0, e1),
+        "dense_same": torch.equal(d0, d2),
+        "expert_changed": not torch.equal(e0, e2),
+        "expert_close": bool((e0 - e2).abs().max() <= 2**-7 * e0.abs().max()),
+        "expert_views": [b.expert for b in expert_only.buckets],
+        "groups_ok": all(
+            b.group is expt_dp and b.group_size == dist.get_world_size(expt_dp)
+            for b in expert_only.buckets
+        ),
+        "dense_hooked": [g.comm_hook is not None for g in compressed.bucket_groups],
+        "n_expert_buckets": len(expert_only.buckets),
+    }
+
+
+def config_case(config: dict[str, Any]) -> dict[str, Any]:
+    """comm_hook from the config == the same hook registered by hand, bitwise."""
+    net = Net()
+    spec = {"name": "compress", "dtype": "bfloat16", "accumulate": "fp32", "buffers": "dense"}
+    from_config = _model(net, comm_hook=spec, **config)
+    by_hand = _model(net, Compress(torch.bfloat16, "fp32"), **config)
+    _step(from_config, 0)
+    _step(by_hand, 0)
+    hooks = [g.comm_hook for g in from_config.all_bucket_groups]
+    return {
+        "hooks": sorted({getattr(h, "name", None) for h in hooks}),
+        "same": torch.equal(_reduced(from_config), _reduced(by_hand)),
     }

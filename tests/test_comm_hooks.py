@@ -10,9 +10,18 @@ from typing import Any
 
 import pytest
 import torch
-from comm_hook_cases import compress_case, errors_case, noop_case, overlap_case, reduce_case
+from comm_hook_cases import (
+    compress_case,
+    config_case,
+    errors_case,
+    expert_case,
+    noop_case,
+    overlap_case,
+    reduce_case,
+)
 from dist_pool import case_result, run_each
 
+from megabuf import DistributedDataParallelConfig
 from megabuf.comm_hooks import Compress, CompressDtypeError, Noop, Reduce, build
 
 AR: dict[str, Any] = {}
@@ -33,6 +42,11 @@ CASES: dict[str, tuple[Any, ...]] = {
     "overlap_ar": (overlap_case, {"bucket_size": 64}),
     "overlap_rs": (overlap_case, {"bucket_size": 64, **RS}),
     "errors": (errors_case,),
+    "expert_ep1": (expert_case, 1, {}),
+    "expert_ep1_rs": (expert_case, 1, RS),
+    "expert_ep2": (expert_case, 2, {}),
+    "config_ar": (config_case, MULTI),
+    "config_rs": (config_case, {**RS, **MULTI}),
 }
 
 
@@ -125,3 +139,42 @@ def test_build_from_a_config_table() -> None:
         build({"name": "compress", "rank": 2})
     with pytest.raises(CompressDtypeError):
         build({"name": "compress", "dtype": "float32"})
+
+
+@pytest.mark.parametrize("name", ["expert_ep1", "expert_ep1_rs", "expert_ep2"])
+def test_expert_buffers_get_their_own_hook_and_group(results: Any, name: str) -> None:
+    for rank, res in enumerate(case_result(results, name)):
+        assert res["reduce_same"], f"{name} rank {rank}: Reduce differs from no hook"
+        assert res["dense_same"], f"{name} rank {rank}: an expert-only hook changed dense grads"
+        assert not any(res["dense_hooked"]), res
+        assert res["n_expert_buckets"] >= 1 and all(res["expert_views"]), res
+        assert res["groups_ok"], res
+        if name != "expert_ep2":  # ep=2 at dp=2: expt_dp has one rank, nothing to round
+            assert res["expert_changed"] and res["expert_close"], res
+
+
+@pytest.mark.parametrize("name", ["config_ar", "config_rs"])
+def test_comm_hook_from_the_config_is_the_registered_hook(results: Any, name: str) -> None:
+    for res in case_result(results, name):
+        assert res["hooks"] == ["Compress(bfloat16, fp32)"], res
+        assert res["same"], res
+
+
+def test_config_reads_a_comm_hook_table(tmp_path: Any) -> None:
+    path = tmp_path / "hook.toml"
+    path.write_text(
+        '[ddp]\nuse_distributed_optimizer = true\n\n[comm_hook]\nname = "compress"\n'
+        'dtype = "bfloat16"\naccumulate = "fp32"\n'
+    )
+    cfg = DistributedDataParallelConfig.from_toml(path)
+    assert cfg.use_distributed_optimizer
+    assert cfg.comm_hook == {"name": "compress", "dtype": "bfloat16", "accumulate": "fp32"}
+    nested = tmp_path / "nested.toml"
+    nested.write_text('[ddp]\n[ddp.comm_hook]\nname = "noop"\n')
+    assert DistributedDataParallelConfig.from_toml(nested).comm_hook == {"name": "noop"}
+    both = tmp_path / "both.toml"
+    both.write_text('[ddp.comm_hook]\nname = "noop"\n[comm_hook]\nname = "reduce"\n')
+    with pytest.raises(ValueError, match="both \\[comm_hook\\] and \\[ddp.comm_hook\\]"):
+        DistributedDataParallelConfig.from_toml(both)
+    with pytest.raises(ValueError, match="comm_hook must be a table with a string `name`"):
+        DistributedDataParallelConfig(comm_hook={"dtype": "bfloat16"})
