@@ -174,7 +174,7 @@ def test_config_reads_a_comm_hook_table(tmp_path: Any) -> None:
     assert DistributedDataParallelConfig.from_toml(nested).comm_hook == {"name": "noop"}
     both = tmp_path / "both.toml"
     both.write_text('[ddp.comm_hook]\nname = "noop"\n[comm_hook]\nname = "reduce"\n')
-    with pytest.raises(ValueError, match="both \\[comm_hook\\] and \\[ddp.comm_hook\\]"):
+    with pytest.raises(ValueError, match=r"both \[comm_hook\] and \[ddp.comm_hook\]"):
         DistributedDataParallelConfig.from_toml(both)
     with pytest.raises(ValueError, match="comm_hook must be a table with a string `name`"):
         DistributedDataParallelConfig(comm_hook={"dtype": "bfloat16"})
