@@ -210,11 +210,17 @@ class _YieldsJunk:
 
 
 def _finish_with(hook: Any) -> None:
+    """One step with `hook`; its error is re-raised after checking that reset_iter_state()
+    recovers (it waits for the failed work again, which must not raise twice)."""
     model = _model(Net(), hook, sync_grads_at_backward_end=False)
     try:
         _step(model, 0)
-    finally:
-        model.reset_iter_state()
+    except Exception:
+        try:
+            model.reset_iter_state()
+        except Exception as exc:
+            raise RuntimeError(f"reset_iter_state() after a hook error raised: {exc}") from exc
+        raise
 
 
 def _after_backward() -> None:

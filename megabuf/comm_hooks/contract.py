@@ -180,8 +180,8 @@ class HookWork:
                     self._advance(value)
                 else:
                     self._value = value
-            self._store(self._value)
-            self._value = None
+            value, self._value = self._value, None  # waiting again (after an error) is a no-op
+            self._store(value)
 
     def _store(self, value: Any) -> None:
         if value is None:
