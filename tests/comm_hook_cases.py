@@ -296,7 +296,10 @@ def expert_case(ep: int, config: dict[str, Any]) -> dict[str, Any]:
             _moe_step(model, step)
     (d0, e0), (d1, e1), (d2, e2) = map(_dense_and_expert, (plain, reduce_all, compressed))
     expt_dp = compressed.process_groups.expt_dp
+    two_kinds = _moe_model(ep, Reduce(), "dense", **config)
+    two_kinds.register_comm_hook(Compress(torch.bfloat16), buffers="expert")  # not "twice"
     return {
+        "two_kinds": sorted({type(g.comm_hook).__name__ for g in two_kinds.all_bucket_groups}),
         "reduce_same": torch.equal(d0, d1) and torch.equal(e0, e1),
         "dense_same": torch.equal(d0, d2),
         "expert_changed": not torch.equal(e0, e2),

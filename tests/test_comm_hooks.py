@@ -45,6 +45,7 @@ CASES: dict[str, tuple[Any, ...]] = {
     "expert_ep1": (expert_case, 1, {}),
     "expert_ep1_rs": (expert_case, 1, RS),
     "expert_ep2": (expert_case, 2, {}),
+    "expert_ep2_rs": (expert_case, 2, RS),
     "config_ar": (config_case, MULTI),
     "config_rs": (config_case, {**RS, **MULTI}),
 }
@@ -141,7 +142,7 @@ def test_build_from_a_config_table() -> None:
         build({"name": "compress", "dtype": "float32"})
 
 
-@pytest.mark.parametrize("name", ["expert_ep1", "expert_ep1_rs", "expert_ep2"])
+@pytest.mark.parametrize("name", ["expert_ep1", "expert_ep1_rs", "expert_ep2", "expert_ep2_rs"])
 def test_expert_buffers_get_their_own_hook_and_group(results: Any, name: str) -> None:
     for rank, res in enumerate(case_result(results, name)):
         assert res["reduce_same"], f"{name} rank {rank}: Reduce differs from no hook"
@@ -149,7 +150,10 @@ def test_expert_buffers_get_their_own_hook_and_group(results: Any, name: str) ->
         assert not any(res["dense_hooked"]), res
         assert res["n_expert_buckets"] >= 1 and all(res["expert_views"]), res
         assert res["groups_ok"], res
-        if name != "expert_ep2":  # ep=2 at dp=2: expt_dp has one rank, nothing to round
+        assert res["two_kinds"] == ["Compress", "Reduce"], res  # one hook per kind
+        if not name.startswith(
+            "expert_ep2"
+        ):  # ep=2 at dp=2: expt_dp has one rank, nothing to round
             assert res["expert_changed"] and res["expert_close"], res
 
 
