@@ -22,7 +22,17 @@ from comm_hook_cases import (
 from dist_pool import case_result, run_each
 
 from megabuf import DistributedDataParallelConfig
-from megabuf.comm_hooks import Compress, CompressDtypeError, Noop, Reduce, build
+from megabuf.collectives import Collectives
+from megabuf.comm_hooks import (
+    CommHookResultError,
+    Compress,
+    CompressDtypeError,
+    GradBucket,
+    HookWork,
+    Noop,
+    Reduce,
+    build,
+)
 
 AR: dict[str, Any] = {}
 RS = {"use_distributed_optimizer": True}
@@ -182,3 +192,58 @@ def test_config_reads_a_comm_hook_table(tmp_path: Any) -> None:
         DistributedDataParallelConfig.from_toml(both)
     with pytest.raises(ValueError, match="comm_hook must be a table with a string `name`"):
         DistributedDataParallelConfig(comm_hook={"dtype": "bfloat16"})
+
+
+# ---- the contract's driver, without processes ([Note: comm hook contract]) ---------------------
+def _bucket(shard: bool = False) -> GradBucket:
+    data = torch.arange(8.0)
+    return GradBucket(
+        index=0, group_id=0, expert=False, mode="reduce_scatter" if shard else "all_reduce",
+        data=data, shard=data[4:8] if shard else None, params=(), param_names=(), group=None,
+        group_size=2, group_rank=1, rank=1, average=False, collectives=Collectives(),
+    )  # fmt: skip
+
+
+class _Done:
+    """A waitable that records when it is waited on and returns `value`."""
+
+    def __init__(self, log: list[str], name: str, value: Any = None) -> None:
+        self.log, self.name, self.value = log, name, value
+
+    def wait(self) -> Any:
+        self.log.append(f"wait {self.name}")
+        return self.value
+
+
+def test_generator_stage_one_runs_at_dispatch_and_the_rest_at_wait() -> None:
+    log: list[str] = []
+
+    def hook(bucket: GradBucket) -> Any:
+        log.append("stage 1")
+        got = yield _Done(log, "a", value=torch.full((8,), 3.0))
+        log.append(f"stage 2 got {got[0].item()}")
+        yield _Done(log, "b")
+        return got * 2
+
+    bucket = _bucket()
+    work = HookWork(hook, bucket)
+    assert log == ["stage 1"]  # dispatch runs only up to the first yield
+    work.wait()
+    assert log == ["stage 1", "wait a", "stage 2 got 3.0", "wait b"]
+    assert torch.equal(bucket.data, torch.full((8,), 6.0))  # the returned tensor is copied in
+    work.wait()  # waiting again does nothing
+    assert len(log) == 4
+
+
+def test_a_torch_future_or_a_tensor_result_lands_in_the_target() -> None:
+    bucket = _bucket(shard=True)
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(torch.ones(4))
+    HookWork(lambda b: future, bucket).wait()
+    assert bucket.data.tolist() == [0, 1, 2, 3, 1, 1, 1, 1]  # only the shard is written
+    HookWork(lambda b: torch.full((4,), 5.0), bucket).wait()
+    assert bucket.shard is not None and bucket.shard.tolist() == [5, 5, 5, 5]
+    with pytest.raises(CommHookResultError, match=r"shape \(8,\), expected \(4,\)"):
+        HookWork(lambda b: torch.zeros(8), bucket).wait()
+    with pytest.raises(CommHookResultError, match="returned a str"):
+        HookWork(lambda b: "done", bucket)
