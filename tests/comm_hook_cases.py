@@ -243,6 +243,9 @@ def errors_case() -> dict[str, Any]:
         "mode": _raises(lambda: _model(Net(), _AllReduceOnly(), use_distributed_optimizer=True)),
         "no_modes": _raises(lambda: _model(Net(), lambda bucket: None)),
         "bad_buffers": _raises(lambda: _model(Net()).register_comm_hook(Reduce(), buffers="x")),
+        "no_expert_buffers": _raises(
+            lambda: _model(Net()).register_comm_hook(Reduce(), buffers="expert")
+        ),
         "wrong_shape": _raises(lambda: _finish_with(_WrongShape())),
         "yields_junk": _raises(lambda: _finish_with(_YieldsJunk())),
         "bf16_to_bf16": _raises(lambda: _model(bf16, Compress(torch.bfloat16))),

@@ -114,6 +114,7 @@ ERRORS = {
     "mode": ("CommHookModeError", "supports ['all_reduce'], but this model"),
     "no_modes": ("CommHookModeError", "must declare `modes`"),
     "bad_buffers": ("ValueError", "buffers must be one of"),
+    "no_expert_buffers": ("ValueError", "this model has no expert buffers"),
     "wrong_shape": ("CommHookResultError", "left a result of shape"),
     "yields_junk": ("CommHookResultError", "yielded a int"),
     "bf16_to_bf16": ("CompressDtypeError", "to itself"),

@@ -62,6 +62,12 @@ def install(
     check_modes(hook, mode, what)
     plans = {g.group_id: g for g in plan.groups}
     chosen = [g for g in groups if plans[g.group_id].expert in expert_kinds]
+    if not chosen:
+        kinds = " or ".join("expert" if e else "dense" for e in expert_kinds)
+        raise ValueError(
+            f"megabuf: register_comm_hook({hook_name(hook)}): this model has no {kinds} "
+            f"buffers (rank {rank}); nothing would use the hook"
+        )
     for group in chosen:
         if group.comm_hook is not None:
             kind = "expert" if plans[group.group_id].expert else "dense"
