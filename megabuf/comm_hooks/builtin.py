@@ -75,7 +75,9 @@ _LOW = (torch.bfloat16, torch.float16)
 class Compress:
     """Reduce in `dtype` (bf16 or fp16) on the wire, cast from the already pre-scaled grads and
     back into them; `accumulate` is "wire" (sum in `dtype`) or "fp32" (one fp32 sum of the
-    low-precision chunks: [Note: low-precision wire, fp32 sum])."""
+    low-precision chunks: [Note: low-precision wire, fp32 sum]). Memory, per bucket and
+    persistent: a `dtype` copy of the bucket; where an all-to-all is used ("fp32", or a gloo
+    reduce-scatter) a second one, its landing zone; for "fp32" all-reduce a grad-dtype shard."""
 
     modes = MODES
 
