@@ -41,7 +41,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megabuf.buffer import _ParamAndGradBucket
-from megabuf.collectives import Collectives, PendingCollective
+from megabuf.collectives import Collectives
+from megabuf.comm_hooks.contract import GradBucket, HookWork, Waitable
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.nan_check import nonfinite_flags
 from megabuf.timeline import Timeline  # re-exported: ddp.py and users import it from here
@@ -61,9 +62,9 @@ class ParamSyncState(enum.Enum):
 
 @dataclass
 class SyncWork:
-    """In-flight collectives of one group, one per bucket."""
+    """In-flight collectives of one group, one per bucket (or a comm hook's work per bucket)."""
 
-    pending: list[PendingCollective]
+    pending: Sequence[Waitable]
 
     def wait(self) -> None:
         for work in self.pending:
@@ -147,6 +148,8 @@ class BucketGroup:
         self.param_state = ParamSyncState.VALID
         self._grad_work: SyncWork | None = None
         self._param_work: SyncWork | None = None
+        self.comm_hook: object | None = None  # [Note: comm hook contract]
+        self.hook_buckets: list[GradBucket] = []  # one per bucket, built at registration
         # grad arrivals per param per iteration; None until learned ([Note: grad readiness])
         self._expected_arrivals: list[int] | None = None
         n = len(self.params_list)
@@ -181,6 +184,16 @@ class BucketGroup:
     def set_timeline(self, timeline: Timeline | None) -> None:
         """Record ready/dispatch/finish events into `timeline` (None: stop recording)."""
         self.timeline = timeline
+
+    def set_comm_hook(self, hook: object, buckets: Sequence[GradBucket]) -> None:
+        """Reduce with `hook` from now on, one call per bucket ([Note: comm hook contract])."""
+        if len(buckets) != len(self.buckets):
+            raise ValueError(
+                f"megabuf: bucket group {self.group_id} has {len(self.buckets)} buckets, "
+                f"got {len(buckets)} hook views"
+            )
+        self.comm_hook = hook
+        self.hook_buckets = list(buckets)
 
     def set_next_param_gather(self, group: BucketGroup | None) -> None:
         """The group whose param gather `finish_param_sync` prefetches (learned forward order)."""
@@ -331,9 +344,11 @@ class BucketGroup:
         if self.timeline is not None:
             self.timeline.record(self.group_id, "dispatch")
 
-    def _reduce(self, async_op: bool) -> list[PendingCollective]:
+    def _reduce(self, async_op: bool) -> Sequence[Waitable]:
         """Every bucket's reduction, with as few collectives as the strategy allows ([Note: one
         collective per bucket group] in collectives.py)."""
+        if self.comm_hook is not None:
+            return self._reduce_with_hook()
         cfg = self.ddp_config
         grads = [b.grad_data for b in self.buckets]
         scales = [b.gradient_scaling_factor for b in self.buckets]
@@ -356,6 +371,14 @@ class BucketGroup:
             async_op=async_op, scratches=[b.scratch for b in self.buckets],
             scales=[1.0 if p else f for p, f in zip(pre, scales)],
         )  # fmt: skip
+
+    def _reduce_with_hook(self) -> list[HookWork]:
+        """Pre-scale every bucket (both modes), then hand each to the hook, which issues stage
+        one now ([Note: comm hook contract]); `finish_grad_sync` waits for the rest."""
+        scaled = [(b.grad_data, b.gradient_scaling_factor) for b in self.buckets]
+        scaled = [(g, f) for g, f in scaled if f != 1.0]
+        _foreach_scale([g for g, _ in scaled], [f for _, f in scaled])
+        return [HookWork(self.comm_hook, bucket) for bucket in self.hook_buckets]
 
     def finish_grad_sync(self) -> None:
         """Wait for the reduction; if nobody dispatched it yet, dispatch it first."""

@@ -141,6 +141,12 @@ class DistributedDataParallelConfig:
     num_distributed_optimizer_instances: int = 1
     """Reserved for Megatron compatibility; only 1 is supported."""
 
+    comm_hook: dict[str, Any] | None = None
+    """A built-in communication hook registered at construction instead of the engine's own
+    reduction ([Note: comm hook contract]): `{"name": "compress", "dtype": "bfloat16",
+    "accumulate": "fp32", "buffers": "all"}` (names: reduce, noop, compress; `buffers`: dense,
+    expert or all). In TOML a `[comm_hook]` table (or `[ddp.comm_hook]`). None: no hook."""
+
     def __post_init__(self) -> None:
         for name in ("overlap_param_gather", "align_param_gather"):
             if getattr(self, name) and not self.use_distributed_optimizer:
@@ -161,11 +167,25 @@ class DistributedDataParallelConfig:
                 f"megabuf: DistributedDataParallelConfig.bucket_size must be > 0 elements, got "
                 f"{self.bucket_size}; use None for the default"
             )
+        self._check_comm_hook()
         if self.num_distributed_optimizer_instances != 1:
             raise ValueError(
                 "megabuf: DistributedDataParallelConfig.num_distributed_optimizer_instances="
                 f"{self.num_distributed_optimizer_instances} is not supported; use 1"
             )
+
+    def _check_comm_hook(self) -> None:
+        """A table with a string `name`; the hook itself is built (and its options checked) by
+        the engine, which is where `megabuf.comm_hooks` may be imported."""
+        hook = self.comm_hook
+        if hook is None:
+            return
+        if not isinstance(hook, dict) or not isinstance(hook.get("name"), str):
+            raise ValueError(
+                "megabuf: DistributedDataParallelConfig.comm_hook must be a table with a string "
+                f"`name` (reduce, noop, compress) and the hook's options, got {hook!r}"
+            )
+        object.__setattr__(self, "comm_hook", dict(hook))  # a copy: the config stays frozen
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DistributedDataParallelConfig:
@@ -174,8 +194,19 @@ class DistributedDataParallelConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> DistributedDataParallelConfig:
-        """Load a TOML file; keys may sit at top level or under a `[ddp]` table."""
-        return dataclass_from_toml(cls, path, "ddp", top_level_fallback=True)
+        """Load a TOML file; keys may sit at top level or under a `[ddp]` table, the comm hook
+        in `[ddp.comm_hook]` or a top-level `[comm_hook]` table."""
+        cfg = dataclass_from_toml(cls, path, "ddp", top_level_fallback=True)
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        top = data.get("comm_hook") if "ddp" in data else None
+        if top is None:
+            return cfg
+        if cfg.comm_hook is not None:
+            raise ValueError(
+                f"megabuf: config file {path} has both [comm_hook] and [ddp.comm_hook]; keep one"
+            )
+        return cfg.replace(comm_hook=dict(top))
 
     def replace(self, **changes: Any) -> DistributedDataParallelConfig:
         """A copy with some fields changed (validated again)."""

@@ -34,6 +34,10 @@ from megabuf.backward_sync import BackwardEndSync
 from megabuf.bucket_group import BucketGroup, DispatchChain, GradSyncState, ParamSyncState, Timeline
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
+from megabuf.comm_hooks import build as build_comm_hook
+from megabuf.comm_hooks.contract import CommHookRegistrationError, hook_name
+from megabuf.comm_hooks.registration import install as install_comm_hook
+from megabuf.comm_hooks.registration import selected_kinds
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.devices import params_device
 from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
@@ -102,10 +106,15 @@ class DistributedDataParallel(nn.Module):
         self.collectives = collectives if collectives is not None else Collectives()
         self.sync_buffers_in_forward = options.sync_buffers_in_forward
         self.rank = dist.get_rank()
+        self._backward_seen = False  # register_comm_hook() must come before the first backward
         self._backward_sync = BackwardEndSync(
             self.ddp_config.sync_grads_at_backward_end, self.finish_grad_sync
         )
         self._build(options.init_sync)
+        if self.ddp_config.comm_hook is not None:
+            spec = dict(self.ddp_config.comm_hook)
+            buffers = spec.pop("buffers", "all")
+            self.register_comm_hook(build_comm_hook(spec), buffers=buffers)
 
     # ---- construction -------------------------------------------------------------------------
     def _build(self, init_sync: bool) -> None:
@@ -280,9 +289,27 @@ class DistributedDataParallel(nn.Module):
     def _on_grad(self) -> None:
         """Every param grad hook's first step: see [Note: grads the user changed] and [Note:
         grad sync at backward end]."""
+        self._backward_seen = True
         if self._grads.exposed:
             self._grads.begin_backward()
         self._backward_sync.on_grad()
+
+    def register_comm_hook(self, hook: object, *, buffers: str = "all") -> None:
+        """Reduce the `buffers` ("dense", "expert" or "all") buckets with `hook` instead of the
+        engine's collective: see [Note: comm hook contract] in megabuf/comm_hooks/contract.py
+        and the built-ins in `megabuf.comm_hooks`. Once per kind, before the first backward;
+        every rank must register the same hook."""
+        if self._backward_seen:
+            raise CommHookRegistrationError(
+                f"megabuf: register_comm_hook({hook_name(hook)}) after a backward (rank "
+                f"{self.rank}); register before the first backward, as torch DDP requires"
+            )
+        cfg = self.ddp_config
+        install_comm_hook(
+            hook, self.all_bucket_groups, self.plan, expert_kinds=selected_kinds(buffers),
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
+            average=cfg.average_in_collective, param_to_name=self.param_to_name, rank=self.rank,
+        )  # fmt: skip
 
     def start_grad_sync(self) -> None:
         """Dispatch every reduction not yet dispatched, in chain order (e.g. from a pipeline's

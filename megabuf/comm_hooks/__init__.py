@@ -1,0 +1,31 @@
+"""Communication hooks on megabuf's buckets ([Note: comm hook contract] in contract.py).
+
+Register with `DistributedDataParallel.register_comm_hook(hook, buffers=...)` or the config's
+`comm_hook` table. Built-ins: `Reduce`, `Noop`, `Compress`.
+"""
+
+from megabuf.comm_hooks.builtin import Compress, CompressDtypeError, Noop, Reduce, build
+from megabuf.comm_hooks.contract import (
+    CommHook,
+    CommHookError,
+    CommHookModeError,
+    CommHookRegistrationError,
+    CommHookResultError,
+    GradBucket,
+    HookWork,
+)
+
+__all__ = [
+    "CommHook",
+    "CommHookError",
+    "CommHookModeError",
+    "CommHookRegistrationError",
+    "CommHookResultError",
+    "Compress",
+    "CompressDtypeError",
+    "GradBucket",
+    "HookWork",
+    "Noop",
+    "Reduce",
+    "build",
+]

@@ -1,0 +1,186 @@
+"""Built-in communication hooks: `Reduce`, `Noop`, `Compress` ([Note: comm hook contract]).
+
+[Note: low-precision wire, fp32 sum]
+`Compress(dtype, accumulate="wire")` reduces in `dtype` on the wire: a ring rounds the partial
+sums at every hop (d-1 roundings; gloo's all-to-all reduce-scatter sums the chunks in `dtype`).
+`accumulate="fp32"` moves the same low-precision bytes but rounds once: a reduce-scatter is an
+all-to-all of the `dtype` chunks, then one sum in fp32 in rank order (chunk 0 + chunk 1 + ...,
+deterministic); an all-reduce is that reduce-scatter, the fp32 shard cast to `dtype` once, and
+an all-gather in `dtype` (the wire bytes of a low-precision all-reduce). The two stages of the
+all-reduce are one generator ([Note: comm hook contract]): the all-to-all is issued at dispatch,
+the sum and the all-gather when the engine waits.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Generator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megabuf.collectives import PendingCollective
+from megabuf.comm_hooks.contract import MODES, GradBucket
+
+
+class CompressDtypeError(ValueError):
+    """`Compress` asked for a cast that does nothing or loses range."""
+
+
+class Reduce:
+    """The engine's default reduction written as a hook: all-reduce `data`, or reduce-scatter it
+    into `shard`. The reference for every other hook."""
+
+    name = "Reduce"
+    modes = MODES
+
+    def __call__(self, bucket: GradBucket) -> PendingCollective:
+        coll = bucket.collectives
+        if bucket.shard is None:
+            return coll.all_reduce(bucket.data, bucket.group, average=bucket.average)
+        scratch = None
+        if coll.strategy(bucket.group, bucket.data.device).reduce_scatter == "all_to_all":
+            scratch = bucket.workspace(bucket.data.dtype, "scratch")
+        return coll.reduce_scatter(
+            bucket.shard, bucket.data, bucket.group, average=bucket.average, scratch=scratch
+        )
+
+
+class Noop:
+    """Communicates nothing: each rank keeps its own pre-scaled grads, so results are WRONG.
+    For measuring what communication costs (a step with Noop vs one with Reduce)."""
+
+    name = "Noop"
+    modes = MODES
+
+    def __init__(self) -> None:
+        self._warned = False
+
+    def __call__(self, bucket: GradBucket) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                "megabuf: the Noop comm hook reduces nothing; every rank keeps its own local "
+                "gradients, so training results are wrong (it exists to measure communication "
+                "cost)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+class Compress:
+    """Reduce in `dtype` (bf16 or fp16) on the wire, cast from the already pre-scaled grads and
+    back into them; `accumulate` is "wire" (sum in `dtype`) or "fp32" (one fp32 sum of the
+    low-precision chunks: [Note: low-precision wire, fp32 sum]). Memory, per bucket and
+    persistent: a `dtype` copy of the bucket; where an all-to-all is used ("fp32", or a gloo
+    reduce-scatter) a second one, its landing zone; for "fp32" all-reduce a grad-dtype shard."""
+
+    modes = MODES
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, accumulate: str = "wire") -> None:
+        if dtype not in _LOW:
+            raise CompressDtypeError(
+                f"megabuf: Compress dtype must be torch.bfloat16 or torch.float16, got {dtype}"
+            )
+        if accumulate not in ("wire", "fp32"):
+            raise ValueError(
+                f"megabuf: Compress accumulate must be 'wire' or 'fp32', got {accumulate!r}"
+            )
+        self.dtype = dtype
+        self.accumulate = accumulate
+        self.name = f"Compress({str(dtype).removeprefix('torch.')}, {accumulate})"
+
+    def setup(self, buckets: list[GradBucket]) -> None:
+        """At registration: refuse a cast that does nothing or loses range."""
+        for bucket in buckets:
+            grad_dtype = bucket.data.dtype
+            if grad_dtype == self.dtype:
+                raise CompressDtypeError(
+                    f"megabuf: {self.name} on {bucket.describe()} casts {grad_dtype} to itself "
+                    "and saves nothing; compress only wider grads (grad_reduce_in_fp32=True)"
+                )
+            if grad_dtype == torch.bfloat16 and self.dtype == torch.float16:
+                raise CompressDtypeError(
+                    f"megabuf: {self.name} on {bucket.describe()} would cast bf16 grads to fp16, "
+                    "which loses range (max 65504 vs ~3e38); use dtype=torch.bfloat16"
+                )
+
+    def __call__(self, bucket: GradBucket) -> Any:
+        if self.accumulate == "fp32":
+            return self._fp32_sum(bucket)
+        low = bucket.workspace(self.dtype, "compress")
+        low.copy_(bucket.data)
+        coll = bucket.collectives
+        if bucket.shard is None:
+            pending = coll.all_reduce(low, bucket.group, average=bucket.average)
+            return _then_copy(pending, low, bucket.data)
+        lo, hi = bucket.shard_range
+        scratch = None
+        if coll.strategy(bucket.group, low.device).reduce_scatter == "all_to_all":
+            scratch = bucket.workspace(self.dtype, "scratch")
+        pending = coll.reduce_scatter(
+            low[lo:hi], low, bucket.group, average=bucket.average, scratch=scratch
+        )
+        return _then_copy(pending, low[lo:hi], bucket.shard)
+
+    def _fp32_sum(self, bucket: GradBucket) -> Generator[Any, Any, None]:
+        """Two stages in all-reduce mode, one in reduce-scatter mode. An all-reduce bucket is
+        not padded for the group, so its low-precision copy is (zero-padded to a multiple of
+        group_size)."""
+        coll, group, size = bucket.collectives, bucket.group, bucket.group_size
+        numel = bucket.data.numel()
+        padded = -(-numel // size) * size  # == numel in reduce-scatter mode
+        low = bucket.workspace(self.dtype, "compress", padded)
+        low[:numel].copy_(bucket.data)
+        low[numel:].zero_()
+        received = bucket.workspace(self.dtype, "scratch", padded)
+        yield coll.all_to_all(received, low, group)
+        shard = bucket.shard
+        if shard is None:
+            shard = bucket.workspace(bucket.data.dtype, "shard", padded // size)
+        chunks = received.view(size, -1)
+        shard.copy_(chunks[0])
+        for chunk in chunks[1:]:
+            shard.add_(chunk.to(shard.dtype))  # fp32 (the grad dtype), in rank order
+        if bucket.average:
+            shard.div_(size)
+        if bucket.shard is not None:
+            return
+        lo = bucket.group_rank * shard.numel()
+        mine = low[lo : lo + shard.numel()]
+        mine.copy_(shard)
+        yield coll.all_gather(low, mine, group)
+        bucket.data.copy_(low[:numel])
+
+
+def _then_copy(
+    pending: PendingCollective, source: Tensor, dest: Tensor
+) -> Generator[Any, Any, None]:
+    """Wait for `pending`, then copy (and cast) `source` into `dest`."""
+    yield pending
+    dest.copy_(source)
+
+
+def build(spec: dict[str, Any]) -> Any:
+    """A built-in hook from a config table: {"name": "reduce"|"noop"|"compress", options...};
+    `dtype` may be a string ("bfloat16", "float16")."""
+    options = dict(spec)
+    name = str(options.pop("name", "")).lower()
+    factories = {"reduce": Reduce, "noop": Noop, "compress": Compress}
+    if name not in factories:
+        raise ValueError(
+            f"megabuf: unknown comm_hook name {name!r}; built-ins: {sorted(factories)}"
+        )
+    if isinstance(options.get("dtype"), str):
+        dtype = getattr(torch, options["dtype"].removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"megabuf: comm_hook dtype {options['dtype']!r} is not a torch dtype")
+        options["dtype"] = dtype
+    try:
+        return factories[name](**options)
+    except TypeError as exc:
+        raise ValueError(f"megabuf: bad options for comm_hook {name!r}: {exc}") from exc
