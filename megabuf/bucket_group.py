@@ -216,7 +216,6 @@ class BucketGroup:
         self._unwritten[:] = self._all_unwritten
         self.unused_indices: tuple[int, ...] = ()  # unwritten when dispatched (zero-filled)
         self._nonfinite_params: Tensor | None = None  # see _record_nonfinite
-        self._nonfinite_buckets: Tensor | None = None
 
     def _clear_readiness(self) -> None:
         self._arrivals[:] = self._no_arrivals
@@ -292,7 +291,7 @@ class BucketGroup:
     def _on_grad_outside_idle(self, i: int, param: torch.nn.Parameter) -> None:
         if self.grad_state is GradSyncState.DISPATCHED:
             raise RuntimeError(
-                f"megabuf: {self._name(param)} received a gradient after its bucket group "
+                f"megabuf: {self.name_of(param)} received a gradient after its bucket group "
                 f"{self.group_id} was dispatched (rank {self.rank}), already having received "
                 f"{self._arrivals[i]} this iteration, as many as learned in the first iteration. "
                 "Two backward passes in one iteration need no_sync() around all but the last; "
@@ -303,7 +302,7 @@ class BucketGroup:
         if self.ddp_config.use_distributed_optimizer:
             raise RuntimeError(
                 f"megabuf: backward after finish_grad_sync() without zero_grad_buffer() (rank "
-                f"{self.rank}, {self._name(param)}); with use_distributed_optimizer only "
+                f"{self.rank}, {self.name_of(param)}); with use_distributed_optimizer only "
                 "this rank's shard of the buffer is reduced, so grads cannot be accumulated "
                 "across syncs. Use no_sync() for gradient accumulation"
             )
@@ -311,7 +310,7 @@ class BucketGroup:
         if any(g.reduction_gain != 1.0 for g in groups):
             raise RuntimeError(
                 f"megabuf: backward after finish_grad_sync() without zero_grad_buffer() (rank "
-                f"{self.rank}, {self._name(param)}): this bucket group's reduction does not "
+                f"{self.rank}, {self.name_of(param)}): this bucket group's reduction does not "
                 "map already-reduced grads to themselves (expert-parallel params are scaled by "
                 "1/dp_size but summed over expt_dp only), so accumulating across syncs would be "
                 "wrong. Use no_sync() for gradient accumulation"
@@ -356,8 +355,7 @@ class BucketGroup:
         # pre-scaled: a sum of dp fp16 values can overflow where their mean cannot. The
         # distributed optimizer otherwise scales after the reduce-scatter: 1/dp of the elements.
         pre = [not cfg.use_distributed_optimizer or g.dtype == torch.float16 for g in grads]
-        _foreach_scale([g for g, p, f in zip(grads, pre, scales) if p and f != 1.0],
-                       [f for g, p, f in zip(grads, pre, scales) if p and f != 1.0])  # fmt: skip
+        _foreach_scale([g for g, p in zip(grads, pre) if p], [f for f, p in zip(scales, pre) if p])
         group, average = self.collective_group, cfg.average_in_collective
         if not cfg.use_distributed_optimizer:
             return self.collectives.all_reduce_many(
@@ -367,7 +365,7 @@ class BucketGroup:
             if bucket.scratch is None and self._needs_scratch(bucket.grad_data.device):
                 bucket.scratch = torch.empty_like(bucket.grad_data)
         return self.collectives.reduce_scatter_many(
-            [self._local_shard(g) for g in grads], grads, group, average=average,
+            [self.local_shard(g) for g in grads], grads, group, average=average,
             async_op=async_op, scratches=[b.scratch for b in self.buckets],
             scales=[1.0 if p else f for p, f in zip(pre, scales)],
         )  # fmt: skip
@@ -375,9 +373,9 @@ class BucketGroup:
     def _reduce_with_hook(self) -> list[HookWork]:
         """Pre-scale every bucket (both modes), then hand each to the hook, which issues stage
         one now ([Note: comm hook contract]); `finish_grad_sync` waits for the rest."""
-        scaled = [(b.grad_data, b.gradient_scaling_factor) for b in self.buckets]
-        scaled = [(g, f) for g, f in scaled if f != 1.0]
-        _foreach_scale([g for g, _ in scaled], [f for _, f in scaled])
+        _foreach_scale(
+            [b.grad_data for b in self.buckets], [b.gradient_scaling_factor for b in self.buckets]
+        )
         return [HookWork(self.comm_hook, bucket) for bucket in self.hook_buckets]
 
     def finish_grad_sync(self) -> None:
@@ -406,29 +404,25 @@ class BucketGroup:
     def _record_nonfinite(self) -> None:
         """check_for_nan_in_grad, at dispatch: flag, on the device and unread, the params whose
         grads are NaN/Inf before the reduction ([Note: NaN check] in nan_check.py)."""
-        device = self.buckets[0].grad_data.device
-        per_bucket = [
-            nonfinite_flags([p.main_grad for p in b.params_list], device)  # type: ignore[attr-defined]
-            for b in self.buckets
-        ]
-        self._nonfinite_params = torch.cat(per_bucket)  # 1-D, float32, len(params_list)
-        # 1-D, float32, len(buckets): 1.0 where any of the bucket's params is flagged
-        self._nonfinite_buckets = torch.stack([f.sum() for f in per_bucket]).clamp_(max=1.0)
+        grads = [p.main_grad for p in self.params_list]  # type: ignore[attr-defined]
+        # 1-D, float32, len(params_list) (bucket by bucket)
+        self._nonfinite_params = nonfinite_flags(grads, self.buckets[0].grad_data.device)
 
     def bucket_nonfinite_flags(self) -> Tensor:
         """Per bucket, 1.0 if its grads were NaN/Inf when last dispatched (zeros if not checked
         since zero_grad_buffer()). Stays on the device."""
-        if self._nonfinite_buckets is None:
+        if self._nonfinite_params is None:
             device = self.buckets[0].grad_data.device
             return torch.zeros(len(self.buckets), dtype=torch.float32, device=device)
-        return self._nonfinite_buckets
+        per_bucket = self._nonfinite_params.split([len(b.params_list) for b in self.buckets])
+        return torch.stack([f.sum() for f in per_bucket]).clamp_(max=1.0)
 
     def nonfinite_param_names(self) -> list[str]:
         """Names of this rank's params flagged at dispatch (reads the flags: error path only)."""
         if self._nonfinite_params is None:
             return []
         flags = self._nonfinite_params.tolist()
-        return [self._name(p) for p, f in zip(self.params_list, flags, strict=True) if f > 0]
+        return [self.name_of(p) for p, f in zip(self.params_list, flags, strict=True) if f > 0]
 
     # ---- param sync (distributed optimizer) -------------------------------------------------
     def mark_params_stale(self) -> None:
@@ -447,7 +441,7 @@ class BucketGroup:
             raise RuntimeError("megabuf: param sync needs use_distributed_optimizer=True")
         full = [p for p in params if p is not None]
         pending = self.collectives.all_gather_many(
-            full, [self._local_shard(p) for p in full], self.collective_group,
+            full, [self.local_shard(p) for p in full], self.collective_group,
             async_op=async_op, tag=self.group_id,
         )  # fmt: skip
         self._param_work = SyncWork(pending)
@@ -469,7 +463,7 @@ class BucketGroup:
             nxt.start_param_sync()
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _local_shard(self, data: torch.Tensor) -> torch.Tensor:
+    def local_shard(self, data: torch.Tensor) -> torch.Tensor:
         shard_numel = data.numel() // self.dp_size
         return data[self.dp_rank * shard_numel : (self.dp_rank + 1) * shard_numel]
 
@@ -480,9 +474,6 @@ class BucketGroup:
 
     def name_of(self, param: torch.nn.Parameter) -> str:
         """`param`'s name in the wrapped module (for messages)."""
-        return self._name(param)
-
-    def _name(self, param: torch.nn.Parameter) -> str:
         return self.param_to_name.get(param, f"<param of shape {tuple(param.shape)}>")
 
 
@@ -495,10 +486,12 @@ def _by_dtype(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
 
 
 def _foreach_scale(tensors: Sequence[Tensor], factors: Sequence[float]) -> None:
-    """tensors[i] *= factors[i] in place: one `_foreach_mul_` per (device, dtype, factor)."""
+    """tensors[i] *= factors[i] in place: one `_foreach_mul_` per (device, dtype, factor);
+    factors of 1.0 are skipped."""
     lists: dict[tuple[torch.device, torch.dtype, float], list[Tensor]] = {}
     for t, f in zip(tensors, factors, strict=True):
-        lists.setdefault((t.device, t.dtype, f), []).append(t)
+        if f != 1.0:
+            lists.setdefault((t.device, t.dtype, f), []).append(t)
     for (_, _, factor), same in lists.items():
         torch._foreach_mul_(same, factor)
 

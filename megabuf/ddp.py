@@ -308,7 +308,7 @@ class DistributedDataParallel(nn.Module):
         install_comm_hook(
             hook, self.all_bucket_groups, self.plan, expert_kinds=selected_kinds(buffers),
             use_distributed_optimizer=cfg.use_distributed_optimizer,
-            average=cfg.average_in_collective, param_to_name=self.param_to_name, rank=self.rank,
+            average=cfg.average_in_collective, rank=self.rank,
         )  # fmt: skip
 
     def start_grad_sync(self) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megabuf.collectives import PendingCollective
+from megabuf.collectives import PendingCollective, sum_chunks
 from megabuf.comm_hooks.contract import MODES, GradBucket
 
 
@@ -39,12 +39,10 @@ class Reduce:
         coll = bucket.collectives
         if bucket.shard is None:
             return coll.all_reduce(bucket.data, bucket.group, average=bucket.average)
-        scratch = None
-        if coll.strategy(bucket.group, bucket.data.device).reduce_scatter == "all_to_all":
-            scratch = bucket.workspace(bucket.data.dtype, "scratch")
         return coll.reduce_scatter(
-            bucket.shard, bucket.data, bucket.group, average=bucket.average, scratch=scratch
-        )
+            bucket.shard, bucket.data, bucket.group, average=bucket.average,
+            scratch=bucket.reduce_scatter_scratch(bucket.data),
+        )  # fmt: skip
 
 
 class Noop:
@@ -119,12 +117,10 @@ class Compress:
             pending = coll.all_reduce(low, bucket.group, average=bucket.average)
             return _then_copy(pending, low, bucket.data)
         lo, hi = bucket.shard_range
-        scratch = None
-        if coll.strategy(bucket.group, low.device).reduce_scatter == "all_to_all":
-            scratch = bucket.workspace(self.dtype, "scratch")
         pending = coll.reduce_scatter(
-            low[lo:hi], low, bucket.group, average=bucket.average, scratch=scratch
-        )
+            low[lo:hi], low, bucket.group, average=bucket.average,
+            scratch=bucket.reduce_scatter_scratch(low),
+        )  # fmt: skip
         return _then_copy(pending, low[lo:hi], bucket.shard)
 
     def _fp32_sum(self, bucket: GradBucket) -> Generator[Any, Any, None]:
@@ -142,10 +138,7 @@ class Compress:
         shard = bucket.shard
         if shard is None:
             shard = bucket.workspace(bucket.data.dtype, "shard", padded // size)
-        chunks = received.view(size, -1)
-        shard.copy_(chunks[0])
-        for chunk in chunks[1:]:
-            shard.add_(chunk.to(shard.dtype))  # fp32 (the grad dtype), in rank order
+        sum_chunks(received, shard)  # in the grad dtype (fp32), in rank order
         if bucket.average:
             shard.div_(size)
         if bucket.shard is not None:

@@ -125,6 +125,14 @@ class GradBucket:
             self._workspace[key] = torch.empty(numel, dtype=dtype, device=self.data.device)
         return self._workspace[key]
 
+    def reduce_scatter_scratch(self, tensor: Tensor) -> Tensor | None:
+        """The persistent all-to-all landing zone for a reduce-scatter of `tensor` where the
+        strategy needs one (gloo on CPU), else None: what `Collectives.reduce_scatter` takes."""
+        strategy = self.collectives.strategy(self.group, tensor.device)
+        if strategy.reduce_scatter != "all_to_all":
+            return None
+        return self.workspace(tensor.dtype, "scratch", tensor.numel())
+
     def describe(self) -> str:
         kind = "expert" if self.expert else "dense"
         numel, dtype = self.data.numel(), self.data.dtype

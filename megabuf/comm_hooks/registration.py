@@ -6,9 +6,7 @@ contract, so the package's top level must not import it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
-import torch
+from collections.abc import Sequence
 
 from megabuf.bucket_group import BucketGroup
 from megabuf.buffer import _ParamAndGradBucket
@@ -51,7 +49,6 @@ def install(
     expert_kinds: tuple[bool, ...],
     use_distributed_optimizer: bool,
     average: bool,
-    param_to_name: Mapping[torch.nn.Parameter, str],
     rank: int,
 ) -> list[GradBucket]:
     """Check `hook` against the mode and the selected groups, build their `GradBucket` views,
@@ -81,7 +78,7 @@ def install(
     for g in chosen:
         planned = plans[g.group_id]
         views[g.group_id] = [
-            _view(g, bucket, indices[member], mode, average, param_to_name, planned.expert)
+            _view(g, bucket, indices[member], mode, average, planned.expert)
             for bucket, member in zip(g.buckets, planned.members, strict=True)
         ]
     setup = getattr(hook, "setup", None)
@@ -99,23 +96,18 @@ def _view(
     index: int,
     mode: Mode,
     average: bool,
-    param_to_name: Mapping[torch.nn.Parameter, str],
     expert: bool,
 ) -> GradBucket:
     data = bucket.grad_data
-    shard = None
-    if mode == "reduce_scatter":
-        numel = data.numel() // group.dp_size
-        shard = data[group.dp_rank * numel : (group.dp_rank + 1) * numel]
     return GradBucket(
         index=index,
         group_id=group.group_id,
         expert=expert,
         mode=mode,
         data=data,
-        shard=shard,
+        shard=group.local_shard(data) if mode == "reduce_scatter" else None,
         params=tuple(bucket.params_list),
-        param_names=tuple(param_to_name.get(p, "?") for p in bucket.params_list),
+        param_names=tuple(group.name_of(p) for p in bucket.params_list),
         group=group.collective_group,
         group_size=group.dp_size,
         group_rank=group.dp_rank,
