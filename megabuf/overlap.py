@@ -27,7 +27,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-Event = tuple[int, str, float]  # (group_id, event name, perf_counter seconds)
+from megabuf.timeline import Event  # (group_id, event name, seconds)
 
 GROUP_EVENTS = ("ready", "dispatch", "finish")
 BACKWARD_END = "backward_end"

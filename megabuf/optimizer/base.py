@@ -218,8 +218,8 @@ class MegabufOptimizer(torch.optim.Optimizer):
         window = self._upcast_window_numel()
         with torch.profiler.record_function("megabuf::inner_step"):
             if window is not None:
-                optimizers = [d.optimizer for d in self.domains]
-                step_in_windows(optimizers, self.main_params, window, coef)
+                domains = [(d.optimizer, d.main_params) for d in self.domains]
+                step_in_windows(domains, self.main_params, window, coef)
             else:
                 for domain in self.domains:
                     domain.optimizer.step()
@@ -263,16 +263,11 @@ class MegabufOptimizer(torch.optim.Optimizer):
     def _grads_of(self, domain: Domain, skip_shared: bool) -> list[torch.Tensor]:
         """The grads the norm reads: attached ones, and half-precision shards read in place
         when they are upcast only during the step ([Note: bf16 grads without an fp32 copy])."""
-        lazy = self._upcast_window_numel() is not None
-        grads = []
-        for mp in domain.main_params:
-            if skip_shared and getattr(mp.model_param, "shared_embedding", False):
-                continue
-            if mp.main.grad is not None:
-                grads.append(mp.main.grad)
-            elif lazy and is_half_grad(mp):
-                grads.append(mp.model_grad)
-        return grads
+        return [
+            mp.main.grad if mp.main.grad is not None else mp.model_grad  # None: left for a window
+            for mp in domain.main_params
+            if not (skip_shared and getattr(mp.model_param, "shared_embedding", False))
+        ]
 
     def _norm_parts(self) -> list[NormPart]:
         """One part per kind present anywhere in the model (empty where this rank has none).
@@ -303,7 +298,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
         """Drop fp32 grad copies (views of the grad buffer stay attached)."""
         if self._copied_grads:
             for mp in self.main_params:
-                if mp.model_grad.dtype != torch.float32:
+                if is_half_grad(mp):
                     mp.main.grad = None
             self._copied_grads = False
 

@@ -69,31 +69,40 @@ def peak_window_nbytes(mains: Sequence[MainParam], window_numel: int) -> int:
 
 def _attach_upcast(window: Sequence[MainParam], coef: float) -> None:
     for mp in window:
-        grad = mp.model_grad.view(mp.main.shape).to(torch.float32)
-        mp.main.grad = grad
+        mp.attach_grad()  # a half grad: its fp32 copy
     if coef != 1.0:
         torch._foreach_mul_([mp.main.grad for mp in window], coef)  # type: ignore[misc]
 
 
 def step_in_windows(
-    optimizers: Sequence[torch.optim.Optimizer],
+    domains: Sequence[tuple[torch.optim.Optimizer, Sequence[MainParam]]],
     mains: Sequence[MainParam],
     window_numel: int,
     coef: float,
 ) -> None:
-    """Step `optimizers` over `mains`: fp32-grad params in the first pass, then each window of
-    half-grad params with its grads upcast (times the clip `coef`); see [Note: bf16 grads
-    without an fp32 copy]. Leaves every half-grad main param without a grad."""
+    """Step each domain's optimizer over its share of `mains` (every main param of the
+    `domains`, in that order): fp32-grad params in a first pass, then each window of half-grad
+    params with its grads upcast (times the clip `coef`), stepping only the optimizers that own
+    a param of the window; see [Note: bf16 grads without an fp32 copy]. Leaves every main param
+    of `mains` without a grad."""
+    owner = {id(mp): opt for opt, owned in domains for mp in owned}
     half = [mp for mp in mains if is_half_grad(mp)]
-    if len(half) < len(mains):
-        for optimizer in optimizers:
-            optimizer.step()  # fp32 grads (buffer views); half-grad params have none yet
-    for mp in mains:
-        if not is_half_grad(mp):
-            mp.main.grad = None  # stepped; reattached by the next step's attach_grad
-    for window in upcast_windows(half, window_numel):
-        _attach_upcast(window, coef)
-        for optimizer in optimizers:
-            optimizer.step()
+    full = [mp for mp in mains if not is_half_grad(mp)]
+    for window in [full, *upcast_windows(half, window_numel)]:
+        if window is not full:
+            _attach_upcast(window, coef)
+        for optimizer in _owners(window, owner):
+            optimizer.step()  # params of other windows have no grad: untouched
         for mp in window:
-            mp.main.grad = None
+            mp.main.grad = None  # fp32 views are reattached by the next step's attach_grad
+
+
+def _owners(
+    window: Sequence[MainParam], owner: dict[int, torch.optim.Optimizer]
+) -> list[torch.optim.Optimizer]:
+    """The distinct optimizers owning a param of `window`, in first-seen order."""
+    found: dict[int, torch.optim.Optimizer] = {}
+    for mp in window:
+        opt = owner[id(mp)]
+        found.setdefault(id(opt), opt)
+    return list(found.values())

@@ -58,11 +58,6 @@ class MainParam:
         self.main.grad = grad.to(torch.float32)
         return True
 
-    def write_back(self) -> None:
-        """Copy the updated values into the model's memory (rounded to its dtype)."""
-        if self.model_data is not None:
-            self.model_data.copy_(self.main.view(self.model_data.shape))
-
     def reload(self) -> None:
         """Re-read the model's current values (after the model param was edited)."""
         if self.model_data is not None:
@@ -70,8 +65,8 @@ class MainParam:
 
 
 def write_back_all(main_params: Sequence[MainParam]) -> None:
-    """`write_back` of every main param that is a copy: one `_foreach_copy_` per (device, model
-    dtype) instead of one copy each (the same rounding, element by element)."""
+    """Copy the updated values of every main param that is a copy into the model's memory
+    (rounded to its dtype): one `_foreach_copy_` per (device, model dtype)."""
     lists: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
     for mp in main_params:
         if mp.model_data is not None:
