@@ -128,19 +128,28 @@ def quantize_case(config: dict[str, Any]) -> dict[str, Any]:
     loss_fn(hooked(local_slice(x)), local_slice(y)).backward()
     hooked.finish_grad_sync()
     ring, calls = stats.total_ring_nbytes, dict(stats.calls)
+    hook_calls, differs = hook.calls, not torch.equal(_reduced(plain), _reduced(hooked))
+    before = _workspace_ptrs(hook.buckets)
+    _step(hooked, 1)  # the checks below read this step
     wire = sum(hook.inner.wire_nbytes(b) for b in hook.buckets)
     return {
         **check_quantized(hook, BLOCK),
+        "same_workspaces": before == _workspace_ptrs(hook.buckets) and len(before) > 0,
         "ring_nbytes": ring,
         "wire_nbytes": wire,
         "bucket_numels": [b.data.numel() for b in hook.buckets],
         "group_size": dist.get_world_size(),
         "calls": calls,
-        "hook_calls": hook.calls,
+        "hook_calls": hook_calls,
         "n_buckets": len(hook.buckets),
-        "differs_from_fp32": not torch.equal(_reduced(plain), _reduced(hooked)),
+        "differs_from_fp32": differs,
         "modes": sorted({b.mode for b in hook.buckets}),
     }
+
+
+def _workspace_ptrs(buckets: list[GradBucket]) -> dict[Any, int]:
+    """Every bucket's persistent workspaces: (bucket, key) -> storage address."""
+    return {(b.index, k): t.data_ptr() for b in buckets for k, t in b._workspace.items()}
 
 
 def quantize_no_sync_case(config: dict[str, Any]) -> dict[str, Any]:
@@ -187,16 +196,19 @@ def quantize_expert_case(ep: int, config: dict[str, Any]) -> dict[str, Any]:
 # ---- LocalSGD ------------------------------------------------------------------------------
 def _subgroup_mean(bucket: GradBucket, seen: list[torch.Tensor], size: int) -> torch.Tensor:
     """What LocalSGD(subgroup_size=size) leaves after start: the pre-scaled data summed over
-    the subgroup, times group_size / size (a mean over the subgroup)."""
+    the subgroup, times group_size / size (a mean over the subgroup); under
+    average_in_collective (no pre-scale) that sum / size."""
     r = bucket.group_rank
     members = range(r - r % size, r - r % size + size)
     total = seen[members[0]].clone()
     for m in members[1:]:
         total += seen[m]
-    return total * (bucket.group_size / size)
+    return total / size if bucket.average else total * (bucket.group_size / size)
 
 
-def local_sgd_case(size: int, reduce_in_subgroup: bool, moe_ep: int = 0) -> dict[str, Any]:
+def local_sgd_case(
+    size: int, reduce_in_subgroup: bool, moe_ep: int = 0, average: bool = False
+) -> dict[str, Any]:
     """start_step=2: steps 0-1 bitwise the Reduce hook; steps 2-3 the subgroup mean (emulated,
     bitwise), identical inside a subgroup and different across subgroups."""
     hook = Capture(LocalSGD(2, 2, subgroup_size=size, reduce_in_subgroup=reduce_in_subgroup))
@@ -205,7 +217,8 @@ def local_sgd_case(size: int, reduce_in_subgroup: bool, moe_ep: int = 0) -> dict
         run: Callable[[Any, int], None] = _moe_step
     else:
         net = Net()
-        local, ref = _model(net, hook, bucket_size=64), _model(net, Reduce(), bucket_size=64)
+        cfg = {"bucket_size": 64, "average_in_collective": average}
+        local, ref = _model(net, hook, **cfg), _model(net, Reduce(), **cfg)
         run = _step
     before, after, collectives_after = [], [], []
     for step in range(4):
@@ -297,6 +310,9 @@ def _averaged_steps(model: Any, opt: Any, averager: Any, hook: Any, log: list[An
                 for mp in opt.main_params
             )
             entry["n_copies"] = sum(mp.is_copy for mp in opt.main_params)
+            first = opt.main_params[0].main
+            moments = _gather(opt.domains[0].optimizer.state[first]["exp_avg"], None)
+            entry["moments_differ"] = not torch.equal(moments[0], moments[2])
         log.append(entry)
 
 

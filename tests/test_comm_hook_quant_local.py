@@ -43,6 +43,7 @@ CASES_DP4: dict[str, tuple[Any, ...]] = {
     "lsgd_sub2": (local_sgd_case, 2, True),
     "lsgd_no_reduce": (local_sgd_case, 2, False),
     "lsgd_moe_ep1": (local_sgd_case, 2, True, 1),
+    "lsgd_avg": (local_sgd_case, 2, True, 0, True),
     "averager": (averager_case,),
     "checkpoint": (checkpoint_case,),
     "errors": (local_sgd_errors_case,),
@@ -87,6 +88,7 @@ def test_quantize_dp2_is_its_emulation_within_the_bound_and_wire_bytes(dp2: Any,
         assert res["hook_calls"] == res["n_buckets"] > 2, res
         assert res["differs_from_fp32"], res  # the rounding happened
         assert res["ring_nbytes"] == res["wire_nbytes"] == _formula(res, name) > 0, res
+        assert res["same_workspaces"], res  # the second step reuses every workspace
         ops = {"all_to_all": 2 * res["n_buckets"]}
         if "ar" in name:
             ops["all_gather"] = 2 * res["n_buckets"]
@@ -187,7 +189,7 @@ def test_local_sgd_option_errors() -> None:
 
 
 # ---- LocalSGD ------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["lsgd_sub2", "lsgd_moe_ep1"])
+@pytest.mark.parametrize("name", ["lsgd_sub2", "lsgd_moe_ep1", "lsgd_avg"])
 def test_local_sgd_reduces_globally_then_in_subgroups(dp4: Any, name: str) -> None:
     results = case_result(dp4, name)
     for rank, res in enumerate(results):
@@ -195,7 +197,7 @@ def test_local_sgd_reduces_globally_then_in_subgroups(dp4: Any, name: str) -> No
         assert res["after_equal"] and all(res["after_equal"]), f"rank {rank}: {res}"
         # subgroups {0,1} and {2,3}: the same grads inside, different across
         assert res["same_as_rank"] == [rank in (0, 1)] * 2 + [rank in (2, 3)] * 2, res
-        if name == "lsgd_sub2":  # one subgroup all-reduce per bucket (MoE adds its all-to-alls)
+        if name != "lsgd_moe_ep1":  # one subgroup all-reduce per bucket (MoE: + all-to-alls)
             assert res["collectives_after"] == [{"all_reduce": res["n_buckets"]}] * 2, res
         assert res["step"] == 7, res
         assert len(res["warnings"]) == 1 and "Call PeriodicAverager" in res["warnings"][0]
@@ -221,6 +223,7 @@ def test_periodic_averager_averages_main_and_model_params(dp4: Any) -> None:
                 assert entry["mean_bitwise"], f"rank {rank}: {entry}"
                 assert entry["identical"], f"rank {rank}: {entry}"
                 assert entry["model_is_rounded_main"] and entry["n_copies"] >= 1, entry
+                assert entry["moments_differ"], entry  # optimizer state is not averaged
         assert res["again"] is False, res
         assert res["warnings"] == [], res  # averaged on time: no "never averaged" warning
         want = {"replicated": {"step": 6, "averaged_at": 5}, "per_rank": {}, "layout": {}}

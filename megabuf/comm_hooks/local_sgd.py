@@ -30,9 +30,8 @@ the same values, bitwise. The training loop:
 - The subgroups are new process groups, created at registration by the subgroup's members
   (`megabuf.process_groups.new_subgroup`), never inside backward.
 - Only params are averaged, as torch's `PeriodicModelAverager` does: the optimizer state
-  (moments) stays each rank's own. Between averagings the replicas differ, so grad-norm
-  clipping sees each subgroup's own norm, and a checkpoint holds dp-rank 0's replica: save
-  right after an averaging step for one consistent model.
+  (moments) stays each rank's own. Between averagings the replicas differ: save checkpoints
+  right after an averaging step, when every rank holds the same params.
 - `PeriodicAverager` refuses a model without a `LocalSGD` hook. When 2·period local steps
   have passed without an averaging, the next step warns once (the averager is never called,
   or not after every `optimizer.step()`).
