@@ -31,6 +31,8 @@ CASES_DP2: dict[str, tuple[Any, ...]] = {
     "quant_rs": (quantize_case, RS),
     "quant_ar_avg": (quantize_case, {**AR, "average_in_collective": True}),
     "quant_rs_avg": (quantize_case, {**RS, "average_in_collective": True}),
+    "quant_ar_bf16": (quantize_case, AR, True),
+    "quant_rs_bf16": (quantize_case, RS, True),
     "quant_no_sync_ar": (quantize_no_sync_case, AR),
     "quant_no_sync_rs": (quantize_no_sync_case, RS),
     "quant_expert_ep1": (quantize_expert_case, 1, {}),
@@ -81,7 +83,10 @@ def _formula(res: dict[str, Any], name: str) -> int:
     return total if "rs" in name else 2 * total
 
 
-@pytest.mark.parametrize("name", ["quant_ar", "quant_rs", "quant_ar_avg", "quant_rs_avg"])
+@pytest.mark.parametrize(
+    "name",
+    ["quant_ar", "quant_rs", "quant_ar_avg", "quant_rs_avg", "quant_ar_bf16", "quant_rs_bf16"],
+)
 def test_quantize_dp2_is_its_emulation_within_the_bound_and_wire_bytes(dp2: Any, name: str) -> None:
     for rank, res in enumerate(case_result(dp2, name)):
         _check_quant(res, name, rank)
@@ -94,6 +99,8 @@ def test_quantize_dp2_is_its_emulation_within_the_bound_and_wire_bytes(dp2: Any,
             ops["all_gather"] = 2 * res["n_buckets"]
         assert res["calls"] == ops, res
         assert res["modes"] == (["reduce_scatter"] if "rs" in name else ["all_reduce"])
+        if "bf16" in name:  # bitwise also where the fp32 sum is rounded into bf16 grads
+            assert res["grad_dtypes"] == ["torch.bfloat16", "torch.float32"], res
 
 
 @pytest.mark.parametrize("name", ["quant_ar", "quant_rs"])

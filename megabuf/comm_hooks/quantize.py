@@ -7,7 +7,8 @@ into blocks of `block` elements and quantises every block symmetrically:
     scale = max|x| / 127 (fp32),  code = clamp(round(x / scale), -127, 127) (int8).
 It sends chunk r's codes and its per-block scale table to group rank r (two all-to-alls), then
 dequantises every rank's chunk (code * scale, fp32) and sums them in fp32 in RANK ORDER into the
-shard: deterministic, and identical on every backend. Per element of block b,
+shard: deterministic (the sum is local: no backend reduction order enters it). A bucket with
+bf16/fp16 grads is staged and summed in fp32 and rounded once into them. Per element of block b,
     |shard - exact sum| <= sum over ranks r of scale_{r,b} / 2  (= max|block_{r,b}| / 254)
 plus fp32 rounding (the division, the product and the d-term sum: a few 2**-24 relative).
 All-reduce mode is that reduce-scatter, then the fp32 shard (divided by group_size first under
