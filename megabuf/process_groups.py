@@ -107,6 +107,19 @@ class ProcessGroups:
         )
 
 
+def group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The global ranks of `group` (None: the default group), in group-rank order."""
+    return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def new_subgroup(group: ProcessGroup | None, members: list[int]) -> ProcessGroup:
+    """A new group of `members` (ranks *in `group`*, this rank among them). Collective over the
+    members only (`use_local_synchronization`): every member must call it, in the same order
+    relative to its other group creations; other ranks need not."""
+    ranks = group_ranks(group)
+    return dist.new_group([ranks[m] for m in members], use_local_synchronization=True)
+
+
 def _check_sizes(world: int, pp_size: int, ep_size: int) -> int:
     if pp_size < 1 or world % pp_size != 0:
         raise ValueError(

@@ -1,7 +1,8 @@
 """Communication hooks on megabuf's buckets ([Note: comm hook contract] in contract.py).
 
 Register with `DistributedDataParallel.register_comm_hook(hook, buffers=...)` or the config's
-`comm_hook` table. Built-ins: `Reduce`, `Noop`, `Compress`.
+`comm_hook` table. Built-ins: `Reduce`, `Noop`, `Compress`, `Quantize`, `LocalSGD` (with its
+`PeriodicAverager`).
 """
 
 from megabuf.comm_hooks.builtin import Compress, CompressDtypeError, Noop, Reduce, build
@@ -14,6 +15,8 @@ from megabuf.comm_hooks.contract import (
     GradBucket,
     HookWork,
 )
+from megabuf.comm_hooks.local_sgd import LocalSGD, LocalSGDError, PeriodicAverager
+from megabuf.comm_hooks.quantize import Quantize, QuantizeError
 
 __all__ = [
     "CommHook",
@@ -25,7 +28,12 @@ __all__ = [
     "CompressDtypeError",
     "GradBucket",
     "HookWork",
+    "LocalSGD",
+    "LocalSGDError",
     "Noop",
+    "PeriodicAverager",
+    "Quantize",
+    "QuantizeError",
     "Reduce",
     "build",
 ]

@@ -22,6 +22,8 @@ from torch import Tensor
 
 from megabuf.collectives import PendingCollective, sum_chunks
 from megabuf.comm_hooks.contract import MODES, GradBucket
+from megabuf.comm_hooks.local_sgd import LocalSGD
+from megabuf.comm_hooks.quantize import Quantize
 
 
 class CompressDtypeError(ValueError):
@@ -159,11 +161,12 @@ def _then_copy(
 
 
 def build(spec: dict[str, Any]) -> Any:
-    """A built-in hook from a config table: {"name": "reduce"|"noop"|"compress", options...};
-    `dtype` may be a string ("bfloat16", "float16")."""
+    """A built-in hook from a config table: {"name": "reduce"|"noop"|"compress"|"quantize"|
+    "local_sgd", options...}; `dtype` may be a string ("bfloat16", "float16")."""
     options = dict(spec)
     name = str(options.pop("name", "")).lower()
-    factories = {"reduce": Reduce, "noop": Noop, "compress": Compress}
+    factories: dict[str, Any] = {"reduce": Reduce, "noop": Noop, "compress": Compress}
+    factories |= {"quantize": Quantize, "local_sgd": LocalSGD}
     if name not in factories:
         raise ValueError(
             f"megabuf: unknown comm_hook name {name!r}; built-ins: {sorted(factories)}"

@@ -224,7 +224,8 @@ def check_modes(hook: object, mode: Mode, what: str) -> None:
             f"{sorted(MODES)}; got {modes!r} ({what})"
         )
     if mode not in modes:
+        why = getattr(hook, "mode_notes", {}).get(mode)  # optional: why a mode is unsupported
         raise CommHookModeError(
             f"megabuf: comm hook {hook_name(hook)} supports {sorted(modes)}, but {what} "
-            f"reduces by {mode}"
+            f"reduces by {mode}" + (f": {why}" if why else "")
         )
