@@ -1,9 +1,10 @@
 """Communication hooks on megabuf's buckets ([Note: comm hook contract] in contract.py).
 
 Register with `DistributedDataParallel.register_comm_hook(hook, buffers=...)` or the config's
-`comm_hook` table. Built-ins: `Reduce`, `Noop`, `Compress`.
+`comm_hook` table. Built-ins: `Reduce`, `Noop`, `Compress`, `PowerSGD`, `BatchedPowerSGD`.
 """
 
+from megabuf.comm_hooks.batched_powersgd import BatchedPowerSGD
 from megabuf.comm_hooks.builtin import Compress, CompressDtypeError, Noop, Reduce, build
 from megabuf.comm_hooks.contract import (
     CommHook,
@@ -14,8 +15,10 @@ from megabuf.comm_hooks.contract import (
     GradBucket,
     HookWork,
 )
+from megabuf.comm_hooks.powersgd import PowerSGD
 
 __all__ = [
+    "BatchedPowerSGD",
     "CommHook",
     "CommHookError",
     "CommHookModeError",
@@ -26,6 +29,7 @@ __all__ = [
     "GradBucket",
     "HookWork",
     "Noop",
+    "PowerSGD",
     "Reduce",
     "build",
 ]
