@@ -127,6 +127,17 @@ class LowRankHook:
     def _compress(self, bucket: GradBucket) -> Any:
         raise NotImplementedError
 
+    def wire_numel(self, bucket: GradBucket) -> dict[str, int]:
+        raise NotImplementedError
+
+    def wire_nbytes(self, bucket: GradBucket) -> int:
+        """Bytes of the tensors a compressing step all-reduces for `bucket` (what
+        `Collectives.stats.input_nbytes["all_reduce"]` counts)."""
+        numel = self.wire_numel(bucket)
+        factor_size = torch.empty(0, dtype=self.factor_of(bucket)).element_size()
+        return numel["factors"] * factor_size + numel["uncompressed"] * bucket.data.element_size()
+
+
     def _next_seed(self) -> int:
         """The seed of one Q draw, from the hook's generator (the same on every rank)."""
         return int(torch.randint(SEED_RANGE, (1,), generator=self._rng).item())
@@ -251,13 +262,6 @@ class PowerSGD(LowRankHook):
         r (n + m), factor dtype) and "uncompressed" (grad dtype)."""
         plan = self._state[bucket.index].plan
         return {"factors": plan.factor_numel, "uncompressed": plan.uncompressed_numel}
-
-    def wire_nbytes(self, bucket: GradBucket) -> int:
-        """Bytes of the tensors a compressing step all-reduces for `bucket` (what
-        `Collectives.stats.input_nbytes["all_reduce"]` counts)."""
-        numel = self.wire_numel(bucket)
-        factor_size = torch.empty(0, dtype=self.factor_of(bucket)).element_size()
-        return numel["factors"] * factor_size + numel["uncompressed"] * bucket.data.element_size()
 
     # ---- the hook -----------------------------------------------------------------------------
     def _compress(self, bucket: GradBucket) -> Generator[Any, Any, None]:
