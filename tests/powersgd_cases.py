@@ -182,7 +182,11 @@ def fullrank_case(config: dict[str, Any], hook_cls: str = "PowerSGD", steps: int
         _backward(model, step)
         _backward(exact, step)
         errs.append(max(_rel(b, e) for b, e in zip(_targets(model), _targets(exact))))
-    return {"errs": errs, "calls": model.comm_hooks()["dense"].calls, "n_buckets": len(_targets(model))}
+    return {
+        "errs": errs,
+        "calls": model.comm_hooks()["dense"].calls,
+        "n_buckets": len(_targets(model)),
+    }
 
 
 def _targets(model: Any) -> list[torch.Tensor]:
@@ -303,7 +307,7 @@ def q_identical_case(config: dict[str, Any]) -> Any:
         _backward(model, step)
     replicated = hook.state_dict()["replicated"]
     same = True
-    for key, value in replicated.items():
+    for value in replicated.values():
         t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
         t = t.double() if t.dtype != torch.uint8 else t.to(torch.float64)
         gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
@@ -422,8 +426,9 @@ def skip_case(config: dict[str, Any]) -> Any:
     step is skipped everywhere and the hook reset. Claims: (a) after the skip the hook state is
     a new hook's (zero residuals, no Q, fresh generator) with 3 counted steps; (b) steps 4-9
     are bitwise those of a NEW engine + NEW hook started from the same params at the backed-off
-    scale; (c) without the reset the NaN stays in Q and every later step is skipped; (d) the scale changes (growth)
-    are exact: a run whose scale doubles every 2 steps equals, bitwise, a constant-scale one."""
+    scale; (c) without the reset the NaN stays in Q and every later step is skipped; (d) the
+    scale changes (growth) are exact: a run whose scale doubles every 2 steps equals, bitwise,
+    a constant-scale one."""
     torch.manual_seed(0)
     net = Mlp()
     model, opt, hook = _scaled_engine(net, 2.0**10, 2, config)
@@ -611,4 +616,3 @@ def reduce_hook_sanity() -> Any:
         _backward(b, step)
         same.append(torch.equal(_grads(a), _grads(b)))
     return {"same": same}
-

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from megabuf.comm_hooks.contract import GradBucket
 from megabuf.comm_hooks.lowrank import orthogonalize_, shard_rows
-from megabuf.comm_hooks.powersgd import LowRankHook
+from megabuf.comm_hooks.lowrank_hook import LowRankHook
 
 
 @dataclass

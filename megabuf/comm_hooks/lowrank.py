@@ -126,10 +126,8 @@ def orthogonalize_(x: Tensor, epsilon: float = 0.0) -> None:
     for i in range(r):
         col = x[:, :, i : i + 1]
         norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
-        if epsilon:
-            norm = norm + epsilon
-        else:
-            norm = torch.where(norm == 0, torch.ones_like(norm), norm)
+        # torch's hook divides by norm + epsilon; a zero column stays zero here instead of NaN
+        norm = norm + epsilon if epsilon else torch.where(norm == 0, torch.ones_like(norm), norm)
         col.div_(norm)
         if i + 1 < r:
             rest = x[:, :, i + 1 :]
