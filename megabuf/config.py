@@ -144,8 +144,9 @@ class DistributedDataParallelConfig:
     comm_hook: dict[str, Any] | None = None
     """A built-in communication hook registered at construction instead of the engine's own
     reduction ([Note: comm hook contract]): `{"name": "compress", "dtype": "bfloat16",
-    "accumulate": "fp32", "buffers": "all"}` (names: reduce, noop, compress; `buffers`: dense,
-    expert or all). In TOML a `[comm_hook]` table (or `[ddp.comm_hook]`). None: no hook."""
+    "accumulate": "fp32", "buffers": "all"}` (names: reduce, noop, compress, powersgd,
+    batched_powersgd; `buffers`: dense, expert or all). In TOML a `[comm_hook]` table (or
+    `[ddp.comm_hook]`). None: no hook."""
 
     def __post_init__(self) -> None:
         for name in ("overlap_param_gather", "align_param_gather"):
@@ -183,7 +184,8 @@ class DistributedDataParallelConfig:
         if not isinstance(hook, dict) or not isinstance(hook.get("name"), str):
             raise ValueError(
                 "megabuf: DistributedDataParallelConfig.comm_hook must be a table with a string "
-                f"`name` (reduce, noop, compress) and the hook's options, got {hook!r}"
+                "`name` (reduce, noop, compress, powersgd, batched_powersgd) and the hook's "
+                f"options, got {hook!r}"
             )
         object.__setattr__(self, "comm_hook", dict(hook))  # a copy: the config stays frozen
 

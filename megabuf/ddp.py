@@ -311,6 +311,43 @@ class DistributedDataParallel(nn.Module):
             average=cfg.average_in_collective, rank=self.rank,
         )  # fmt: skip
 
+    def comm_hooks(self) -> dict[str, object]:
+        """The registered hooks: "dense" and/or "expert" -> hook (one registered for "all" is
+        the same object under both keys)."""
+        expert = {g.group_id: g.expert for g in self.plan.groups}
+        return {
+            "expert" if expert[g.group_id] else "dense": g.comm_hook
+            for g in self.all_bucket_groups
+            if g.comm_hook is not None
+        }
+
+    def _unique_comm_hooks(self) -> list[object]:
+        hooks: list[object] = []
+        for hook in self.comm_hooks().values():
+            if not any(hook is h for h in hooks):
+                hooks.append(hook)
+        return hooks
+
+    def notify_comm_hooks_step_skipped(self) -> None:
+        """Tell the registered comm hooks that the optimizer skipped the step whose grads they
+        just reduced (inf/NaN): each hook's optional `on_step_skipped()` runs (PowerSGD drops
+        its residuals and Q). megabuf's optimizers call it; with torch's GradScaler, call it on
+        every rank when `scaler.step(opt)` skipped (e.g. the scale went down)."""
+        for hook in self._unique_comm_hooks():
+            method = getattr(hook, "on_step_skipped", None)
+            if method is not None:
+                method()
+
+    def notify_comm_hooks_loss_scale_changed(self, ratio: float) -> None:
+        """Tell the registered comm hooks that the loss scale was multiplied by `ratio` (new /
+        old): each hook's optional `on_loss_scale_change(ratio)` runs (PowerSGD rescales its
+        residuals). megabuf's optimizers call it; with torch's GradScaler, call it on every
+        rank after `scaler.update()` changed `scaler.get_scale()`."""
+        for hook in self._unique_comm_hooks():
+            method = getattr(hook, "on_loss_scale_change", None)
+            if method is not None:
+                method(ratio)
+
     def start_grad_sync(self) -> None:
         """Dispatch every reduction not yet dispatched, in chain order (e.g. from a pipeline's
         grad_sync_func). Collective: every dp rank must call it."""

@@ -2,9 +2,10 @@
 
 Register with `DistributedDataParallel.register_comm_hook(hook, buffers=...)` or the config's
 `comm_hook` table. Built-ins: `Reduce`, `Noop`, `Compress`, `Quantize`, `LocalSGD` (with its
-`PeriodicAverager`).
+`PeriodicAverager`), `PowerSGD`, `BatchedPowerSGD`.
 """
 
+from megabuf.comm_hooks.batched_powersgd import BatchedPowerSGD
 from megabuf.comm_hooks.builtin import Compress, CompressDtypeError, Noop, Reduce, build
 from megabuf.comm_hooks.contract import (
     CommHook,
@@ -17,8 +18,10 @@ from megabuf.comm_hooks.contract import (
 )
 from megabuf.comm_hooks.local_sgd import LocalSGD, LocalSGDError, PeriodicAverager
 from megabuf.comm_hooks.quantize import Quantize, QuantizeError
+from megabuf.comm_hooks.powersgd import PowerSGD
 
 __all__ = [
+    "BatchedPowerSGD",
     "CommHook",
     "CommHookError",
     "CommHookModeError",
@@ -34,6 +37,7 @@ __all__ = [
     "PeriodicAverager",
     "Quantize",
     "QuantizeError",
+    "PowerSGD",
     "Reduce",
     "build",
 ]

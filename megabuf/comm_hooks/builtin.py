@@ -162,20 +162,26 @@ def _then_copy(
 
 def build(spec: dict[str, Any]) -> Any:
     """A built-in hook from a config table: {"name": "reduce"|"noop"|"compress"|"quantize"|
-    "local_sgd", options...}; `dtype` may be a string ("bfloat16", "float16")."""
+    "local_sgd"|"powersgd"|"batched_powersgd", options...}; `dtype` and `factor_dtype` may be
+    strings ("bfloat16")."""
+    from megabuf.comm_hooks.batched_powersgd import BatchedPowerSGD  # imports this module
+    from megabuf.comm_hooks.powersgd import PowerSGD
+
     options = dict(spec)
     name = str(options.pop("name", "")).lower()
     factories: dict[str, Any] = {"reduce": Reduce, "noop": Noop, "compress": Compress}
     factories |= {"quantize": Quantize, "local_sgd": LocalSGD}
+    factories |= {"powersgd": PowerSGD, "batched_powersgd": BatchedPowerSGD}
     if name not in factories:
         raise ValueError(
             f"megabuf: unknown comm_hook name {name!r}; built-ins: {sorted(factories)}"
         )
-    if isinstance(options.get("dtype"), str):
-        dtype = getattr(torch, options["dtype"].removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"megabuf: comm_hook dtype {options['dtype']!r} is not a torch dtype")
-        options["dtype"] = dtype
+    for key in ("dtype", "factor_dtype"):
+        if isinstance(options.get(key), str):
+            dtype = getattr(torch, options[key].removeprefix("torch."), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"megabuf: comm_hook {key} {options[key]!r} is not a torch dtype")
+            options[key] = dtype
     try:
         return factories[name](**options)
     except TypeError as exc:

@@ -11,7 +11,10 @@
    last step are re-read (see [Note: main params follow the model params]);
 1. point every main param's grad at its reduced grad (fp32 copy if the grad is bf16/fp16);
 2. with a grad scaler: unscale, and take the inf/NaN flag's max over all ranks; on inf the scaler
-   backs off and the step is skipped on every rank -> (False, None, None);
+   backs off and the step is skipped on every rank -> (False, None, None). When the scale
+   changes, every model chunk's comm hooks hear the ratio
+   (`notify_comm_hooks_loss_scale_changed`); on every skipped step (here or in 3) they hear
+   that it was skipped (`notify_comm_hooks_step_skipped`);
 3. the global grad norm over dense and expert grads (see [Note: global grad norm]). If it is not
    finite (inf/NaN grads without a grad scaler: bf16 or fp32 training) the step is skipped on
    every rank -> (False, grad_norm, None). The norm is summed over every group across which the
@@ -230,8 +233,11 @@ class MegabufOptimizer(torch.optim.Optimizer):
         self._after_update()
 
     def _skip(self, grad_norm: float | None) -> StepResult:
-        """Skip the step on this rank (every rank decides alike): nothing changes."""
+        """Skip the step on this rank (every rank decides alike): nothing changes, and the comm
+        hooks forget what they kept of the skipped grads."""
         self._release_grads()
+        for chunk in self.model_chunks:
+            chunk.notify_comm_hooks_step_skipped()
         if grad_norm is not None and dist.get_rank() == 0:  # scaler skips are routine
             logger.warning("megabuf: step skipped on every rank: global grad norm is %s", grad_norm)
         return StepResult(False, grad_norm, None)
@@ -257,7 +263,12 @@ class MegabufOptimizer(torch.optim.Optimizer):
         if scaler is None:
             return False
         found_inf = self._unscale_and_check(scaler, grads)
+        before = float(scaler.scale.item())
         scaler.update(found_inf)
+        after = float(scaler.scale.item())
+        if after != before:  # comm hooks' residuals are in loss-scaled units
+            for chunk in self.model_chunks:
+                chunk.notify_comm_hooks_loss_scale_changed(after / before)
         return found_inf
 
     def _grads_of(self, domain: Domain, skip_shared: bool) -> list[torch.Tensor]:
