@@ -311,6 +311,20 @@ class DistributedDataParallel(nn.Module):
             average=cfg.average_in_collective, rank=self.rank,
         )  # fmt: skip
 
+    def comm_hooks(self) -> dict[str, object]:
+        """The registered comm hooks: "dense" / "expert" -> hook (a hook registered for "all"
+        appears under both; a kind without a hook or without buffers is absent).
+        `save_checkpoint` saves the state of those with `state_dict()`: [Note: comm hook state
+        in checkpoints] in megabuf/checkpoint/hook_state.py."""
+        hooks: dict[str, object] = {}
+        for kind, groups in (
+            ("dense", self.bucket_groups), ("expert", self.expert_parallel_bucket_groups)
+        ):  # fmt: skip
+            hook = next((g.comm_hook for g in groups if g.comm_hook is not None), None)
+            if hook is not None:
+                hooks[kind] = hook
+        return hooks
+
     def start_grad_sync(self) -> None:
         """Dispatch every reduction not yet dispatched, in chain order (e.g. from a pipeline's
         grad_sync_func). Collective: every dp rank must call it."""

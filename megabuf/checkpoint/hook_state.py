@@ -1,0 +1,401 @@
+"""Communication-hook state in checkpoints: what `save_checkpoint` takes from each stateful hook
+and what `load_checkpoint` hands back to it.
+
+[Note: comm hook state in checkpoints]
+A hook is *stateful* when it has `state_dict()` and `load_state_dict(state)`. `state_dict()`
+returns exactly {"replicated": {key: Tensor | int | float | bool | str}, "per_rank": {key:
+Tensor}, "layout": {key: int | str | list[int]}}; per-param keys are "<field>/<param name>"
+with the names of `GradBucket.param_names`, so the state is in param space, not bucket layout.
+Each chunk's hooks are saved under a *slot*: the chunk's scope (`stage<i>/`, `chunk<j>/`, as
+for model entries) plus "dense", "expert", or "all" when one hook reduces both kinds. In a
+slot, a per-param key is stored with the param's checkpoint name (expert params carry
+`ep<r>/` at ep > 1), so each expert's keys are told apart and held only by the ranks of its
+expert-dp group.
+- replicated tensors go to DCP once per key (every holder hands the same value; DCP writes one
+  copy). Before anything is written, every holder's SHA-256 of the value is compared: values
+  that differ across ranks raise naming the key and the ranks (one copy would silently win).
+  Scalars and strings are stored in metadata.json (JSON, checksummed), so loading never
+  unpickles hook state;
+- per-rank tensors go to DCP under the saving rank ("<slot>/per_rank/<rank>/<key>");
+- metadata.json lists, per slot, the hook's class, its layout and every key with its param,
+  shape, dtype and holders (the saving ranks that held it).
+No process group, no object: any other value type raises naming the hook and the key.
+
+At load, the hooks are registered already (their `setup` has run). Saved slots are matched
+with this model's stateful hooks by slot name and class; see `load_checkpoint` for what
+`strict_comm_hooks` does with slots on one side only or with another class. Each rank reads
+only the keys of the params its hook reduces (and the keys that name no param). If the world
+size is the same and every rank needs exactly the per-rank keys it saved, each rank gets its
+own values (`per_rank_merged=False`: the continuation is bitwise the uninterrupted run's);
+otherwise (another dp size) `per_rank[key]` is the sum over the saved holders of that key, in
+rank order, with `per_rank_counts[key]` their number (`per_rank_merged=True`), and the hook
+decides what that means or raises. Merging holds every holder's copy of this rank's per-rank
+keys at once, transiently. A hook raising a ValueError in `load_state_dict` (e.g. a layout it
+is tied to changed) fails the load on every rank with its message, before the model changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megabuf.comm_hooks.contract import hook_name
+from megabuf.ddp import DistributedDataParallel
+from megabuf.optimizer.param_groups import scope_prefix
+
+STATE_KEYS = ("replicated", "per_rank", "layout")
+SCALARS = (bool, int, float, str)
+HookIndex = dict[str, dict[str, Any]]  # slot -> its metadata.json entry
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One chunk's stateful hook, as the checkpoint names it."""
+
+    name: str  # chunk scope + "dense" | "expert" | "all"
+    hook: Any
+    scoped: dict[str, str]  # local param name -> checkpoint name, params this hook reduces
+    device: torch.device
+
+    def local_names(self) -> dict[str, str]:
+        return {scoped: local for local, scoped in self.scoped.items()}
+
+    def split(self, key: str) -> tuple[str, str | None]:
+        """(key as stored, checkpoint name of the param it names or None)."""
+        for i, char in enumerate(key):
+            if char == "/" and key[i + 1 :] in self.scoped:
+                scoped = self.scoped[key[i + 1 :]]
+                return f"{key[: i + 1]}{scoped}", scoped
+        return key, None
+
+
+def class_name(hook: object) -> str:
+    return f"{type(hook).__module__}.{type(hook).__qualname__}"
+
+
+def is_stateful(hook: object) -> bool:
+    return callable(getattr(hook, "state_dict", None)) and callable(
+        getattr(hook, "load_state_dict", None)
+    )
+
+
+def _chunk_hooks(chunk: DistributedDataParallel) -> dict[str, Any]:
+    """kind ("dense" | "expert" | "all") -> hook registered on this chunk."""
+    hooks = chunk.comm_hooks()
+    if len(hooks) == 2 and hooks["dense"] is hooks["expert"]:
+        return {"all": hooks["dense"]}
+    return hooks
+
+
+def registered_hooks(chunks: Sequence[DistributedDataParallel]) -> dict[str, Any]:
+    """Slot name -> hook, every registered hook (stateful or not) of every chunk."""
+    return {
+        scope_prefix(chunk, i, len(chunks), False) + kind: hook
+        for i, chunk in enumerate(chunks)
+        for kind, hook in _chunk_hooks(chunk).items()
+    }
+
+
+def slot_prefix(name: str) -> str:
+    """The chunk scope of a slot name ("" or "stage<i>/...chunk<j>/")."""
+    head, sep, _ = name.rpartition("/")
+    return head + sep
+
+
+def hook_slots(chunks: Sequence[DistributedDataParallel]) -> list[Slot]:
+    """Every stateful hook of every chunk, with the params it reduces on this rank."""
+    slots = []
+    for i, chunk in enumerate(chunks):
+        for kind, hook in _chunk_hooks(chunk).items():
+            if not is_stateful(hook):
+                continue
+            views = [v for g in chunk.all_bucket_groups if g.comm_hook is hook for v in g.hook_buckets]
+            scoped = {
+                param: scope_prefix(chunk, i, len(chunks), view.expert) + param
+                for view in views
+                for param in view.param_names
+            }
+            name = scope_prefix(chunk, i, len(chunks), False) + kind
+            slots.append(Slot(name, hook, scoped, views[0].data.device))
+    return slots
+
+
+# ---- save ---------------------------------------------------------------------------------------
+def _checked_state(slot: Slot) -> dict[str, Any]:
+    state = slot.hook.state_dict()
+    who = f"megabuf: comm hook {hook_name(slot.hook)} ({slot.name} buffers, rank {dist.get_rank()})"
+    if not isinstance(state, dict) or set(state) != set(STATE_KEYS):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            f"{who}: state_dict() must return a dict with exactly the keys {list(STATE_KEYS)}, "
+            f"got {got} ([Note: comm hook state in checkpoints])"
+        )
+    allowed = {"replicated": (Tensor, *SCALARS), "per_rank": (Tensor,), "layout": (int, str, list)}
+    for part, types in allowed.items():
+        for key, value in state[part].items():
+            bad_list = isinstance(value, list) and not all(type(v) is int for v in value)
+            if not isinstance(key, str) or not isinstance(value, types) or bad_list:
+                names = ", ".join(t.__name__ for t in types)
+                raise ValueError(
+                    f"{who}: state_dict()[{part!r}][{key!r}] is a {type(value).__name__}; a "
+                    f"checkpoint holds only {names} there (string keys; never a process group "
+                    "or another object)"
+                )
+    return state
+
+
+def _digest(value: Tensor) -> str:
+    flat = value.detach().reshape(-1).contiguous().cpu()
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _tensor_entry(value: Tensor, param: str | None) -> dict[str, Any]:
+    return {"param": param, "shape": list(value.shape), "dtype": str(value.dtype).split(".")[-1]}
+
+
+def hook_save_state(
+    chunks: Sequence[DistributedDataParallel],
+) -> tuple[dict[str, Tensor], HookIndex]:
+    """(what this rank hands DCP under "comm_hooks", this rank's index of it); see [Note: comm
+    hook state in checkpoints]. Raises ValueError for a state that cannot be saved."""
+    rank = dist.get_rank()
+    entries: dict[str, Tensor] = {}
+    index: HookIndex = {}
+    for slot in hook_slots(chunks):
+        state = _checked_state(slot)
+        replicated: dict[str, Any] = {}
+        for key, value in state["replicated"].items():
+            stored, param = slot.split(key)
+            if isinstance(value, Tensor):
+                entries[f"{slot.name}/replicated/{stored}"] = value.detach()
+                replicated[stored] = {**_tensor_entry(value, param), "sha256": _digest(value)}
+            else:
+                replicated[stored] = {"param": param, "value": value}
+        per_rank: dict[str, Any] = {}
+        for key, value in state["per_rank"].items():
+            stored, param = slot.split(key)
+            entries[f"{slot.name}/per_rank/{rank}/{stored}"] = value.detach()
+            per_rank[stored] = _tensor_entry(value, param)
+        index[slot.name] = {
+            "class": class_name(slot.hook), "hook": hook_name(slot.hook),
+            "layout": dict(state["layout"]), "replicated": replicated, "per_rank": per_rank,
+        }  # fmt: skip
+    return entries, index
+
+
+def gathered_hook_state(
+    chunks: Sequence[DistributedDataParallel],
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """`hook_save_state`, with an error kept for `agreed_hook_index` (raised on every rank after
+    the save's all-gather, so no rank is left waiting in it)."""
+    try:
+        entries, index = hook_save_state(chunks)
+    except Exception as exc:  # a user's hook may raise anything: report it everywhere
+        message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        return {}, {"index": {}, "error": f"{message} (rank {dist.get_rank()})"}
+    return entries, {"index": index, "error": None}
+
+
+def agreed_hook_index(everyone: list[dict[str, Any]]) -> HookIndex:
+    """Every rank's `gathered_hook_state` record -> metadata.json's "comm_hooks"; the same
+    ValueError on every rank if any rank's hook state cannot be saved."""
+    errors = [record["error"] for record in everyone if record["error"] is not None]
+    if errors:
+        raise ValueError(errors[0])
+    return merge_hook_indices([record["index"] for record in everyone])
+
+
+def merge_hook_indices(everyone: list[HookIndex]) -> HookIndex:
+    """Every rank's hook index (rank order) -> metadata.json's "comm_hooks". Run on every rank
+    with the same input, so each raises the same ValueError where holders disagree."""
+    merged: HookIndex = {}
+    for rank, index in enumerate(everyone):
+        for name, mine in index.items():
+            slot = merged.setdefault(
+                name, {**{k: mine[k] for k in ("class", "hook", "layout")}, "ranks": [],
+                       "replicated": {}, "per_rank": {}},
+            )  # fmt: skip
+            for field in ("class", "layout"):
+                if slot[field] != mine[field]:
+                    raise ValueError(
+                        f"megabuf: save_checkpoint: the comm hooks of slot {name!r} differ "
+                        f"across ranks: {field} {slot[field]!r} on rank {slot['ranks'][0]}, "
+                        f"{mine[field]!r} on rank {rank}; every rank must register the same hook"
+                    )
+            slot["ranks"].append(rank)
+            for part in ("replicated", "per_rank"):
+                for key, entry in mine[part].items():
+                    _add_holder(slot[part], key, entry, rank, f"{name!r} {part}")
+    for slot in merged.values():
+        for entry in slot["replicated"].values():
+            entry.pop("sha256", None)
+    return merged
+
+
+def _add_holder(
+    entries: dict[str, Any], key: str, entry: dict[str, Any], rank: int, where: str
+) -> None:
+    if key not in entries:
+        entries[key] = {**entry, "holders": [rank]}
+        return
+    held = entries[key]
+    first = held["holders"][0]
+    if {k: v for k, v in held.items() if k != "holders"} != entry:
+        def show(e: dict[str, Any]) -> str:
+            return str({k: v for k, v in e.items() if k not in ("holders", "param")})
+
+        raise ValueError(
+            f"megabuf: save_checkpoint: comm hook state {key!r} (slot {where}) differs across "
+            f"the ranks that hold it: rank {first} has {show(held)}, rank {rank} has "
+            f"{show(entry)}. Replicated state must be identical on every rank holding it "
+            "(put rank-local values under 'per_rank')"
+        )
+    held["holders"].append(rank)
+
+
+# ---- load ---------------------------------------------------------------------------------------
+@dataclass
+class SlotLoad:
+    """What one rank reads for one of its hooks."""
+
+    slot: Slot
+    saved: dict[str, Any]  # the slot's metadata.json entry
+    replicated: dict[str, str]  # local key -> stored key (tensors and scalars)
+    per_rank: dict[str, str]  # local key -> stored key
+
+    def own(self, rank: int) -> bool:
+        """This rank saved exactly the per-rank keys it needs now."""
+        saved_here = {k for k, e in self.saved["per_rank"].items() if rank in e["holders"]}
+        return saved_here == set(self.per_rank.values())
+
+
+def _local_key(local_names: dict[str, str], stored: str, param: str | None) -> str | None:
+    """The hook's own key for a stored key, or None if it names a param this rank lacks."""
+    if param is None:
+        return stored
+    local = local_names.get(param)
+    return None if local is None else stored[: len(stored) - len(param)] + local
+
+
+def plan_hook_load(
+    chunks: Sequence[DistributedDataParallel], saved: HookIndex, root: Any, strict: bool
+) -> list[SlotLoad]:
+    """Match the saved slots of this rank's chunks with its stateful hooks; raise (strict) or
+    warn for a slot on one side only or a hook of another class."""
+    prefixes = {scope_prefix(c, i, len(chunks), False) for i, c in enumerate(chunks)}
+    mine = {name: entry for name, entry in saved.items() if slot_prefix(name) in prefixes}
+    registered = registered_hooks(chunks)
+    slots = {s.name: s for s in hook_slots(chunks)}
+    problems: list[tuple[str, str, str]] = []  # (what, what to do, what strict=False does)
+    plans = []
+    for name, entry in mine.items():
+        hook = slots.get(name)
+        saved_by = f"comm hook {entry['hook']} ({entry['class']})"
+        if hook is None:
+            there = registered.get(name)
+            has = f"comm hook {hook_name(there)} (stateless)" if there is not None else "no comm hook"
+            problems.append((
+                f"it holds state of {saved_by} for the {name!r} buffers, and this model has "
+                f"{has} there", "register that hook (before load_checkpoint) to resume it",
+                "its state is dropped",
+            ))  # fmt: skip
+        elif class_name(hook.hook) != entry["class"]:
+            problems.append((
+                f"its {name!r} hook state was saved by {saved_by}, and this model's hook there is "
+                f"{class_name(hook.hook)}", "register the hook it was saved with",
+                f"{hook_name(hook.hook)} keeps its initial state",
+            ))  # fmt: skip
+        else:
+            plans.append(_slot_load(hook, entry))
+    for name, slot in slots.items():
+        if name not in mine:
+            problems.append((
+                f"this model's comm hook {hook_name(slot.hook)} ({class_name(slot.hook)}) on the "
+                f"{name!r} buffers has state, and the checkpoint holds none for it (saved "
+                "without that hook, e.g. before it was added)", "load a checkpoint saved with it",
+                "it keeps its initial state",
+            ))  # fmt: skip
+    where = f"megabuf: load_checkpoint {root} (rank {dist.get_rank()})"
+    option = "strict_comm_hooks=False"
+    if problems and strict:
+        told = [f"{what}: {fix}, or pass {option} (then {relaxed})" for what, fix, relaxed in problems]
+        raise ValueError(f"{where}: " + "; ".join(told))
+    for what, _, relaxed in problems:
+        warnings.warn(f"{where}: {what}; {relaxed} ({option})", RuntimeWarning, stacklevel=3)
+    return plans
+
+
+def _slot_load(slot: Slot, saved: dict[str, Any]) -> SlotLoad:
+    parts: dict[str, dict[str, str]] = {"replicated": {}, "per_rank": {}}
+    local_names = slot.local_names()
+    for part, picked in parts.items():
+        for stored, entry in saved[part].items():
+            local = _local_key(local_names, stored, entry["param"])
+            if local is not None:
+                picked[local] = stored
+    return SlotLoad(slot, saved, parts["replicated"], parts["per_rank"])
+
+
+def _empty(entry: dict[str, Any], device: torch.device) -> Tensor:
+    return torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]), device=device)
+
+
+def hook_template(plans: list[SlotLoad], merged: bool) -> dict[str, Tensor]:
+    """The "comm_hooks" part of the state handed to dcp.load: only what this rank needs."""
+    rank, template = dist.get_rank(), {}
+    for plan in plans:
+        name, device = plan.slot.name, plan.slot.device
+        for stored in plan.replicated.values():
+            entry = plan.saved["replicated"][stored]
+            if "value" not in entry:
+                template[f"{name}/replicated/{stored}"] = _empty(entry, device)
+        for stored in plan.per_rank.values():
+            entry = plan.saved["per_rank"][stored]
+            for holder in entry["holders"] if merged else [rank]:
+                template[f"{name}/per_rank/{holder}/{stored}"] = _empty(entry, device)
+    return template
+
+
+def load_hook_states(plans: list[SlotLoad], template: dict[str, Tensor], merged: bool) -> None:
+    """Hand each hook its state (after dcp.load filled `template`)."""
+    rank = dist.get_rank()
+    for plan in plans:
+        name, saved = plan.slot.name, plan.saved
+        replicated = {}
+        for local, stored in plan.replicated.items():
+            entry = saved["replicated"][stored]
+            scalar = "value" in entry
+            replicated[local] = entry["value"] if scalar else template[f"{name}/replicated/{stored}"]
+        per_rank, counts = {}, {}
+        for local, stored in plan.per_rank.items():
+            holders = saved["per_rank"][stored]["holders"] if merged else [rank]
+            per_rank[local] = _sum([template[f"{name}/per_rank/{h}/{stored}"] for h in holders])
+            counts[local] = len(holders)
+        try:
+            plan.slot.hook.load_state_dict({
+                "replicated": replicated, "per_rank": per_rank, "layout": dict(saved["layout"]),
+                "per_rank_merged": merged, "per_rank_counts": counts,
+            })  # fmt: skip
+        except ValueError as exc:
+            raise ValueError(
+                f"megabuf: load_checkpoint: comm hook {hook_name(plan.slot.hook)} ({name!r} "
+                f"buffers, rank {rank}) refused its saved state: {exc}"
+            ) from exc
+
+
+def _sum(values: list[Tensor]) -> Tensor:
+    """In rank order; half-precision values are summed in fp32, then rounded once."""
+    if len(values) == 1:
+        return values[0]
+    wide = values[0].is_floating_point() and values[0].element_size() < 4
+    total = values[0].float() if wide else values[0].clone()
+    for value in values[1:]:
+        total += value
+    return total.to(values[0].dtype)
