@@ -64,15 +64,18 @@ class ResidualQuantize:
     def _quantize(self, name: str, grad: torch.Tensor) -> None:
         seed = self._step_seed ^ zlib.crc32(name.encode())
         u = torch.rand(grad.shape, generator=torch.Generator().manual_seed(seed))
-        offset = self.offset.get(name)
-        self.offset[name] = u if offset is None else 0.5 * offset + 0.5 * u
-        x = grad + self.residual.get(name, torch.zeros_like(grad))
-        q = torch.floor(x / GRID + self.offset[name]) * GRID
-        self.residual[name] = x - q
+        offset = self.offset.setdefault(name, u)  # then updated in place, as the residual:
+        offset.mul_(0.5).add_(0.5 * u)  # an async save must copy the state when it is called
+        residual = self.residual.setdefault(name, torch.zeros_like(grad))
+        x = grad + residual
+        q = torch.floor(x / GRID + offset) * GRID
+        residual.copy_(x - q)
         grad.copy_(q)
 
     def _layout(self) -> dict[str, Any]:
-        return {"bucket_numels": [b.data.numel() for b in self.buckets]} if self.layout_bound else {}
+        return (
+            {"bucket_numels": [b.data.numel() for b in self.buckets]} if self.layout_bound else {}
+        )
 
     def state_dict(self) -> dict[str, Any]:
         replicated: dict[str, Any] = {
@@ -124,8 +127,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ar": {"ddp": {"bucket_size": 64, "overlap_grad_reduce": True}, "other_bucket": 400},
     "rs_async": {
         "ddp": {"bucket_size": 64, "use_distributed_optimizer": True},
-        "other_bucket": None, "async": True,
-    },  # fmt: skip
+        "other_bucket": None,
+        "async": True,
+    },
 }
 ADAM = megabuf.OptimizerConfig(optimizer="adam", lr=1e-2)
 
@@ -163,9 +167,8 @@ def save_then_continue(root: str, name: str) -> dict[str, Any]:
     megabuf.save_checkpoint(path, model, opt, async_save=case.get("async", False))
     train(model, opt, range(SAVE_AFTER, TOTAL_STEPS))
     out: dict[str, Any] = {"at_save": at_save, "uninterrupted": params(model)}
-    for label, ddp in (
-        ("same", case["ddp"]), ("other_bucket", {**case["ddp"], "bucket_size": case["other_bucket"]}),
-    ):  # fmt: skip
+    other = {**case["ddp"], "bucket_size": case["other_bucket"]}
+    for label, ddp in (("same", case["ddp"]), ("other_bucket", other)):
         resumed, resumed_opt = build(ddp)
         megabuf.load_checkpoint(path, resumed, resumed_opt)
         out[f"{label}_loaded"] = snapshot(hook_of(resumed))
@@ -262,7 +265,9 @@ def expert_case(root: str) -> dict[str, Any]:
 
     def fresh() -> tuple[list[Any], Any]:
         torch.manual_seed(0)
-        model = build_moe({"ep": 2, "config": {"use_distributed_optimizer": True, "bucket_size": 300}})
+        model = build_moe(
+            {"ep": 2, "config": {"use_distributed_optimizer": True, "bucket_size": 300}}
+        )
         model.register_comm_hook(ResidualQuantize(start_step=1))
         return [model], megabuf.build_optimizer(model, ADAM)
 
@@ -340,6 +345,9 @@ def errors_case(root: str) -> dict[str, Any]:
 
         return run
 
+    def bound_hook() -> ResidualQuantize:
+        return ResidualQuantize(layout_bound=True)
+
     relaxed_model, relaxed_warnings = load(plain_path, "default", strict_comm_hooks=False)()
     _, other_warnings = load(path, OtherStateful(), strict_comm_hooks=False)()
     from megabuf.comm_hooks import Compress
@@ -352,8 +360,8 @@ def errors_case(root: str) -> dict[str, Any]:
         "relaxed_warnings": relaxed_warnings,
         "relaxed_step": hook_of(relaxed_model).step,
         "other_class_relaxed": other_warnings,
-        "layout": _error(load(bound_path, ResidualQuantize(layout_bound=True), {**ar, "bucket_size": 400})),
-        "layout_same": _error(load(bound_path, ResidualQuantize(layout_bound=True))),
+        "layout": _error(load(bound_path, bound_hook(), {**ar, "bucket_size": 400})),
+        "layout_same": _error(load(bound_path, bound_hook())),
         "object": _error(lambda: megabuf.save_checkpoint(
             os.path.join(root, "x"), *build(ar, hook=_BadState(object())))),
         "group": _error(lambda: megabuf.save_checkpoint(

@@ -29,7 +29,8 @@ size is the same and every rank needs exactly the per-rank keys it saved, each r
 own values (`per_rank_merged=False`: the continuation is bitwise the uninterrupted run's);
 otherwise (another dp size) `per_rank[key]` is the sum over the saved holders of that key, in
 rank order, with `per_rank_counts[key]` their number (`per_rank_merged=True`), and the hook
-decides what that means or raises. Merging holds every holder's copy of this rank's per-rank
+decides what that means or raises. Tensors arrive on the device of the hook's buckets.
+Merging holds every holder's copy of this rank's per-rank
 keys at once, transiently. A hook raising a ValueError in `load_state_dict` (e.g. a layout it
 is tied to changed) fails the load on every rank with its message, before the model changes.
 """
@@ -37,6 +38,7 @@ is tied to changed) fails the load on every rank with its message, before the mo
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -116,7 +118,9 @@ def hook_slots(chunks: Sequence[DistributedDataParallel]) -> list[Slot]:
         for kind, hook in _chunk_hooks(chunk).items():
             if not is_stateful(hook):
                 continue
-            views = [v for g in chunk.all_bucket_groups if g.comm_hook is hook for v in g.hook_buckets]
+            views = [
+                v for g in chunk.all_bucket_groups if g.comm_hook is hook for v in g.hook_buckets
+            ]
             scoped = {
                 param: scope_prefix(chunk, i, len(chunks), view.expert) + param
                 for view in views
@@ -144,7 +148,7 @@ def _checked_state(slot: Slot) -> dict[str, Any]:
             if not isinstance(key, str) or not isinstance(value, types) or bad_list:
                 names = ", ".join(t.__name__ for t in types)
                 raise ValueError(
-                    f"{who}: state_dict()[{part!r}][{key!r}] is a {type(value).__name__}; a "
+                    f"{who}: state_dict()[{part!r}][{key!r}] is of type {type(value).__name__}; a "
                     f"checkpoint holds only {names} there (string keys; never a process group "
                     "or another object)"
                 )
@@ -239,6 +243,11 @@ def merge_hook_indices(everyone: list[HookIndex]) -> HookIndex:
     return merged
 
 
+def _canonical(entry: dict[str, Any]) -> str:
+    """As metadata.json will hold it (tells 1 from True and 1.0; NaN equals NaN)."""
+    return json.dumps(entry, sort_keys=True)
+
+
 def _add_holder(
     entries: dict[str, Any], key: str, entry: dict[str, Any], rank: int, where: str
 ) -> None:
@@ -247,7 +256,8 @@ def _add_holder(
         return
     held = entries[key]
     first = held["holders"][0]
-    if {k: v for k, v in held.items() if k != "holders"} != entry:
+    if _canonical({k: v for k, v in held.items() if k != "holders"}) != _canonical(entry):
+
         def show(e: dict[str, Any]) -> str:
             return str({k: v for k, v in e.items() if k not in ("holders", "param")})
 
@@ -300,7 +310,9 @@ def plan_hook_load(
         saved_by = f"comm hook {entry['hook']} ({entry['class']})"
         if hook is None:
             there = registered.get(name)
-            has = f"comm hook {hook_name(there)} (stateless)" if there is not None else "no comm hook"
+            has = (
+                f"comm hook {hook_name(there)} (stateless)" if there is not None else "no comm hook"
+            )
             problems.append((
                 f"it holds state of {saved_by} for the {name!r} buffers, and this model has "
                 f"{has} there", "register that hook (before load_checkpoint) to resume it",
@@ -325,7 +337,9 @@ def plan_hook_load(
     where = f"megabuf: load_checkpoint {root} (rank {dist.get_rank()})"
     option = "strict_comm_hooks=False"
     if problems and strict:
-        told = [f"{what}: {fix}, or pass {option} (then {relaxed})" for what, fix, relaxed in problems]
+        told = [
+            f"{what}: {fix}, or pass {option} (then {relaxed})" for what, fix, relaxed in problems
+        ]
         raise ValueError(f"{where}: " + "; ".join(told))
     for what, _, relaxed in problems:
         warnings.warn(f"{where}: {what}; {relaxed} ({option})", RuntimeWarning, stacklevel=3)
@@ -372,7 +386,9 @@ def load_hook_states(plans: list[SlotLoad], template: dict[str, Tensor], merged:
         for local, stored in plan.replicated.items():
             entry = saved["replicated"][stored]
             scalar = "value" in entry
-            replicated[local] = entry["value"] if scalar else template[f"{name}/replicated/{stored}"]
+            replicated[local] = (
+                entry["value"] if scalar else template[f"{name}/replicated/{stored}"]
+            )
         per_rank, counts = {}, {}
         for local, stored in plan.per_rank.items():
             holders = saved["per_rank"][stored]["holders"] if merged else [rank]
