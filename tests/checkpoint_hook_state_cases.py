@@ -370,3 +370,35 @@ def errors_case(root: str) -> dict[str, Any]:
             os.path.join(root, "x"), *build(ar, hook=_RankDependent()))),
         "x_exists": os.path.exists(os.path.join(root, "x")),
     }  # fmt: skip
+
+
+def pipeline_case(root: str) -> dict[str, Any]:
+    """pp=2 x dp=2 (1F1B, tied embeddings on both stages), distributed optimizer, a hook on each
+    stage's chunk: each stage's state is its own slot; a new engine resumes bitwise."""
+    from checkpoint_cases import DISTOPT, _chunk_params, _pp_build, _pp_step
+
+    def fresh() -> tuple[list[Any], Any]:
+        torch.manual_seed(0)
+        chunks, opt = _pp_build(DISTOPT)
+        chunks[0].register_comm_hook(ResidualQuantize(start_step=1))
+        return chunks, opt
+
+    def run(chunks: list[Any], opt: Any, steps: range) -> None:
+        for step in steps:
+            if not _pp_step(chunks, opt, step)[0]:
+                raise RuntimeError(f"step {step} was skipped")
+
+    path = os.path.join(root, "pp2")
+    chunks, opt = fresh()
+    run(chunks, opt, range(SAVE_AFTER))
+    megabuf.save_checkpoint(path, chunks, opt)
+    at_save = snapshot(hook_of(chunks[0]))
+    run(chunks, opt, range(SAVE_AFTER, TOTAL_STEPS))
+    resumed, resumed_opt = fresh()
+    megabuf.load_checkpoint(path, resumed, resumed_opt)
+    loaded = snapshot(hook_of(resumed[0]))
+    run(resumed, resumed_opt, range(SAVE_AFTER, TOTAL_STEPS))
+    return {
+        "at_save": at_save, "loaded": loaded,
+        "uninterrupted": _chunk_params(chunks), "resumed": _chunk_params(resumed),
+    }  # fmt: skip

@@ -19,6 +19,7 @@ from checkpoint_hook_state_cases import (
     errors_case,
     expert_case,
     load_merged,
+    pipeline_case,
     save_then_continue,
 )
 from dist_pool import case_result, run_each
@@ -35,6 +36,7 @@ def root(tmp_path_factory: Any) -> Path:
 def dp4(pools: Any, root: Path) -> list[dict[str, Any]]:
     cases: dict[str, tuple[Any, ...]] = {n: (save_then_continue, str(root), n) for n in VARIANTS}
     cases["expert"] = (expert_case, str(root))
+    cases["pp2"] = (pipeline_case, str(root))
     return pools(4).run(run_each, cases)  # type: ignore[no-any-return]
 
 
@@ -155,6 +157,20 @@ def test_expert_keys_are_held_by_their_expert_dp_group_and_resume_bitwise(
             assert held == [0, 1, 2, 3], (key, held)
     for rank, res in enumerate(case_result(dp4, "expert")):
         assert res["both_kinds_one_hook"] and res["merged"] is False
+        assert _same_state(res["loaded"], res["at_save"]), rank
+        assert _same(res["resumed"], res["uninterrupted"]), rank
+
+
+def test_pipeline_stages_save_their_own_slot_and_resume_bitwise(dp4: Any, root: Path) -> None:
+    """pp=2 x dp=2: the hooks of stage 0 and stage 1 are saved as slots "stage0/dense" and
+    "stage1/dense", held by that stage's dp ranks; a new engine gets each stage's state back and
+    continues bit for bit."""
+    meta = json.loads((root / "pp2" / "metadata.json").read_text())
+    assert sorted(meta["comm_hooks"]) == ["stage0/dense", "stage1/dense"]
+    assert meta["comm_hooks"]["stage0/dense"]["ranks"] == [0, 1]
+    assert meta["comm_hooks"]["stage1/dense"]["ranks"] == [2, 3]
+    for rank, res in enumerate(case_result(dp4, "pp2")):
+        assert res["at_save"]["per_rank"], rank
         assert _same_state(res["loaded"], res["at_save"]), rank
         assert _same(res["resumed"], res["uninterrupted"]), rank
 
