@@ -222,3 +222,20 @@ def test_relaxed_loads_warn_and_keep_the_initial_state(dp2: Any) -> None:
         assert len(res["other_class_relaxed"]) == 1, res["other_class_relaxed"]
         assert res["layout_same"] == "no error"
         assert res["x_exists"] is False
+
+
+def test_merged_sum_is_in_rank_order_and_fp32_for_half_dtypes() -> None:
+    """The merge of per-rank values (no process group): fp32 values summed in rank order as
+    they are; bf16 values summed in fp32 and rounded once (not rounded at every add)."""
+    from megabuf.checkpoint.hook_state import _sum
+
+    g = torch.Generator().manual_seed(0)
+    fp32 = [torch.randn(64, generator=g) for _ in range(4)]
+    assert torch.equal(_sum(fp32), ((fp32[0] + fp32[1]) + fp32[2]) + fp32[3])
+    big, small = torch.full((8,), 256.0), torch.full((8,), 0.75)
+    half = [big.bfloat16(), small.bfloat16(), small.bfloat16()]
+    assert _sum(half).dtype == torch.bfloat16
+    per_add = (half[0] + half[1]) + half[2]  # 256: each 0.75 is lost (bf16 ulp at 256 is 2)
+    assert torch.equal(per_add, big.bfloat16())
+    assert torch.equal(_sum(half), torch.full((8,), 258.0, dtype=torch.bfloat16))  # 257.5 once
+    assert _sum(fp32[:1]) is fp32[0]

@@ -12,10 +12,10 @@ slot, a per-param key is stored with the param's checkpoint name (expert params 
 `ep<r>/` at ep > 1), so each expert's keys are told apart and held only by the ranks of its
 expert-dp group.
 - replicated tensors go to DCP once per key (every holder hands the same value; DCP writes one
-  copy). Before anything is written, every holder's SHA-256 of the value is compared: values
-  that differ across ranks raise naming the key and the ranks (one copy would silently win).
-  Scalars and strings are stored in metadata.json (JSON, checksummed), so loading never
-  unpickles hook state;
+  copy). Before DCP writes, every holder's SHA-256 of the value is compared: values that
+  differ across ranks raise on every rank naming the key and the ranks (one copy would
+  silently win). Scalars and strings are stored in metadata.json (JSON, checksummed), so
+  loading never unpickles hook state;
 - per-rank tensors go to DCP under the saving rank ("<slot>/per_rank/<rank>/<key>");
 - metadata.json lists, per slot, the hook's class, its layout and every key with its param,
   shape, dtype and holders (the saving ranks that held it).
@@ -24,15 +24,17 @@ No process group, no object: any other value type raises naming the hook and the
 At load, the hooks are registered already (their `setup` has run). Saved slots are matched
 with this model's stateful hooks by slot name and class; see `load_checkpoint` for what
 `strict_comm_hooks` does with slots on one side only or with another class. Each rank reads
-only the keys of the params its hook reduces (and the keys that name no param). If the world
-size is the same and every rank needs exactly the per-rank keys it saved, each rank gets its
-own values (`per_rank_merged=False`: the continuation is bitwise the uninterrupted run's);
-otherwise (another dp size) `per_rank[key]` is the sum over the saved holders of that key, in
-rank order, with `per_rank_counts[key]` their number (`per_rank_merged=True`), and the hook
-decides what that means or raises. Tensors arrive on the device of the hook's buckets.
-Merging holds every holder's copy of this rank's per-rank
-keys at once, transiently. A hook raising a ValueError in `load_state_dict` (e.g. a layout it
-is tied to changed) fails the load on every rank with its message, before the model changes.
+only the keys of the params its hook reduces (and the keys that name no param), and the hook
+gets them under its own keys. Replicated state is handed back as saved at any dp size. If the
+world size is the same and every rank needs exactly the per-rank keys it saved, each rank gets
+its own values (`per_rank_merged=False`, `per_rank_counts` all 1: the continuation is bitwise
+the uninterrupted run's); otherwise (another dp size) `per_rank[key]` is the sum over the saved
+holders of that key, in rank order (fp32 for half dtypes), with `per_rank_counts[key]` their
+number (`per_rank_merged=True`), and the hook decides what that means or raises. Merging holds
+every holder's copy of this rank's per-rank keys at once, transiently. Tensors arrive on the
+device of the hook's buckets; `layout` comes back as saved (JSON: lists stay lists). A hook
+raising a ValueError in `load_state_dict` (e.g. a layout it is tied to changed) fails the load
+on every rank with its message, before the model changes.
 """
 
 from __future__ import annotations
