@@ -142,13 +142,15 @@ def test_expert_keys_are_held_by_their_expert_dp_group_and_resume_bitwise(
 ) -> None:
     """ep=2 x expt_dp=2 (ranks 0, 2 hold ep rank 0's experts; 1, 3 ep rank 1's): one hook on
     both kinds is one slot; each expert key is stored with its ep rank and held by exactly its
-    expt_dp group, dense keys by all 4; the hook (which raises on keys of params it does not
-    reduce) gets back exactly its own state and the continuation is bitwise."""
+    expt_dp group, dense keys by all 4 (listed as the slot's ranks); the hook (which raises on
+    keys of params it does not reduce) gets back exactly its own state; bitwise continuation."""
     meta = json.loads((root / "expert" / "metadata.json").read_text())
     (slot,) = meta["comm_hooks"].values()
-    holders = {k: e["holders"] for k, e in slot["per_rank"].items()}
+    assert slot["ranks"] == [0, 1, 2, 3]
+    holders = {k: e.get("holders", slot["ranks"]) for k, e in slot["per_rank"].items()}
     expert = {k: h for k, h in holders.items() if ".experts." in k}
     assert expert and len(expert) < len(holders)
+    assert all("holders" in slot["per_rank"][k] for k in expert)  # others: "all the slot's"
     for key, held in holders.items():
         if key in expert:
             want = [0, 2] if "/ep0/" in key else [1, 3]

@@ -17,8 +17,9 @@ expert-dp group.
   silently win). Scalars and strings are stored in metadata.json (JSON, checksummed), so
   loading never unpickles hook state;
 - per-rank tensors go to DCP under the saving rank ("<slot>/per_rank/<rank>/<key>");
-- metadata.json lists, per slot, the hook's class, its layout and every key with its param,
-  shape, dtype and holders (the saving ranks that held it).
+- metadata.json lists, per slot, the hook's class, its layout, the ranks that held it, and
+  every key with its param, shape, dtype and holders (the saving ranks that held it; left out
+  when they are all the slot's ranks, as for every dense key, to keep the index small).
 No process group, no object: any other value type raises naming the hook and the key.
 
 At load, the hooks are registered already (their `setup` has run). Saved slots are matched
@@ -240,9 +241,16 @@ def merge_hook_indices(everyone: list[HookIndex]) -> HookIndex:
                 for key, entry in mine[part].items():
                     _add_holder(slot[part], key, entry, rank, f"{name!r} {part}")
     for slot in merged.values():
-        for entry in slot["replicated"].values():
+        for entry in [*slot["replicated"].values(), *slot["per_rank"].values()]:
             entry.pop("sha256", None)
+            if entry["holders"] == slot["ranks"]:
+                del entry["holders"]
     return merged
+
+
+def holders(slot: dict[str, Any], entry: dict[str, Any]) -> list[int]:
+    """The saving ranks that held a key (of a slot's metadata.json entry)."""
+    return entry.get("holders", slot["ranks"])  # type: ignore[no-any-return]
 
 
 def _canonical(entry: dict[str, Any]) -> str:
@@ -284,7 +292,9 @@ class SlotLoad:
 
     def own(self, rank: int) -> bool:
         """This rank saved exactly the per-rank keys it needs now."""
-        saved_here = {k for k, e in self.saved["per_rank"].items() if rank in e["holders"]}
+        saved_here = {
+            k for k, e in self.saved["per_rank"].items() if rank in holders(self.saved, e)
+        }
         return saved_here == set(self.per_rank.values())
 
 
@@ -374,7 +384,7 @@ def hook_template(plans: list[SlotLoad], merged: bool) -> dict[str, Tensor]:
                 template[f"{name}/replicated/{stored}"] = _empty(entry, device)
         for stored in plan.per_rank.values():
             entry = plan.saved["per_rank"][stored]
-            for holder in entry["holders"] if merged else [rank]:
+            for holder in holders(plan.saved, entry) if merged else [rank]:
                 template[f"{name}/per_rank/{holder}/{stored}"] = _empty(entry, device)
     return template
 
@@ -393,9 +403,9 @@ def load_hook_states(plans: list[SlotLoad], template: dict[str, Tensor], merged:
             )
         per_rank, counts = {}, {}
         for local, stored in plan.per_rank.items():
-            holders = saved["per_rank"][stored]["holders"] if merged else [rank]
-            per_rank[local] = _sum([template[f"{name}/per_rank/{h}/{stored}"] for h in holders])
-            counts[local] = len(holders)
+            held = holders(saved, saved["per_rank"][stored]) if merged else [rank]
+            per_rank[local] = _sum([template[f"{name}/per_rank/{h}/{stored}"] for h in held])
+            counts[local] = len(held)
         try:
             plan.slot.hook.load_state_dict({
                 "replicated": replicated, "per_rank": per_rank, "layout": dict(saved["layout"]),

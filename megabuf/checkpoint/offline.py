@@ -13,6 +13,7 @@ from torch import Tensor
 
 from megabuf.checkpoint.dcp_state import quiet_sharded_tensor, saved_optimizer_entries
 from megabuf.checkpoint.files import find_checkpoint, read_metadata, verify_file
+from megabuf.checkpoint.hook_state import holders
 
 
 def _verified(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any], Any]:
@@ -79,7 +80,7 @@ def consolidated_comm_hook_state(path: str | os.PathLike[str]) -> dict[str, dict
             if "value" not in entry:
                 tensors[f"{name}/replicated/{key}"] = _hook_empty(entry)
         for key, entry in slot["per_rank"].items():
-            for rank in entry["holders"]:
+            for rank in holders(slot, entry):
                 tensors[f"{name}/per_rank/{rank}/{key}"] = _hook_empty(entry)
     if tensors:
         _load(root, {"comm_hooks": tensors})
@@ -90,7 +91,7 @@ def consolidated_comm_hook_state(path: str | os.PathLike[str]) -> dict[str, dict
             for key, entry in slot["replicated"].items()
         }
         per_rank = {
-            key: {r: tensors[f"{name}/per_rank/{r}/{key}"] for r in entry["holders"]}
+            key: {r: tensors[f"{name}/per_rank/{r}/{key}"] for r in holders(slot, entry)}
             for key, entry in slot["per_rank"].items()
         }
         out[name] = {
