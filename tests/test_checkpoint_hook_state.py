@@ -229,7 +229,7 @@ def test_relaxed_loads_warn_and_keep_the_initial_state(dp2: Any) -> None:
 def test_merged_sum_is_in_rank_order_and_fp32_for_half_dtypes() -> None:
     """The merge of per-rank values (no process group): fp32 values summed in rank order as
     they are; bf16 values summed in fp32 and rounded once (not rounded at every add)."""
-    from megabuf.checkpoint.hook_state import _sum
+    from megabuf.checkpoint.hook_load import _sum
 
     g = torch.Generator().manual_seed(0)
     fp32 = [torch.randn(64, generator=g) for _ in range(4)]

@@ -28,7 +28,7 @@ from megabuf.checkpoint.files import (
     read_metadata,
     verify_file,
 )
-from megabuf.checkpoint.hook_state import hook_template, load_hook_states, plan_hook_load
+from megabuf.checkpoint.hook_load import hook_template, load_hook_states, plan_hook_load
 from megabuf.checkpoint.model_state import (
     check_model_entries,
     check_parallel_sizes,
