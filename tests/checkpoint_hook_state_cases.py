@@ -30,7 +30,7 @@ class ResidualQuantize:
     per rank `residual/<param>` (param-shaped); replicated `offset/<param>` (a running mean of
     the random offsets), `step` (synced steps; plain reduction before `start_step`), `rng`
     (uint8 state of the generator that seeds each step's offsets), and two constants (`grid`,
-    a float; `format`, a str). Any of them lost or wrong changes the params. Results do not
+    a float; `format`, a str). Results depend on each of the first four, and do not
     depend on the bucket layout (per-param, elementwise, offsets seeded per param name);
     `layout_bound=True` ties the state to the bucket numels as BatchedPowerSGD's is."""
 
