@@ -312,14 +312,18 @@ class DistributedDataParallel(nn.Module):
         )  # fmt: skip
 
     def comm_hooks(self) -> dict[str, object]:
-        """The registered hooks: "dense" and/or "expert" -> hook (one registered for "all" is
-        the same object under both keys)."""
-        expert = {g.group_id: g.expert for g in self.plan.groups}
-        return {
-            "expert" if expert[g.group_id] else "dense": g.comm_hook
-            for g in self.all_bucket_groups
-            if g.comm_hook is not None
-        }
+        """The registered comm hooks: "dense" / "expert" -> hook (a hook registered for "all"
+        appears under both; a kind without a hook or without buffers is absent).
+        `save_checkpoint` saves the state of those with `state_dict()`: [Note: comm hook state
+        in checkpoints] in megabuf/checkpoint/hook_state.py."""
+        hooks: dict[str, object] = {}
+        for kind, groups in (
+            ("dense", self.bucket_groups), ("expert", self.expert_parallel_bucket_groups)
+        ):  # fmt: skip
+            hook = next((g.comm_hook for g in groups if g.comm_hook is not None), None)
+            if hook is not None:
+                hooks[kind] = hook
+        return hooks
 
     def _unique_comm_hooks(self) -> list[object]:
         hooks: list[object] = []

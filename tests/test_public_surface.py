@@ -31,7 +31,11 @@ PUBLIC = {
 INTERNALS = {
     "megabuf.bucket_group": ["BucketGroup", "DispatchChain", "GradSyncState", "ParamSyncState"],
     "megabuf.buffer": ["_ParamAndGradBuffer", "_ParamAndGradBucket"],
-    "megabuf.checkpoint": ["consolidated_model_state", "consolidated_optimizer_state"],
+    "megabuf.checkpoint": [
+        "consolidated_comm_hook_state",
+        "consolidated_model_state",
+        "consolidated_optimizer_state",
+    ],
     "megabuf.collectives": ["Collectives", "CommStats"],
     "megabuf.finalize": ["check_scaling_invariant"],
     "megabuf.layout": ["BufferLayout", "compute_layout", "shard_pieces"],

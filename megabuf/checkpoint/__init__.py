@@ -10,7 +10,9 @@ A checkpoint is a torch.distributed.checkpoint (DCP) directory plus megabuf's in
     <path>/extra.pt         the `extra=` object given to save_checkpoint (only if one was given)
     <path>/metadata.json    megabuf's index, written last, with a checksum of its own: every
                             file's writer rank, size and SHA-256; the model entries (shape,
-                            dtype) and optimizer params (numel, shape); world, pp and ep sizes
+                            dtype) and optimizer params (numel, shape); world, pp and ep sizes;
+                            the comm hooks' state index ([Note: comm hook state in
+                            checkpoints] in hook_state.py; the tensors are in the DCP files)
 Model entries (params, frozen params, module buffers) are written once per replica set: dense
 entries by dp rank 0 of each pipeline stage, expert entries by expt_dp rank 0. Optimizer state
 is keyed by param and stored as chunks of each flattened param (a plain torch optimizer's as
@@ -38,12 +40,17 @@ rank 0's `extra` first, e.g. a list indexed by rank.)
 from megabuf.checkpoint.export import full_state_dict
 from megabuf.checkpoint.files import FORMAT, find_checkpoint
 from megabuf.checkpoint.load import load_checkpoint
-from megabuf.checkpoint.offline import consolidated_model_state, consolidated_optimizer_state
+from megabuf.checkpoint.offline import (
+    consolidated_comm_hook_state,
+    consolidated_model_state,
+    consolidated_optimizer_state,
+)
 from megabuf.checkpoint.save import SaveHandle, save_checkpoint, wait_for_pending_save
 
 __all__ = [
     "FORMAT",
     "SaveHandle",
+    "consolidated_comm_hook_state",
     "consolidated_model_state",
     "consolidated_optimizer_state",
     "find_checkpoint",

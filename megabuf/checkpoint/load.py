@@ -28,6 +28,7 @@ from megabuf.checkpoint.files import (
     read_metadata,
     verify_file,
 )
+from megabuf.checkpoint.hook_load import hook_template, load_hook_states, plan_hook_load
 from megabuf.checkpoint.model_state import (
     check_model_entries,
     check_parallel_sizes,
@@ -89,12 +90,15 @@ def _record(meta: dict[str, Any], name: str) -> dict[str, Any]:
     return next(r for r in meta["files"] if r["file"] == name)
 
 
-def _check(root: Path, chunks: Sequence[DistributedDataParallel], optimizer: Any) -> dict:
+def _check(
+    root: Path, chunks: Sequence[DistributedDataParallel], optimizer: Any, strict_hooks: bool
+) -> dict:
     """Everything that can be checked before DCP reads: raises ValueError naming the misfit."""
     root = find_checkpoint(root)
     meta = read_metadata(root)
     check_parallel_sizes(root, meta, chunks)
     check_model_entries(root, expected_model_entries(chunks), meta["model"])
+    hooks = plan_hook_load(chunks, meta.get("comm_hooks", {}), root, strict_hooks)
     wanted = _wanted(chunks, optimizer)
     missing = sorted({w[0] for w in wanted} - set(meta["optimizer"]))
     if not isinstance(optimizer, MegabufOptimizer):  # torch: params never stepped have no state
@@ -124,7 +128,11 @@ def _check(root: Path, chunks: Sequence[DistributedDataParallel], optimizer: Any
     dcp_meta = dcp.FileSystemReader(root).read_metadata()
     if optimizer is not None:
         _check_layouts(chunks, optimizer, wanted, saved_optimizer_entries(dcp_meta), common)
-    return {"root": root, "wanted": wanted, "common": common, "extra": extra, "dcp": dcp_meta}
+    return {
+        "root": root, "wanted": wanted, "common": common, "extra": extra, "dcp": dcp_meta,
+        "hooks": hooks, "saved_hooks": bool(meta.get("comm_hooks")),
+        "same_world": meta["world_size"] == dist.get_world_size(),
+    }  # fmt: skip
 
 
 def _check_layouts(
@@ -155,19 +163,40 @@ def _check_layouts(
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], model: Chunks, optimizer: AnyOptimizer | None = None
+    path: str | os.PathLike[str],
+    model: Chunks,
+    optimizer: AnyOptimizer | None = None,
+    *,
+    strict_comm_hooks: bool = True,
 ) -> Any:
     """Collective. Load into a freshly built model (and optimizer) at any dp size, bucket size
     and overlap setting, all-reduce or distributed optimizer alike (not across pp / ep sizes);
     returns the `extra` given to `save_checkpoint` (None if none). Which directory is read when a
     save was interrupted: [Note: checkpoint crash safety]. Raises a ValueError on every rank
     naming what does not fit (entries, optimizer params, pp / ep sizes) or which file is damaged
-    and which rank wrote it. `extra` is unpickled in full: load only checkpoints you trust."""
+    and which rank wrote it. `extra` is unpickled in full: load only checkpoints you trust.
+
+    Comm hook state ([Note: comm hook state in checkpoints]): register the model's hooks
+    before calling it; each stateful hook gets its saved state. With `strict_comm_hooks`
+    (default) it raises, naming the hook and its buffers, where the checkpoint holds hook state
+    and the model has no stateful hook there, where the hook's class differs, and where the model
+    has a stateful hook and the checkpoint no state for it (e.g. saved before the hook was
+    added). `strict_comm_hooks=False` warns instead: saved state without a matching hook is
+    dropped, and a hook without matching saved state keeps its initial state. A hook that
+    refuses its state (a layout it is tied to changed, per-rank state it cannot merge at
+    another dp size) raises either way."""
     with torch.profiler.record_function("megabuf::load_checkpoint"):
         chunks = as_chunks(model)
         wait_for_pending_save()
         collectives = chunks[0].collectives
-        found = _agreed(collectives, lambda: _check(Path(path), chunks, optimizer))
+        found = _agreed(
+            collectives, lambda: _check(Path(path), chunks, optimizer, strict_comm_hooks)
+        )
+        merged = False
+        if found["saved_hooks"]:  # the same on every rank: one metadata.json
+            own = found["same_world"] and all(p.own(dist.get_rank()) for p in found["hooks"])
+            merged = not all(collectives.all_gather_object(own, None))
+        hook_state = hook_template(found["hooks"], merged)
         wanted: Wanted = found["wanted"]
         ranges = ranges_from(collectives.all_gather_object(wanted_ranges(wanted), None))
         opt_template, locals_ = optimizer_template(
@@ -176,7 +205,11 @@ def load_checkpoint(
         per_chunk, keyed = model_template(chunks)
         with quiet_sharded_tensor():
             state = {"model": keyed, "optimizer": opt_template}
+            if hook_state:
+                state["comm_hooks"] = hook_state
             dcp.load(state, storage_reader=dcp.FileSystemReader(found["root"]))
+        # the hooks first: one refusing its state leaves the model as it was
+        _agreed(collectives, lambda: load_hook_states(found["hooks"], hook_state, merged))
         for chunk, entries in zip(chunks, per_chunk, strict=True):
             chunk.load_state_dict(entries, strict=True)  # the model before the optimizer
         pieces = [

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from megabuf.checkpoint.dcp_state import quiet_sharded_tensor, saved_optimizer_entries
 from megabuf.checkpoint.files import find_checkpoint, read_metadata, verify_file
+from megabuf.checkpoint.hook_state import holders
 
 
 def _verified(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any], Any]:
@@ -64,3 +65,41 @@ def consolidated_optimizer_state(path: str | os.PathLike[str]) -> dict[str, dict
             for name, v in values.items()
         }
     return out
+
+
+def consolidated_comm_hook_state(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """Offline: the communication-hook state of the checkpoint ([Note: comm hook state in
+    checkpoints]), verified, per slot (chunk scope + "dense" / "expert" / "all"):
+    `{"class", "hook", "layout", "replicated": {key: value}, "per_rank": {key: {rank: tensor}}}`
+    with the keys as stored (param names as checkpoint keys). {} if it holds no hook state."""
+    root, meta, _ = _verified(path)
+    saved = meta.get("comm_hooks", {})
+    tensors: dict[str, Tensor] = {}
+    for name, slot in saved.items():
+        for key, entry in slot["replicated"].items():
+            if "value" not in entry:
+                tensors[f"{name}/replicated/{key}"] = _hook_empty(entry)
+        for key, entry in slot["per_rank"].items():
+            for rank in holders(slot, entry):
+                tensors[f"{name}/per_rank/{rank}/{key}"] = _hook_empty(entry)
+    if tensors:
+        _load(root, {"comm_hooks": tensors})
+    out: dict[str, dict[str, Any]] = {}
+    for name, slot in saved.items():
+        replicated = {
+            key: entry["value"] if "value" in entry else tensors[f"{name}/replicated/{key}"]
+            for key, entry in slot["replicated"].items()
+        }
+        per_rank = {
+            key: {r: tensors[f"{name}/per_rank/{r}/{key}"] for r in holders(slot, entry)}
+            for key, entry in slot["per_rank"].items()
+        }
+        out[name] = {
+            "class": slot["class"], "hook": slot["hook"], "layout": slot["layout"],
+            "replicated": replicated, "per_rank": per_rank,
+        }  # fmt: skip
+    return out
+
+
+def _hook_empty(entry: dict[str, Any]) -> Tensor:
+    return torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))

@@ -41,6 +41,7 @@ from megabuf.checkpoint.files import (
     write_file,
     write_metadata,
 )
+from megabuf.checkpoint.hook_state import HookIndex, agreed_hook_index, gathered_hook_state
 from megabuf.checkpoint.model_state import owned_model_state, parallel_sizes
 from megabuf.checkpoint.torch_optim import torch_optimizer_state
 from megabuf.ddp import DistributedDataParallel
@@ -111,7 +112,11 @@ def save_checkpoint(
     all-reduce path), or None. `extra`: any picklable object of the training script (iteration,
     best loss, config, RNG states), stored with the rest and returned by `load_checkpoint`; rank
     0's is kept. `async_save`: see [Note: asynchronous checkpoint saves]. Layout, guarantees:
-    [Note: checkpoint layout], [Note: checkpoint crash safety].
+    [Note: checkpoint layout], [Note: checkpoint crash safety]. The state of every registered
+    comm hook with `state_dict()` is saved too, in param space ([Note: comm hook state in
+    checkpoints]); a hook state holding anything but tensors, numbers and strings, or replicated
+    values that differ across ranks, raises a ValueError on every rank, before DCP writes
+    (the checkpoint already at `path` stays).
     """
     with torch.profiler.record_function("megabuf::save_checkpoint"):
         chunks = as_chunks(model)
@@ -123,35 +128,46 @@ def save_checkpoint(
             prepare_tmp(final)
         model_state = owned_model_state(chunks)  # collective with the distributed optimizer
         common, pieces = optimizer_state(chunks, optimizer)
+        hook_entries, hook_record = gathered_hook_state(chunks)
         own: list[FileRecord] = []
         if rank == 0:  # rank 0's own files first: `extra` as it is now
             own.append(write_file(common, tmp / "common.pt", 0))
             if extra is not None:
                 own.append(write_file(extra, tmp / "extra.pt", 0))
         # also: rank 0 has made tmp before any rank writes into it (DCP, below)
-        everyone = collectives.all_gather_object(_rank_index(model_state, pieces), None)
+        everyone = collectives.all_gather_object(
+            _rank_index(model_state, pieces, hook_record), None
+        )
+        hooks = agreed_hook_index([index["comm_hooks"] for index in everyone])
         ranges = ranges_from([index["ranges"] for index in everyone])
         state = {"model": model_state, "optimizer": optimizer_dcp_state(pieces, ranges)}
+        if hook_entries:  # [Note: comm hook state in checkpoints]
+            state["comm_hooks"] = hook_entries
         writer = dcp.FileSystemWriter(tmp)
         with quiet_sharded_tensor():
             if not async_save:
                 dcp.save(state, storage_writer=writer)
-                _commit(chunks, final, tmp, everyone, own + hash_written(tmp, rank))
+                _commit(chunks, final, tmp, everyone, hooks, own + hash_written(tmp, rank))
                 return SaveHandle(None)  # done
             saving = dcp.async_save(state, storage_writer=writer, process_group=_checkpoint_group())
         written = saving if isinstance(saving, Future) else saving.upload_completion
         hashed = _hash_when_written(written, tmp, rank)
-        handle = SaveHandle(lambda: _commit(chunks, final, tmp, everyone, own + hashed.result()))
+        handle = SaveHandle(
+            lambda: _commit(chunks, final, tmp, everyone, hooks, own + hashed.result())
+        )
         _PENDING[chunks[0]] = handle
         return handle
 
 
-def _rank_index(model_state: dict[str, Any], pieces: list[dict[str, Any]]) -> dict[str, Any]:
+def _rank_index(
+    model_state: dict[str, Any], pieces: list[dict[str, Any]], hooks: dict[str, Any]
+) -> dict[str, Any]:
     """What this rank saves, for metadata.json and for the ShardedTensors' shard lists."""
     return {
         "ranges": partial_ranges(pieces),
         "model": {k: [list(v.shape), str(v.dtype)] for k, v in model_state.items()},
         "optimizer": {p["key"]: [p["numel"], p["shape"]] for p in pieces},
+        "comm_hooks": hooks,
     }
 
 
@@ -183,6 +199,7 @@ def _commit(
     final: Path,
     tmp: Path,
     everyone: list[dict[str, Any]],
+    hooks: HookIndex,
     records: list[FileRecord],
 ) -> None:
     """Complete a save once DCP has written: gather every rank's file records, rank 0 writes
@@ -190,7 +207,7 @@ def _commit(
     collectives, rank = chunks[0].collectives, dist.get_rank()
     everyone_records = collectives.all_gather_object(records, None)
     if rank == 0:
-        write_metadata(tmp, _index(chunks, everyone, everyone_records))
+        write_metadata(tmp, {**_index(chunks, everyone, everyone_records), "comm_hooks": hooks})
         commit(tmp, final)
     collectives.barrier(None)
 
