@@ -1,7 +1,8 @@
 """Communication hooks on megabuf's buckets ([Note: comm hook contract] in contract.py).
 
 Register with `DistributedDataParallel.register_comm_hook(hook, buffers=...)` or the config's
-`comm_hook` table. Built-ins: `Reduce`, `Noop`, `Compress`.
+`comm_hook` table. Built-ins: `Reduce`, `Noop`, `Compress`, `CompressWrapper`; torch DDP hooks
+run through `from_torch` ([Note: torch hooks on megabuf buckets]).
 """
 
 from megabuf.comm_hooks.builtin import Compress, CompressDtypeError, Noop, Reduce, build
@@ -11,21 +12,37 @@ from megabuf.comm_hooks.contract import (
     CommHookModeError,
     CommHookRegistrationError,
     CommHookResultError,
+    CommHookTimeoutError,
     GradBucket,
     HookWork,
 )
+from megabuf.comm_hooks.torch_adapter import (
+    CommHookGroupError,
+    CommHookScalingError,
+    TorchGradBucket,
+    TorchHook,
+    from_torch,
+)
+from megabuf.comm_hooks.wrappers import CompressWrapper
 
 __all__ = [
     "CommHook",
     "CommHookError",
+    "CommHookGroupError",
     "CommHookModeError",
     "CommHookRegistrationError",
     "CommHookResultError",
+    "CommHookScalingError",
+    "CommHookTimeoutError",
     "Compress",
     "CompressDtypeError",
+    "CompressWrapper",
     "GradBucket",
     "HookWork",
     "Noop",
     "Reduce",
+    "TorchGradBucket",
+    "TorchHook",
     "build",
+    "from_torch",
 ]
