@@ -145,7 +145,8 @@ class DistributedDataParallelConfig:
     comm_hook: dict[str, Any] | None = None
     """A built-in communication hook registered at construction instead of the engine's own
     reduction ([Note: comm hook contract]): `{"name": "compress", "dtype": "bfloat16",
-    "accumulate": "fp32", "buffers": "all"}` (names: reduce, noop, compress; `buffers`: dense,
+    "accumulate": "fp32", "buffers": "all"}` (names: reduce, noop, compress, compress_wrapper
+    with `inner = "reduce"` or an inner table; `buffers`: dense,
     expert or all). In TOML a `[comm_hook]` table (or `[ddp.comm_hook]`). None: no hook."""
 
     comm_hook_timeout_s: float | None = 300.0
