@@ -371,12 +371,14 @@ class BucketGroup:
         )  # fmt: skip
 
     def _reduce_with_hook(self) -> list[HookWork]:
-        """Pre-scale every bucket (both modes), then hand each to the hook, which issues stage
-        one now ([Note: comm hook contract]); `finish_grad_sync` waits for the rest."""
-        _foreach_scale(
-            [b.grad_data for b in self.buckets], [b.gradient_scaling_factor for b in self.buckets]
-        )
-        return [HookWork(self.comm_hook, bucket) for bucket in self.hook_buckets]
+        """Pre-scale every bucket (both modes; not for a hook with `prescaled = False`), then
+        hand each to the hook, which issues stage one now ([Note: comm hook contract]);
+        `finish_grad_sync` waits for the rest, each wait bounded ([Note: bounded hook wait])."""
+        if getattr(self.comm_hook, "prescaled", True):
+            grads = [b.grad_data for b in self.buckets]
+            _foreach_scale(grads, [b.gradient_scaling_factor for b in self.buckets])
+        timeout = self.ddp_config.comm_hook_timeout_s
+        return [HookWork(self.comm_hook, bucket, timeout) for bucket in self.hook_buckets]
 
     def finish_grad_sync(self) -> None:
         """Wait for the reduction; if nobody dispatched it yet, dispatch it first."""

@@ -11,7 +11,9 @@ How each operation is realised on a (backend, device type) is chosen in megabuf/
 
 from __future__ import annotations
 
+import datetime
 import pickle
+import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -81,10 +83,12 @@ class PendingCollective:
     divide_by: int = 1  # AVG emulated by SUM then division
     scale: float = 1.0  # multiply the result (e.g. grad scaling of a reduce-scatter's shard only)
 
-    def wait(self) -> None:
+    def wait(self, timeout: datetime.timedelta | None = None) -> None:
+        """Finish the collective. `timeout` bounds the wait for all handles together (c10d
+        `Work.wait(timeout)`, which raises RuntimeError past it; [Note: bounded hook wait] in
+        comm_hooks/contract.py)."""
         with torch.profiler.record_function(f"megabuf::wait_{self.op}"):
-            for handle in self.handles:
-                handle.wait()
+            _wait_all(self.handles, timeout)
             self.handles = []
             if self.output is None:
                 return
@@ -106,10 +110,21 @@ class _WaitOnce:
     def __init__(self, works: list[Any]) -> None:
         self.works = works
 
-    def wait(self) -> None:
+    def wait(self, timeout: datetime.timedelta | None = None) -> None:
         works, self.works = self.works, []
+        _wait_all(works, timeout)
+
+
+def _wait_all(works: Sequence[Any], timeout: datetime.timedelta | None) -> None:
+    """Wait for every work; with `timeout`, for all of them together at most that long."""
+    if timeout is None:
         for work in works:
             work.wait()
+        return
+    deadline = time.monotonic() + timeout.total_seconds()
+    for work in works:
+        left = max(deadline - time.monotonic(), 1e-3)
+        work.wait(timeout=datetime.timedelta(seconds=left))
 
 
 def sum_chunks(scratch: Tensor, output: Tensor) -> None:

@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import math
 import sys
 import textwrap
 from dataclasses import dataclass, fields
@@ -144,9 +145,17 @@ class DistributedDataParallelConfig:
     comm_hook: dict[str, Any] | None = None
     """A built-in communication hook registered at construction instead of the engine's own
     reduction ([Note: comm hook contract]): `{"name": "compress", "dtype": "bfloat16",
-    "accumulate": "fp32", "buffers": "all"}` (names: reduce, noop, compress, powersgd,
-    batched_powersgd; `buffers`: dense, expert or all). In TOML a `[comm_hook]` table (or
-    `[ddp.comm_hook]`). None: no hook."""
+    "accumulate": "fp32", "buffers": "all"}` (names: reduce, noop, compress, compress_wrapper
+    with `inner = "reduce"` or an inner table, quantize, local_sgd, powersgd, batched_powersgd;
+    `buffers`: dense, expert or all). In TOML a `[comm_hook]` table (or `[ddp.comm_hook]`).
+    None: no hook."""
+
+    comm_hook_timeout_s: float | None = 300.0
+    """How long the engine waits, per wait, for a communication hook's work (each Future, Work or
+    collective it returns or yields) before raising `CommHookTimeoutError` naming the hook, the
+    bucket and the rank, instead of hanging ([Note: bounded hook wait]). A positive number of
+    seconds, or None for no bound. Only hooks are bounded here; the engine's own collectives
+    are bounded by the process group's timeout."""
 
     def __post_init__(self) -> None:
         for name in ("overlap_param_gather", "align_param_gather"):
@@ -169,6 +178,7 @@ class DistributedDataParallelConfig:
                 f"{self.bucket_size}; use None for the default"
             )
         self._check_comm_hook()
+        self._check_comm_hook_timeout()
         if self.num_distributed_optimizer_instances != 1:
             raise ValueError(
                 "megabuf: DistributedDataParallelConfig.num_distributed_optimizer_instances="
@@ -188,6 +198,17 @@ class DistributedDataParallelConfig:
                 f"options, got {hook!r}"
             )
         object.__setattr__(self, "comm_hook", dict(hook))  # a copy: the config stays frozen
+
+    def _check_comm_hook_timeout(self) -> None:
+        timeout = self.comm_hook_timeout_s
+        if timeout is None:
+            return
+        number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+        if not number or not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(
+                "megabuf: DistributedDataParallelConfig.comm_hook_timeout_s must be a positive "
+                f"number of seconds or None (no bound), got {timeout!r}"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DistributedDataParallelConfig:

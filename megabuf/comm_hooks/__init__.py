@@ -2,7 +2,9 @@
 
 Register with `DistributedDataParallel.register_comm_hook(hook, buffers=...)` or the config's
 `comm_hook` table. Built-ins: `Reduce`, `Noop`, `Compress`, `Quantize`, `LocalSGD` (with its
-`PeriodicAverager`), `PowerSGD`, `BatchedPowerSGD`.
+`PeriodicAverager`), `PowerSGD`, `BatchedPowerSGD`,
+`CompressWrapper`; torch DDP hooks run through `from_torch` ([Note: torch hooks on megabuf
+buckets]).
 """
 
 from megabuf.comm_hooks.batched_powersgd import BatchedPowerSGD
@@ -13,31 +15,47 @@ from megabuf.comm_hooks.contract import (
     CommHookModeError,
     CommHookRegistrationError,
     CommHookResultError,
+    CommHookTimeoutError,
     GradBucket,
     HookWork,
 )
 from megabuf.comm_hooks.local_sgd import LocalSGD, LocalSGDError, PeriodicAverager
-from megabuf.comm_hooks.quantize import Quantize, QuantizeError
 from megabuf.comm_hooks.powersgd import PowerSGD
+from megabuf.comm_hooks.quantize import Quantize, QuantizeError
+from megabuf.comm_hooks.torch_adapter import (
+    CommHookGroupError,
+    CommHookScalingError,
+    TorchGradBucket,
+    TorchHook,
+    from_torch,
+)
+from megabuf.comm_hooks.wrappers import CompressWrapper
 
 __all__ = [
     "BatchedPowerSGD",
     "CommHook",
     "CommHookError",
+    "CommHookGroupError",
     "CommHookModeError",
     "CommHookRegistrationError",
     "CommHookResultError",
+    "CommHookScalingError",
+    "CommHookTimeoutError",
     "Compress",
     "CompressDtypeError",
+    "CompressWrapper",
     "GradBucket",
     "HookWork",
     "LocalSGD",
     "LocalSGDError",
     "Noop",
     "PeriodicAverager",
+    "PowerSGD",
     "Quantize",
     "QuantizeError",
-    "PowerSGD",
     "Reduce",
+    "TorchGradBucket",
+    "TorchHook",
     "build",
+    "from_torch",
 ]

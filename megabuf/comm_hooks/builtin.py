@@ -72,6 +72,23 @@ class Noop:
 _LOW = (torch.bfloat16, torch.float16)
 
 
+def refuse_useless_casts(name: str, dtype: torch.dtype, buckets: list[GradBucket]) -> None:
+    """`CompressDtypeError` for a cast of some bucket's grads to `dtype` that does nothing
+    (same dtype) or loses range (bf16 grads to fp16)."""
+    for bucket in buckets:
+        grad_dtype = bucket.data.dtype
+        if grad_dtype == dtype:
+            raise CompressDtypeError(
+                f"megabuf: {name} on {bucket.describe()} casts {grad_dtype} to itself "
+                "and saves nothing; compress only wider grads (grad_reduce_in_fp32=True)"
+            )
+        if grad_dtype == torch.bfloat16 and dtype == torch.float16:
+            raise CompressDtypeError(
+                f"megabuf: {name} on {bucket.describe()} would cast bf16 grads to fp16, "
+                "which loses range (max 65504 vs ~3e38); use dtype=torch.bfloat16"
+            )
+
+
 class Compress:
     """Reduce in `dtype` (bf16 or fp16) on the wire, cast from the already pre-scaled grads and
     back into them; `accumulate` is "wire" (sum in `dtype`) or "fp32" (one fp32 sum of the
@@ -96,18 +113,7 @@ class Compress:
 
     def setup(self, buckets: list[GradBucket]) -> None:
         """At registration: refuse a cast that does nothing or loses range."""
-        for bucket in buckets:
-            grad_dtype = bucket.data.dtype
-            if grad_dtype == self.dtype:
-                raise CompressDtypeError(
-                    f"megabuf: {self.name} on {bucket.describe()} casts {grad_dtype} to itself "
-                    "and saves nothing; compress only wider grads (grad_reduce_in_fp32=True)"
-                )
-            if grad_dtype == torch.bfloat16 and self.dtype == torch.float16:
-                raise CompressDtypeError(
-                    f"megabuf: {self.name} on {bucket.describe()} would cast bf16 grads to fp16, "
-                    "which loses range (max 65504 vs ~3e38); use dtype=torch.bfloat16"
-                )
+        refuse_useless_casts(self.name, self.dtype, buckets)
 
     def __call__(self, bucket: GradBucket) -> Any:
         if self.accumulate == "fp32":
@@ -161,17 +167,22 @@ def _then_copy(
 
 
 def build(spec: dict[str, Any]) -> Any:
-    """A built-in hook from a config table: {"name": "reduce"|"noop"|"compress"|"quantize"|
-    "local_sgd"|"powersgd"|"batched_powersgd", options...}; `dtype` and `factor_dtype` may be
-    strings ("bfloat16")."""
+    """A built-in hook from a config table: {"name": "reduce"|"noop"|"compress"|
+    "compress_wrapper"|"quantize"|"local_sgd"|"powersgd"|"batched_powersgd", options...};
+    `dtype` and `factor_dtype` may be strings ("bfloat16"); compress_wrapper's `inner` is a hook
+    name ("reduce") or a table of its own."""
     from megabuf.comm_hooks.batched_powersgd import BatchedPowerSGD  # imports this module
     from megabuf.comm_hooks.powersgd import PowerSGD
+    from megabuf.comm_hooks.wrappers import CompressWrapper  # wrappers imports this module
 
     options = dict(spec)
     name = str(options.pop("name", "")).lower()
     factories: dict[str, Any] = {"reduce": Reduce, "noop": Noop, "compress": Compress}
-    factories |= {"quantize": Quantize, "local_sgd": LocalSGD}
+    factories |= {"compress_wrapper": CompressWrapper, "quantize": Quantize, "local_sgd": LocalSGD}
     factories |= {"powersgd": PowerSGD, "batched_powersgd": BatchedPowerSGD}
+    if name == "compress_wrapper" and "inner" in options:
+        inner = options["inner"]
+        options["inner"] = build({"name": inner} if isinstance(inner, str) else dict(inner))
     if name not in factories:
         raise ValueError(
             f"megabuf: unknown comm_hook name {name!r}; built-ins: {sorted(factories)}"

@@ -9,7 +9,8 @@ with `use_distributed_optimizer`). When a bucket group is dispatched (during bac
 overlap_grad_reduce, else in finish_grad_sync), the engine
   1. zero-fills unwritten grads and runs the NaN check, as without a hook;
   2. multiplies each bucket's `data` by its gradient_scaling_factor, in the grad dtype, in both
-     modes (so a hook that casts to fp16 casts already-divided values);
+     modes (so a hook that casts to fp16 casts already-divided values), unless the hook says
+     `prescaled = False` (torch's hooks divide by the group size themselves: `from_torch`);
   3. calls `hook(bucket)` for each bucket of the group, in bucket order.
 The hook must leave in `bucket.target` (`data` in all-reduce mode, this rank's `shard` of it in
 reduce-scatter mode) the SUM over `bucket.group` of every rank's `data` (or that sum divided by
@@ -37,15 +38,19 @@ Without a registered hook none of this runs: the engine's own path is unchanged.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megabuf.collectives import Collectives
+from megabuf.collectives import Collectives, PendingCollective
 
 Mode = Literal["all_reduce", "reduce_scatter"]
 MODES: frozenset[str] = frozenset({"all_reduce", "reduce_scatter"})
@@ -65,6 +70,10 @@ class CommHookModeError(CommHookError, ValueError):
 
 class CommHookResultError(CommHookError):
     """A hook returned, yielded or left something that is not the bucket's result."""
+
+
+class CommHookTimeoutError(CommHookError):
+    """A hook's work did not complete within `comm_hook_timeout_s` ([Note: bounded hook wait])."""
 
 
 @runtime_checkable
@@ -99,6 +108,8 @@ class GradBucket:
     average: bool  # average_in_collective: divide the sum by group_size
     collectives: Collectives
     _workspace: dict[tuple[torch.dtype, str, int], Tensor] = field(default_factory=dict, repr=False)
+    gradient_scaling_factor: float = 1.0  # what the engine multiplies `data` by before the hook
+    _grads: tuple[Tensor, ...] | None = field(default=None, repr=False)  # set by with_data
 
     @property
     def target(self) -> Tensor:
@@ -113,7 +124,30 @@ class GradBucket:
 
     def gradients(self) -> list[Tensor]:
         """Each param's main_grad (param-shaped views into `data`, no padding)."""
+        if self._grads is not None:
+            return list(self._grads)
         return [p.main_grad for p in self.params]  # type: ignore[attr-defined]
+
+    def param_offsets(self) -> list[int]:
+        """Where each param's gradient starts in `data`, in elements (params' order)."""
+        base = int(self.data.storage_offset())
+        return [int(g.storage_offset()) - base for g in self.gradients()]
+
+    def with_data(self, data: Tensor) -> GradBucket:
+        """The same bucket (index, params, group, mode) over another flat tensor of `data`'s
+        numel, e.g. a low-precision copy: `gradients()` and `shard` are views into `data`, and
+        it has workspaces of its own. Build it once and keep it (wrappers do, per bucket)."""
+        if data.dim() != 1 or data.numel() != self.data.numel():
+            raise ValueError(
+                f"megabuf: GradBucket.with_data needs a 1-D tensor of {self.data.numel()} "
+                f"elements for {self.describe()}, got shape {tuple(data.shape)}"
+            )
+        grads = tuple(
+            data[o : o + g.numel()].view(g.shape)
+            for o, g in zip(self.param_offsets(), self.gradients(), strict=True)
+        )
+        shard = data[slice(*self.shard_range)] if self.shard is not None else None
+        return dataclasses.replace(self, data=data, shard=shard, _grads=grads, _workspace={})
 
     def workspace(self, dtype: torch.dtype, name: str, numel: int | None = None) -> Tensor:
         """A persistent 1-D tensor of `numel` (default: `data`'s numel) elements in `dtype`, one
@@ -144,14 +178,17 @@ def hook_name(hook: object) -> str:
 
 
 class HookWork:
-    """One bucket's hook in flight: a typed record the engine waits on like a collective."""
+    """One bucket's hook in flight: a typed record the engine waits on like a collective.
+    `timeout_s` bounds each wait ([Note: bounded hook wait]); None waits without a bound."""
 
-    def __init__(self, hook: object, bucket: GradBucket) -> None:
+    def __init__(self, hook: object, bucket: GradBucket, timeout_s: float | None = None) -> None:
         self.hook_name = hook_name(hook)
         self.bucket = bucket
+        self.timeout_s = timeout_s
         self._stages: Generator[Any, Any, Any] | None = None
         self._current: Waitable | None = None
         self._value: Any = None
+        self._stage = 1  # which wait (1 = the hook's first return or first yield), for messages
         with torch.profiler.record_function(f"megabuf::comm_hook::{self.hook_name}"):
             self._accept(hook(bucket))  # type: ignore[operator]
 
@@ -181,38 +218,93 @@ class HookWork:
     def wait(self) -> None:
         """Drive the hook to its end (later stages run here), then store its result."""
         with torch.profiler.record_function(f"megabuf::wait_comm_hook::{self.hook_name}"):
-            while self._current is not None:
-                current, self._current = self._current, None
-                value = current.wait()
-                if self._stages is not None:
-                    self._advance(value)
-                else:
-                    self._value = value
-            value, self._value = self._value, None  # waiting again (after an error) is a no-op
-            self._store(value)
+            try:
+                while self._current is not None:
+                    current, self._current = self._current, None
+                    value = self._bounded_wait(current)
+                    self._stage += 1
+                    if self._stages is not None:
+                        self._advance(value)
+                    else:
+                        self._value = value
+            except BaseException:
+                self._close()  # waiting again (after an error) is a no-op
+                raise
+            value, self._value = self._value, None
+            store_result(self.hook_name, self.bucket, value)
 
-    def _store(self, value: Any) -> None:
-        if value is None:
-            return
-        target = self.bucket.target
-        if not isinstance(value, Tensor):
-            raise self._error(f"left a {type(value).__name__} as its result")
-        if value.shape != target.shape:
-            where = "the shard" if self.bucket.shard is not None else "data"
-            raise self._error(
-                f"left a result of shape {tuple(value.shape)}, expected {tuple(target.shape)} "
-                f"({self.bucket.mode} mode: {where})"
-            )
-        if value.data_ptr() != target.data_ptr() or value.dtype != target.dtype:
-            target.copy_(value)
+    def _close(self) -> None:
+        stages, self._stages, self._current, self._value = self._stages, None, None, None
+        if stages is not None:
+            stages.close()
+
+    def _bounded_wait(self, waitable: Waitable) -> Any:
+        """[Note: bounded hook wait]"""
+        timeout, on_cpu = self.timeout_s, self.bucket.data.device.type == "cpu"
+        if timeout is None:
+            return waitable.wait()
+        done = getattr(waitable, "done", None)
+        if callable(done):  # a torch Future: poll
+            deadline, pause = time.monotonic() + timeout, 1e-5
+            while not done():
+                if time.monotonic() >= deadline:
+                    raise self._timeout(waitable)
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
+            return waitable.wait()
+        if not (on_cpu and isinstance(waitable, (PendingCollective, dist.Work))):
+            return waitable.wait()
+        start = time.monotonic()
+        try:
+            return waitable.wait(timeout=datetime.timedelta(seconds=timeout))  # type: ignore[call-arg]
+        except RuntimeError as exc:
+            if time.monotonic() - start < 0.9 * timeout:
+                raise  # the work failed, it did not time out
+            raise self._timeout(waitable) from exc
+
+    def _timeout(self, waitable: Waitable) -> CommHookTimeoutError:
+        b = self.bucket
+        where = "its first return" if self._stages is None and self._stage == 1 else None
+        where = where or f"stage {self._stage} (what it returned or yielded)"
+        return CommHookTimeoutError(
+            f"megabuf: comm hook {self.hook_name} did not complete within {self.timeout_s} s "
+            f"for {b.describe()}: a {type(waitable).__name__} from {where} never completed. "
+            "If the work is only slow, raise DistributedDataParallelConfig.comm_hook_timeout_s; "
+            "otherwise every rank must issue the hook's collectives in the same order, and a "
+            "torch Future the hook returns must get its result"
+        )
 
     def _error(self, what: str) -> CommHookResultError:
-        b = self.bucket
-        return CommHookResultError(
-            f"megabuf: comm hook {self.hook_name} {what} for {b.describe()}; "
-            "see [Note: comm hook contract]: return None, a Tensor shaped like bucket.target, "
-            "something with wait(), or a generator yielding such"
-        )
+        return result_error(self.hook_name, self.bucket, what)
+
+
+def store_result(hook: str, bucket: GradBucket, value: Any) -> None:
+    """Copy a hook's result into `bucket.target` (unless it is `target` itself); a list or tuple
+    of one tensor (a c10d Future's value) counts as that tensor."""
+    if value is None:
+        return
+    if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], Tensor):
+        value = value[0]
+    target = bucket.target
+    if not isinstance(value, Tensor):
+        raise result_error(hook, bucket, f"left a {type(value).__name__} as its result")
+    if value.shape != target.shape:
+        where = "the shard" if bucket.shard is not None else "data"
+        raise result_error(
+            hook, bucket,
+            f"left a result of shape {tuple(value.shape)}, expected {tuple(target.shape)} "
+            f"({bucket.mode} mode: {where})",
+        )  # fmt: skip
+    if value.data_ptr() != target.data_ptr() or value.dtype != target.dtype:
+        target.copy_(value)
+
+
+def result_error(hook: str, bucket: GradBucket, what: str) -> CommHookResultError:
+    return CommHookResultError(
+        f"megabuf: comm hook {hook} {what} for {bucket.describe()}; "
+        "see [Note: comm hook contract]: return None, a Tensor shaped like bucket.target, "
+        "something with wait(), or a generator yielding such"
+    )
 
 
 def check_modes(hook: object, mode: Mode, what: str) -> None:

@@ -114,4 +114,5 @@ def _view(
         rank=group.rank,
         average=average,
         collectives=group.collectives,
+        gradient_scaling_factor=bucket.gradient_scaling_factor,
     )
