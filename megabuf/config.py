@@ -147,6 +147,17 @@ class DistributedDataParallelConfig:
     "accumulate": "fp32", "buffers": "all"}` (names: reduce, noop, compress; `buffers`: dense,
     expert or all). In TOML a `[comm_hook]` table (or `[ddp.comm_hook]`). None: no hook."""
 
+    deterministic_reduction: bool = False
+    """Reduce every bucket (dense and expert; all-reduce and reduce-scatter mode) by a fixed-order
+    sum: an all-to-all of grad-dtype chunks, a sum in fp32 in rank order (one rounding back for
+    bf16 grads), an all-gather in all-reduce mode. Grads are then bitwise identical across
+    `bucket_size`, `overlap_grad_reduce` and repeated runs, on gloo and NCCL ([Note:
+    deterministic reduction] in megabuf/comm_hooks/fixed_order.py; check a model with
+    `megabuf.verify_reproducible`). Costs the wire bytes of a ring all-reduce (reduce-scatter)
+    plus a local sum pass after the transfer. A `comm_hook` with it must declare
+    `deterministic = True` (e.g. Compress with accumulate = "fp32"). Not covered: the
+    distributed optimizer's grad norm (and so a clipped step) across bucket sizes."""
+
     def __post_init__(self) -> None:
         for name in ("overlap_param_gather", "align_param_gather"):
             if getattr(self, name) and not self.use_distributed_optimizer:

@@ -1,7 +1,8 @@
 """Communication hooks on megabuf's buckets ([Note: comm hook contract] in contract.py).
 
 Register with `DistributedDataParallel.register_comm_hook(hook, buffers=...)` or the config's
-`comm_hook` table. Built-ins: `Reduce`, `Noop`, `Compress`.
+`comm_hook` table. Built-ins: `Reduce`, `Noop`, `Compress`, `Deterministic` (what
+`deterministic_reduction=True` installs: [Note: deterministic reduction]).
 """
 
 from megabuf.comm_hooks.builtin import Compress, CompressDtypeError, Noop, Reduce, build
@@ -14,6 +15,11 @@ from megabuf.comm_hooks.contract import (
     GradBucket,
     HookWork,
 )
+from megabuf.comm_hooks.fixed_order import (
+    Deterministic,
+    DeterministicReductionError,
+    fixed_order_sum,
+)
 
 __all__ = [
     "CommHook",
@@ -23,9 +29,12 @@ __all__ = [
     "CommHookResultError",
     "Compress",
     "CompressDtypeError",
+    "Deterministic",
+    "DeterministicReductionError",
     "GradBucket",
     "HookWork",
     "Noop",
     "Reduce",
     "build",
+    "fixed_order_sum",
 ]
