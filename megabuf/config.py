@@ -154,9 +154,9 @@ class DistributedDataParallelConfig:
     `bucket_size`, `overlap_grad_reduce` and repeated runs, on gloo and NCCL ([Note:
     deterministic reduction] in megabuf/comm_hooks/fixed_order.py; check a model with
     `megabuf.verify_reproducible`). Costs the wire bytes of a ring all-reduce (reduce-scatter)
-    plus a local sum pass after the transfer. A `comm_hook` with it must declare
-    `deterministic = True` (e.g. Compress with accumulate = "fp32"). Not covered: the
-    distributed optimizer's grad norm (and so a clipped step) across bucket sizes."""
+    plus a local sum pass after the transfer. The optimizers then sum the grad norm exactly
+    ([Note: exact grad norm]), so clipped steps are bitwise too. A `comm_hook` with it must
+    declare `deterministic = True` (e.g. Compress with accumulate = "fp32")."""
 
     def __post_init__(self) -> None:
         for name in ("overlap_param_gather", "align_param_gather"):

@@ -11,9 +11,8 @@ into the whole bucket (param space). A difference names the variant, the first p
 model's parameter order) and the lowest rank where it differs, and the largest absolute
 difference. It proves reproducibility for the inputs, model, world size and variants given, no
 more: other batches, other models or other process-group shapes are not covered, and it never
-steps an optimizer (the distributed optimizer's grad norm is outside [Note: deterministic
-reduction]). Collective: every rank calls it with the same arguments; the torch RNG is reseeded
-with `seed` before each variant and restored afterwards.
+steps an optimizer. Collective: every rank calls it with the same arguments; the torch RNG is
+reseeded with `seed` before each variant and restored afterwards.
 """
 
 from __future__ import annotations

@@ -241,9 +241,22 @@ def verify_case(dtype: str, config: dict[str, Any], noisy: bool = False) -> dict
 
 
 # ---- optimizer steps ---------------------------------------------------------------------------
-def optimizer_case(config: dict[str, Any], clip: float) -> dict[str, Any]:
+def optimizer_case(config: dict[str, Any], clip: float, exact: bool = True) -> dict[str, Any]:
     """2 Adam steps with clip_grad under each VARIANTS entry: params (and grad norms) bitwise
-    those of the first variant?"""
+    those of the first variant? `exact=False`: with the ordinary float norm instead of
+    [Note: exact grad norm] (patched in, to show what it fixes)."""
+    from megabuf.optimizer import base
+
+    saved = base.exact_grad_norm
+    if not exact:
+        base.exact_grad_norm = base.global_grad_norm  # type: ignore[assignment]
+    try:
+        return _optimizer_steps(config, clip)
+    finally:
+        base.exact_grad_norm = saved  # type: ignore[assignment]
+
+
+def _optimizer_steps(config: dict[str, Any], clip: float) -> dict[str, Any]:
     params, norms = [], []
     for bucket_size, overlap in VARIANTS:
         cfg = {**config, "bucket_size": bucket_size, "overlap_grad_reduce": overlap}

@@ -11,6 +11,8 @@ each bucket is bitwise a single-process emulation of the fixed-order fp32 sum.""
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -26,7 +28,10 @@ from deterministic_cases import (
 from dist_pool import case_result, run_each
 
 from megabuf import DistributedDataParallelConfig
+from megabuf.collectives import Collectives
 from megabuf.comm_hooks import Compress, Deterministic, build
+from megabuf.optimizer.clip import NormPart, global_grad_norm
+from megabuf.optimizer.exact_norm import exact_grad_norm
 
 DET = {"deterministic_reduction": True}
 RS = {"use_distributed_optimizer": True}
@@ -69,6 +74,7 @@ CASES: dict[str, tuple[Any, ...]] = {
     "verify_noisy": (verify_case, "fp32", DET, True),
     "opt_ar": (optimizer_case, DET, 0.01),
     "opt_rs": (optimizer_case, {**DET, **RS}, 0.01),
+    "opt_rs_float_norm": (optimizer_case, {**DET, **RS}, 0.01, False),
     "errors": (errors_case,),
 }
 
@@ -154,23 +160,23 @@ def test_verify_reproducible_names_the_param_a_noisy_hook_changes(results: Any) 
         assert TARGET in message and "on rank 0" in message, message
 
 
-def test_non_distributed_optimizer_clipped_steps_are_bitwise(results: Any) -> None:
-    """Mode + FP32Optimizer with clip_grad: grad norms and params after 2 clipped Adam steps
-    are bitwise across bucket size, overlap and a repeat."""
-    for res in case_result(results, "opt_ar"):
+@pytest.mark.parametrize("name", ["opt_ar", "opt_rs"])
+def test_clipped_optimizer_steps_are_bitwise(results: Any, name: str) -> None:
+    """Mode + Adam with clip_grad (FP32Optimizer; DistributedOptimizer, whose shard ranges move
+    with bucket_size): grad norms and params after 2 clipped steps are bitwise across bucket
+    size, overlap and a repeat ([Note: exact grad norm])."""
+    for res in case_result(results, name):
         assert res["clipped"], res
         assert res["norms_same"] == [True] * 4 and res["params_same"] == [True] * 4, res
 
 
-def test_distributed_optimizer_norm_is_not_covered_across_bucket_sizes(results: Any) -> None:
-    """The documented gap: the distributed optimizer's grad norm sums per-rank shard pieces
-    whose ranges move with bucket_size, so after a clipped step params can differ across
-    bucket sizes (they do here). Same bucket size: overlap on/off and a repeat stay bitwise."""
-    for res in case_result(results, "opt_rs"):
+def test_without_the_exact_norm_the_distributed_optimizer_differs(results: Any) -> None:
+    """Why the exact norm: the distributed optimizer's ordinary norm sums shard pieces, so with
+    the mode's bitwise grads but that norm, clipped params differ across bucket sizes."""
+    for res in case_result(results, "opt_rs_float_norm"):
         assert res["clipped"], res
         assert res["norms_same"][0] and res["norms_same"][3], res  # overlap, repeat
-        assert res["params_same"][0] and res["params_same"][3], res
-        assert not all(res["norms_same"]), res  # other bucket sizes: a different norm
+        assert not all(res["norms_same"]) and not all(res["params_same"]), res
 
 
 ERRORS = {
@@ -212,6 +218,26 @@ def test_which_hooks_declare_determinism() -> None:
     assert Deterministic.deterministic is True
     assert Compress(torch.bfloat16, "fp32").deterministic is True
     assert Compress(torch.bfloat16, "wire").deterministic is False
+
+
+def test_exact_grad_norm_is_exact_and_split_independent() -> None:
+    torch.manual_seed(0)
+    g = torch.randn(10_007) * torch.logspace(-20, 10, 10_007)  # 30 decades of magnitudes
+    coll = Collectives()
+    whole = exact_grad_norm([NormPart([g], ())], coll)
+    pieces = [NormPart([g[7000:], g[:3000]], ()), NormPart([g[3000:7000]], ())]
+    assert exact_grad_norm(pieces, coll) == whole  # bitwise, any split and order
+    exact_sum = sum(Fraction(v) ** 2 for v in g.double().tolist())
+    assert whole == math.sqrt(float(exact_sum))  # the exact sum, rounded once
+    assert global_grad_norm([NormPart([g], ())], coll) != whole  # the fp32 sum is not
+    half = g[:5000].bfloat16()
+    assert exact_grad_norm([NormPart([half], ())], coll) == pytest.approx(
+        torch.linalg.vector_norm(half.double()).item(), rel=1e-15
+    )
+    one_inf, nan = torch.tensor([1.0, float("inf")]), torch.tensor([float("nan"), float("inf")])
+    assert exact_grad_norm([NormPart([one_inf], ())], coll) == float("inf")
+    assert math.isnan(exact_grad_norm([NormPart([nan], ())], coll))
+    assert exact_grad_norm([NormPart([torch.zeros(3)], ())], coll) == 0.0
 
 
 # ---- GPU tier ------------------------------------------------------------------------------------

@@ -14,8 +14,11 @@ algorithm (all-to-all and all-gather only move bytes). Ring or tree all-reduces 
 reduce-scatter sum in an order set by the element's position in the message and the topology.
 The mode costs the bytes of the grad dtype's ring all-reduce (reduce-scatter: the same bytes as
 a ring reduce-scatter) but the sum is a separate local pass after the transfer, not pipelined
-into it. What it does not cover: the grad norm of the distributed optimizer ([Note: global
-grad norm]) sums each rank's shard pieces, whose ranges move with the bucket size.
+into it. The optimizers' grad norm, whose shard pieces move with the bucket size under the
+distributed optimizer, is summed exactly under the mode ([Note: exact grad norm]), so clipped
+steps are bitwise too. Not covered: what the user's own code does with the grads (another
+reduction of them in float, e.g. its own norm) and anything before the reduction (a
+nondeterministic kernel in forward or backward changes the inputs of the sum).
 A hook may stand in for `Deterministic` under the mode only if it declares `deterministic =
 True` (`Compress(accumulate="fp32")` does: the same sum of low-precision chunks).
 """
