@@ -167,6 +167,7 @@ def emulation_case(model_kind: str, arg: Any, config: dict[str, Any]) -> dict[st
     hook = Capture()
     if model_kind == "dense":
         model = _dense(arg, cfg, hook)
+        model.collectives.stats.reset()
         _dense_step(model, 0)
     else:
         model = _moe(arg, cfg)
@@ -188,10 +189,22 @@ def emulation_case(model_kind: str, arg: Any, config: dict[str, Any]) -> dict[st
         sizes.add(bucket.group_size)
     return {
         "bitwise": bitwise,
+        "ring_nbytes": dict(model.collectives.stats.ring_nbytes),
+        "want_ring_nbytes": sum(_ring_nbytes(b) for b in hook.buckets),
+        "workspaces": sorted({name for b in hook.buckets for _, name, _ in b._workspace}),
         "group_sizes": sorted(sizes),
         "hooks": sorted({getattr(g.comm_hook, "name", "") for g in model.all_bucket_groups}),
         "expert": sorted({b.expert for b in hook.buckets}),
     }
+
+
+def _ring_nbytes(bucket: GradBucket) -> int:
+    """What a ring reduce-scatter (all-reduce: twice that) of the grad dtype moves per rank, for
+    the bucket padded to a multiple of the group size."""
+    size = bucket.group_size
+    padded = -(-bucket.data.numel() // size) * size
+    once = (size - 1) * (padded // size) * bucket.data.element_size()
+    return once if bucket.shard is not None else 2 * once
 
 
 # ---- verify_reproducible ------------------------------------------------------------------------

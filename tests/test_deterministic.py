@@ -128,6 +128,17 @@ def test_each_bucket_is_bitwise_the_rank_order_fp32_sum(results: Any, name: str)
         # ep=2 at dp=4: expert buckets reduce over expt_dp (2 ranks), dense over dp (4)
         assert res["group_sizes"] == ([2, 4] if "ep2" in name else [4]), res
         assert res["expert"] == ([False, True] if "moe" in name else [False]), res
+        if "moe" in name:
+            continue  # the MoE's token all-to-all shares the counter
+        # wire: the grad dtype's ring all-reduce (all-to-all + all-gather) or reduce-scatter
+        ring = res["ring_nbytes"]
+        assert sum(ring.values()) == res["want_ring_nbytes"], res
+        assert set(ring) == ({"all_to_all"} if "_rs_" in name else {"all_to_all", "all_gather"})
+        # persistent memory: the landing zone; a padded copy in AR mode; an fp32 sum shard in AR
+        # mode or for bf16 grads (an fp32 reduce-scatter sums straight into the shard)
+        want = {"scratch"} | ({"wire"} if "_ar_" in name else set())
+        want |= {"sum"} if ("_ar_" in name or "bf16" in name) else set()
+        assert set(res["workspaces"]) == want, res
 
 
 @pytest.mark.parametrize("name", ["verify_on_ar", "verify_on_rs_bf16"])

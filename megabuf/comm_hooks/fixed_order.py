@@ -77,7 +77,8 @@ class Deterministic:
     repeated runs, on any backend. Installed by the engine under
     `deterministic_reduction=True`; registering it by hand does the same for the chosen
     buffers. Memory, per bucket and persistent: a landing zone of the bucket's size; in
-    all-reduce mode also a padded copy; an fp32 shard where the grads are not fp32."""
+    all-reduce mode also a padded copy; an fp32 shard in all-reduce mode or where the grads
+    are not fp32. Wire: the grad dtype's ring all-reduce (reduce-scatter) bytes."""
 
     name = "Deterministic"
     modes = MODES
