@@ -20,6 +20,7 @@ from megabuf.optimizer import (
 from megabuf.pipeline import default_schedule_hooks, get_forward_backward_func, wrap_model_chunks
 from megabuf.process_groups import ProcessGroups, init_distributed
 from megabuf.replicas import mark_expert_parallel
+from megabuf.reproducible import verify_reproducible
 
 __all__ = [
     "DistributedDataParallel",
@@ -39,5 +40,6 @@ __all__ = [
     "load_checkpoint",
     "mark_expert_parallel",
     "save_checkpoint",
+    "verify_reproducible",
     "wrap_model_chunks",
 ]

@@ -157,6 +157,17 @@ class DistributedDataParallelConfig:
     seconds, or None for no bound. Only hooks are bounded here; the engine's own collectives
     are bounded by the process group's timeout."""
 
+    deterministic_reduction: bool = False
+    """Reduce every bucket (dense and expert; all-reduce and reduce-scatter mode) by a fixed-order
+    sum: an all-to-all of grad-dtype chunks, a sum in fp32 in rank order (one rounding back for
+    bf16 grads), an all-gather in all-reduce mode. Grads are then bitwise identical across
+    `bucket_size`, `overlap_grad_reduce` and repeated runs, on gloo and NCCL ([Note:
+    deterministic reduction] in megabuf/comm_hooks/fixed_order.py; check a model with
+    `megabuf.verify_reproducible`). Costs the wire bytes of a ring all-reduce (reduce-scatter)
+    plus a local sum pass after the transfer. The optimizers then sum the grad norm exactly
+    ([Note: exact grad norm]), so clipped steps are bitwise too. A `comm_hook` with it must
+    declare `deterministic = True` (e.g. Compress with accumulate = "fp32")."""
+
     def __post_init__(self) -> None:
         for name in ("overlap_param_gather", "align_param_gather"):
             if getattr(self, name) and not self.use_distributed_optimizer:

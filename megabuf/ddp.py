@@ -36,6 +36,7 @@ from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.comm_hooks import build as build_comm_hook
 from megabuf.comm_hooks.contract import CommHookRegistrationError, hook_name
+from megabuf.comm_hooks.fixed_order import Deterministic, require_deterministic
 from megabuf.comm_hooks.registration import install as install_comm_hook
 from megabuf.comm_hooks.registration import selected_kinds
 from megabuf.config import DistributedDataParallelConfig
@@ -111,10 +112,13 @@ class DistributedDataParallel(nn.Module):
             self.ddp_config.sync_grads_at_backward_end, self.finish_grad_sync
         )
         self._build(options.init_sync)
+        self._mode_hook: Deterministic | None = None  # deterministic_reduction's, replaceable
         if self.ddp_config.comm_hook is not None:
             spec = dict(self.ddp_config.comm_hook)
             buffers = spec.pop("buffers", "all")
             self.register_comm_hook(build_comm_hook(spec), buffers=buffers)
+        if self.ddp_config.deterministic_reduction:
+            self._install_deterministic()
 
     # ---- construction -------------------------------------------------------------------------
     def _build(self, init_sync: bool) -> None:
@@ -305,10 +309,12 @@ class DistributedDataParallel(nn.Module):
                 f"{self.rank}); register before the first backward, as torch DDP requires"
             )
         cfg = self.ddp_config
+        if cfg.deterministic_reduction:  # [Note: deterministic reduction]
+            require_deterministic(hook, self.rank)
         install_comm_hook(
             hook, self.all_bucket_groups, self.plan, expert_kinds=selected_kinds(buffers),
             use_distributed_optimizer=cfg.use_distributed_optimizer,
-            average=cfg.average_in_collective, rank=self.rank,
+            average=cfg.average_in_collective, rank=self.rank, replaceable=self._mode_hook,
         )  # fmt: skip
 
     def comm_hooks(self) -> dict[str, object]:
@@ -351,6 +357,16 @@ class DistributedDataParallel(nn.Module):
             method = getattr(hook, "on_loss_scale_change", None)
             if method is not None:
                 method(ratio)
+
+    def _install_deterministic(self) -> None:
+        """deterministic_reduction: `Deterministic` on each buffer kind that has no hook yet;
+        a deterministic hook registered later replaces it."""
+        expert_of = {g.group_id: g.expert for g in self.plan.groups}
+        free = {expert_of[g.group_id] for g in self.all_bucket_groups if g.comm_hook is None}
+        if free:
+            self._mode_hook = Deterministic()
+            buffers = "all" if len(free) == 2 else ("expert" if True in free else "dense")
+            self.register_comm_hook(self._mode_hook, buffers=buffers)
 
     def start_grad_sync(self) -> None:
         """Dispatch every reduction not yet dispatched, in chain order (e.g. from a pipeline's

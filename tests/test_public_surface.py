@@ -25,6 +25,7 @@ PUBLIC = {
     "load_checkpoint",
     "mark_expert_parallel",
     "save_checkpoint",
+    "verify_reproducible",
     "wrap_model_chunks",
 }
 
@@ -43,6 +44,7 @@ INTERNALS = {
     "megabuf.pipeline": ["ScheduleHooks", "forward_backward_no_pipelining"],
     "megabuf.plan": ["Plan", "build_plan"],
     "megabuf.replicas": ["is_expert_parallel"],
+    "megabuf.reproducible": ["ReproducibilityError", "ReproducibilityReport", "VariantResult"],
 }
 
 

@@ -4,7 +4,8 @@ Register with `DistributedDataParallel.register_comm_hook(hook, buffers=...)` or
 `comm_hook` table. Built-ins: `Reduce`, `Noop`, `Compress`, `Quantize`, `LocalSGD` (with its
 `PeriodicAverager`), `PowerSGD`, `BatchedPowerSGD`,
 `CompressWrapper`; torch DDP hooks run through `from_torch` ([Note: torch hooks on megabuf
-buckets]).
+buckets]);
+`Deterministic` (what `deterministic_reduction=True` installs: [Note: deterministic reduction]).
 """
 
 from megabuf.comm_hooks.batched_powersgd import BatchedPowerSGD
@@ -18,6 +19,11 @@ from megabuf.comm_hooks.contract import (
     CommHookTimeoutError,
     GradBucket,
     HookWork,
+)
+from megabuf.comm_hooks.fixed_order import (
+    Deterministic,
+    DeterministicReductionError,
+    fixed_order_sum,
 )
 from megabuf.comm_hooks.local_sgd import LocalSGD, LocalSGDError, PeriodicAverager
 from megabuf.comm_hooks.powersgd import PowerSGD
@@ -44,6 +50,8 @@ __all__ = [
     "Compress",
     "CompressDtypeError",
     "CompressWrapper",
+    "Deterministic",
+    "DeterministicReductionError",
     "GradBucket",
     "HookWork",
     "LocalSGD",
@@ -57,5 +65,6 @@ __all__ = [
     "TorchGradBucket",
     "TorchHook",
     "build",
+    "fixed_order_sum",
     "from_torch",
 ]

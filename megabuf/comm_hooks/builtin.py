@@ -8,7 +8,8 @@ all-to-all of the `dtype` chunks, then one sum in fp32 in rank order (chunk 0 + 
 deterministic); an all-reduce is that reduce-scatter, the fp32 shard cast to `dtype` once, and
 an all-gather in `dtype` (the wire bytes of a low-precision all-reduce). The two stages of the
 all-reduce are one generator ([Note: comm hook contract]): the all-to-all is issued at dispatch,
-the sum and the all-gather when the engine waits.
+the sum and the all-gather when the engine waits. It is `fixed_order_sum` ([Note: deterministic
+reduction]) with a low-precision wire, so Compress(accumulate="fp32") is deterministic too.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megabuf.collectives import PendingCollective, sum_chunks
+from megabuf.collectives import PendingCollective
 from megabuf.comm_hooks.contract import MODES, GradBucket
+from megabuf.comm_hooks.fixed_order import Deterministic, fixed_order_sum
 from megabuf.comm_hooks.local_sgd import LocalSGD
 from megabuf.comm_hooks.quantize import Quantize
 
@@ -94,7 +96,8 @@ class Compress:
     back into them; `accumulate` is "wire" (sum in `dtype`) or "fp32" (one fp32 sum of the
     low-precision chunks: [Note: low-precision wire, fp32 sum]). Memory, per bucket and
     persistent: a `dtype` copy of the bucket; where an all-to-all is used ("fp32", or a gloo
-    reduce-scatter) a second one, its landing zone; for "fp32" all-reduce a grad-dtype shard."""
+    reduce-scatter) a second one, its landing zone; for "fp32" an fp32 shard (all-reduce mode,
+    or grads not in fp32)."""
 
     modes = MODES
 
@@ -109,6 +112,7 @@ class Compress:
             )
         self.dtype = dtype
         self.accumulate = accumulate
+        self.deterministic = accumulate == "fp32"  # [Note: deterministic reduction]
         self.name = f"Compress({str(dtype).removeprefix('torch.')}, {accumulate})"
 
     def setup(self, buckets: list[GradBucket]) -> None:
@@ -117,7 +121,7 @@ class Compress:
 
     def __call__(self, bucket: GradBucket) -> Any:
         if self.accumulate == "fp32":
-            return self._fp32_sum(bucket)
+            return fixed_order_sum(bucket, self.dtype)
         low = bucket.workspace(self.dtype, "compress")
         low.copy_(bucket.data)
         coll = bucket.collectives
@@ -131,32 +135,6 @@ class Compress:
         )  # fmt: skip
         return _then_copy(pending, low[lo:hi], bucket.shard)
 
-    def _fp32_sum(self, bucket: GradBucket) -> Generator[Any, Any, None]:
-        """Two stages in all-reduce mode, one in reduce-scatter mode. An all-reduce bucket is
-        not padded for the group, so its low-precision copy is (zero-padded to a multiple of
-        group_size)."""
-        coll, group, size = bucket.collectives, bucket.group, bucket.group_size
-        numel = bucket.data.numel()
-        padded = -(-numel // size) * size  # == numel in reduce-scatter mode
-        low = bucket.workspace(self.dtype, "compress", padded)
-        low[:numel].copy_(bucket.data)
-        low[numel:].zero_()
-        received = bucket.workspace(self.dtype, "scratch", padded)
-        yield coll.all_to_all(received, low, group)
-        shard = bucket.shard
-        if shard is None:
-            shard = bucket.workspace(bucket.data.dtype, "shard", padded // size)
-        sum_chunks(received, shard)  # in the grad dtype (fp32), in rank order
-        if bucket.average:
-            shard.div_(size)
-        if bucket.shard is not None:
-            return
-        lo = bucket.group_rank * shard.numel()
-        mine = low[lo : lo + shard.numel()]
-        mine.copy_(shard)
-        yield coll.all_gather(low, mine, group)
-        bucket.data.copy_(low[:numel])
-
 
 def _then_copy(
     pending: PendingCollective, source: Tensor, dest: Tensor
@@ -168,7 +146,8 @@ def _then_copy(
 
 def build(spec: dict[str, Any]) -> Any:
     """A built-in hook from a config table: {"name": "reduce"|"noop"|"compress"|
-    "compress_wrapper"|"quantize"|"local_sgd"|"powersgd"|"batched_powersgd", options...};
+    "compress_wrapper"|"deterministic"|"quantize"|"local_sgd"|"powersgd"|"batched_powersgd",
+    options...};
     `dtype` and `factor_dtype` may be strings ("bfloat16"); compress_wrapper's `inner` is a hook
     name ("reduce") or a table of its own."""
     from megabuf.comm_hooks.batched_powersgd import BatchedPowerSGD  # imports this module
@@ -178,6 +157,7 @@ def build(spec: dict[str, Any]) -> Any:
     options = dict(spec)
     name = str(options.pop("name", "")).lower()
     factories: dict[str, Any] = {"reduce": Reduce, "noop": Noop, "compress": Compress}
+    factories |= {"deterministic": Deterministic}
     factories |= {"compress_wrapper": CompressWrapper, "quantize": Quantize, "local_sgd": LocalSGD}
     factories |= {"powersgd": PowerSGD, "batched_powersgd": BatchedPowerSGD}
     if name == "compress_wrapper" and "inner" in options:

@@ -50,10 +50,12 @@ def install(
     use_distributed_optimizer: bool,
     average: bool,
     rank: int,
+    replaceable: object | None = None,
 ) -> list[GradBucket]:
     """Check `hook` against the mode and the selected groups, build their `GradBucket` views,
     let the hook see them (`setup`, optional) and attach it. Nothing is attached if any check
-    fails. Returns the views."""
+    fails. A group's hook that is `replaceable` (the one deterministic_reduction installed) is
+    replaced, not "registered twice". Returns the views."""
     mode: Mode = "reduce_scatter" if use_distributed_optimizer else "all_reduce"
     what = f"this model (use_distributed_optimizer={use_distributed_optimizer}, rank {rank})"
     check_modes(hook, mode, what)
@@ -66,7 +68,7 @@ def install(
             f"buffers (rank {rank}); nothing would use the hook"
         )
     for group in chosen:
-        if group.comm_hook is not None:
+        if group.comm_hook is not None and group.comm_hook is not replaceable:
             kind = "expert" if plans[group.group_id].expert else "dense"
             raise CommHookRegistrationError(
                 f"megabuf: a comm hook ({hook_name(group.comm_hook)}) is already registered "

@@ -42,6 +42,7 @@ from megabuf.bucket_group import GradSyncState
 from megabuf.ddp import DistributedDataParallel
 from megabuf.devices import params_device
 from megabuf.optimizer.clip import NormPart, clip_grads_, count_zeros, global_grad_norm
+from megabuf.optimizer.exact_norm import exact_grad_norm
 from megabuf.optimizer.grad_scaler import GradScaler
 from megabuf.optimizer.grad_upcast import (
     DEFAULT_WINDOW_NUMEL,
@@ -193,7 +194,9 @@ class MegabufOptimizer(torch.optim.Optimizer):
             if self._scaler_found_inf(grads):
                 return self._skip(None)
             parts = self._norm_parts()
-            grad_norm = global_grad_norm(parts, self.collectives, device=self.device)
+            exact = any(c.ddp_config.deterministic_reduction for c in self.model_chunks)
+            norm_fn = exact_grad_norm if exact else global_grad_norm  # [Note: exact grad norm]
+            grad_norm = norm_fn(parts, self.collectives, device=self.device)
             if not math.isfinite(grad_norm):  # the same value on every rank
                 return self._skip(grad_norm)
             coef = 1.0  # applied to attached grads here, to upcast windows as they are made
