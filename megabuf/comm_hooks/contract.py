@@ -37,7 +37,8 @@ Without a registered hook none of this runs: the engine's own path is unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -45,7 +46,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megabuf.collectives import Collectives
+from megabuf.collectives import Collectives, CommStats
 
 Mode = Literal["all_reduce", "reduce_scatter"]
 MODES: frozenset[str] = frozenset({"all_reduce", "reduce_scatter"})
@@ -80,6 +81,29 @@ class CommHook(Protocol):
     def __call__(self, bucket: GradBucket) -> Any: ...
 
 
+@dataclass
+class HookTally:
+    """What a hook issued for one bucket through `bucket.collectives`, over every dispatch since
+    the last reset: the engine's counts (`CommStats`) taken while the hook's stages ran
+    (`megabuf.comm_hooks.telemetry.hook_report` reads it)."""
+
+    dispatches: int = 0  # hook calls: one per synced step
+    stats: CommStats = field(default_factory=CommStats)
+
+    @contextmanager
+    def counting(self, engine: CommStats) -> Iterator[None]:
+        """Add to `stats` what `engine` counts inside the block (one stage of the hook)."""
+        before = engine.snapshot()
+        try:
+            yield
+        finally:
+            self.stats.add_since(engine, before)
+
+    def reset(self) -> None:
+        self.dispatches = 0
+        self.stats.reset()
+
+
 @dataclass(frozen=True, eq=False)
 class GradBucket:
     """One bucket as a hook sees it; built once at registration, the same object every step."""
@@ -99,6 +123,7 @@ class GradBucket:
     average: bool  # average_in_collective: divide the sum by group_size
     collectives: Collectives
     _workspace: dict[tuple[torch.dtype, str, int], Tensor] = field(default_factory=dict, repr=False)
+    tally: HookTally = field(default_factory=HookTally, repr=False)  # the hook's wire bytes
 
     @property
     def target(self) -> Tensor:
@@ -152,7 +177,12 @@ class HookWork:
         self._stages: Generator[Any, Any, Any] | None = None
         self._current: Waitable | None = None
         self._value: Any = None
-        with torch.profiler.record_function(f"megabuf::comm_hook::{self.hook_name}"):
+        self._tally = bucket.tally
+        self._tally.dispatches += 1
+        with (
+            torch.profiler.record_function(f"megabuf::comm_hook::{self.hook_name}"),
+            self._tally.counting(bucket.collectives.stats),
+        ):
             self._accept(hook(bucket))  # type: ignore[operator]
 
     def _accept(self, result: Any) -> None:
@@ -185,7 +215,8 @@ class HookWork:
                 current, self._current = self._current, None
                 value = current.wait()
                 if self._stages is not None:
-                    self._advance(value)
+                    with self._tally.counting(self.bucket.collectives.stats):
+                        self._advance(value)
                 else:
                     self._value = value
             value, self._value = self._value, None  # waiting again (after an error) is a no-op
