@@ -1,15 +1,21 @@
 """The benchmark's comm-hook rows without processes (megabuf/bench/hooks.py): which variants a
 command line selects, the skip of a hook `build` does not know, the ratio to torch with the same
 hook, the hook table's cells, and the torch-side formulas (figures by hand). The rows run for
-real in tests/test_bench.py::test_quick_run_end_to_end."""
+real in tests/test_bench.py::test_quick_run_end_to_end; the loss-curve script runs two short
+curves here."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 from torch import nn
 
+from megabuf.bench.curves import VARIANTS, curve_record
+from megabuf.bench.curves import main as curves_main
+from megabuf.bench.curves import parse_args as parse_curves_args
+from megabuf.bench.curves_plot import read_curves, smooth
 from megabuf.bench.hooks import (
     DEFAULT_HOOKS,
     HOOK_VARIANTS,
@@ -22,6 +28,7 @@ from megabuf.bench.hooks import (
 from megabuf.bench.main import make_jobs
 from megabuf.bench.options import parse_options
 from megabuf.bench.report import Progress, add_ratios, hook_table
+from megabuf.testing import build_model
 
 M, T = "megabuf_ar_overlap", "torch_ddp_gabv"
 
@@ -127,3 +134,38 @@ def test_torch_hook_formulas() -> None:
     )
     # dp 4: 2 * 3/4 of the bytes
     assert torch_hook_ring_nbytes(net, {"hook": "bf16_compress"}, 4) == 2 * 3 * numel * 2 // 4
+
+
+# ---- loss curves (megabuf/bench/curves.py) -------------------------------------------------------
+def test_curves_options_and_smoothing() -> None:
+    args = parse_curves_args([])
+    assert args.steps == 300 and args.model == "gpt_tiny" and args.variants == list(VARIANTS)
+    every = (M, f"{M}+bf16", f"{M}+powersgd_r1", f"{M}+powersgd_r4",
+             T, f"{T}+bf16", f"{T}+powersgd_r1", f"{T}+powersgd_r4")  # fmt: skip
+    assert every == VARIANTS
+    with pytest.raises(SystemExit):
+        parse_curves_args(["--variants", "megabuf+gzip"])
+    assert smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert curve_record(f"{T}+powersgd_r4", {"losses": [1.0]})["spec"] == {
+        "hook": "powersgd", "rank": 4,
+    }  # fmt: skip
+    assert curve_record(M, {"losses": []})["hook"] == "none"
+
+
+def test_curves_run_end_to_end(tmp_path: Path, capsys: Any) -> None:
+    """Two curves, 3 steps: same first loss (same model and batch), the JSON lines the plot
+    reads, and the megabuf hook's wire bytes (bf16: half of the fp32 params' bytes at dp=2)."""
+    jsonl = tmp_path / "c.jsonl"
+    argv = ["--steps", "3", "--variants", f"{M}+bf16,{T}+bf16", "--jsonl", str(jsonl),
+            "--out", str(tmp_path / "c.png")]  # fmt: skip
+    assert curves_main(argv) == 0
+    header, curves = read_curves(str(jsonl))
+    assert header["options"]["steps"] == 3 and "gpt_tiny" in header["title"]
+    assert [c["variant"] for c in curves] == [f"{M}+bf16", f"{T}+bf16"]
+    assert all(len(c["losses"]) == 3 for c in curves)
+    assert curves[0]["losses"][0] == curves[1]["losses"][0]
+    assert curves[0]["losses"][-1] < curves[0]["losses"][0]  # it trains
+    n_params = sum(p.numel() for p in build_model("gpt_tiny", seed=0).parameters())
+    assert curves[0]["hook_wire_bytes_per_step"] == 2 * n_params  # dp 2: bf16 bytes once
+    out = capsys.readouterr().out
+    assert "wrote" in out and "c.png" in out, out
