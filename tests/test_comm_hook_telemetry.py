@@ -5,6 +5,7 @@ grads sends exactly half of them, Noop sends nothing, every bucket's count equal
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -110,6 +111,12 @@ def test_powersgd_formula_is_sum_of_r_n_plus_m_plus_uncompressed() -> None:
         2 * 3 * 4 * n // 4 for n in (96, 256, 128)
     )
     assert wire_formula({"name": "quantize"}, bucket) is None
+    # padding is not sent (the uncompressed all-reduce is of the params only), also in
+    # reduce-scatter mode; bf16 factors halve P and Q
+    padded = dataclasses.replace(_bucket(shapes, numel=2304), mode="reduce_scatter")
+    assert wire_formula({"name": "powersgd", "rank": 4}, padded) == 4 * (96 + 256 + 128)
+    bf16_factors = {"name": "powersgd", "rank": 4, "factor_dtype": "bfloat16"}
+    assert wire_formula(bf16_factors, bucket) == 4 * 96 + 2 * (256 + 128)
 
 
 def test_formulas_of_the_built_ins_without_processes() -> None:

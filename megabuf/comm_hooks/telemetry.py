@@ -23,8 +23,6 @@ import torch
 
 from megabuf.comm_hooks.contract import GradBucket, hook_name
 
-_LOW_DTYPES = {"bfloat16": 2, "float16": 2, "torch.bfloat16": 2, "torch.float16": 2}
-
 
 @dataclass(frozen=True)
 class BucketWire:
@@ -118,6 +116,13 @@ def hook_report(model: Any, *, reset: bool = False) -> HookReport:
 
 
 # ---- formulas ------------------------------------------------------------------------------------
+def _dtype_size(dtype: object) -> int | None:
+    """Bytes per element of a torch dtype or its name ("bfloat16"); None if neither."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else None
+
+
 def _all_reduce(nbytes: int, d: int) -> int:
     return 2 * (d - 1) * nbytes // d  # as CommStats counts one all-reduce
 
@@ -125,9 +130,9 @@ def _all_reduce(nbytes: int, d: int) -> int:
 def wire_formula(spec: Mapping[str, Any] | None, bucket: GradBucket) -> int | None:
     """Ring bytes one dispatch of hook `spec` (a `[comm_hook]` table: {"name": ..., options};
     None = no hook) sends for `bucket`, from sizes alone; None where no formula is known
-    (another hook, PowerSGD in reduce-scatter mode). PowerSGD's is for steps at or after its
-    start step: it all-reduces its P factors (sum of n*r over compressed n x m matrices), its Q
-    factors (sum of m*r) and the rest of the bucket uncompressed."""
+    (another hook). PowerSGD's is for steps at or after its start step, in both modes: it
+    all-reduces its P factors (sum of n*r over compressed n x m matrices) and its Q factors (sum
+    of m*r), in `factor_dtype` (default: the grad dtype), and the other params uncompressed."""
     options = dict(spec) if spec is not None else {"name": "reduce"}
     name = str(options.get("name", "")).lower()
     d, numel = bucket.group_size, bucket.data.numel()
@@ -138,10 +143,7 @@ def wire_formula(spec: Mapping[str, Any] | None, bucket: GradBucket) -> int | No
     if name == "reduce":
         return (d - 1) * (numel // d) * size if rs else _all_reduce(numel * size, d)
     if name == "compress":
-        low = _LOW_DTYPES.get(str(options.get("dtype", "bfloat16")))
-        if low is None:
-            dtype = options.get("dtype")
-            low = dtype.itemsize if isinstance(dtype, torch.dtype) else None
+        low = _dtype_size(options.get("dtype", "bfloat16"))
         if low is None:
             return None
         if options.get("accumulate", "wire") == "fp32":
@@ -150,14 +152,16 @@ def wire_formula(spec: Mapping[str, Any] | None, bucket: GradBucket) -> int | No
             # all-to-all (rows for the others) [+ all-gather of this rank's chunk]
             return (padded - chunk) * low + (0 if rs else (d - 1) * chunk * low)
         return (d - 1) * (numel // d) * low if rs else _all_reduce(numel * low, d)
-    if name == "powersgd" and not rs:
+    if name == "powersgd":
+        shapes = [tuple(p.shape) for p in bucket.params]
         p_numel, q_numel, compressed = powersgd_factor_numels(
-            [tuple(p.shape) for p in bucket.params],
-            int(options.get("rank", 1)),
-            float(options.get("min_compression_rate", 2.0)),
+            shapes, int(options.get("rank", 1)), float(options.get("min_compression_rate", 2.0))
         )
-        parts = (numel - compressed, p_numel, q_numel)
-        return sum(_all_reduce(n * size, d) for n in parts)
+        uncompressed = sum(p.numel() for p in bucket.params) - compressed
+        factor = _dtype_size(options.get("factor_dtype")) or size
+        # one all-reduce of the uncompressed params (if any), one of every P, one of every Q
+        return (_all_reduce(uncompressed * size, d) + _all_reduce(p_numel * factor, d)
+                + _all_reduce(q_numel * factor, d))  # fmt: skip
     return None
 
 
