@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv test test-gpu demo lint bench bench-gpu mutants clean
+.PHONY: venv test test-gpu demo lint bench bench-curves bench-gpu mutants clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -47,6 +47,13 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) -m megabuf.bench
+
+# Loss curves of the demo GPT (gpt_tiny, dp=2 gloo): megabuf and torch DDP with no hook, bf16
+# compression and PowerSGD r=1/4 (megabuf/bench/curves.py). The PNG needs matplotlib (the
+# `plot` extra); without it the JSON lines are written and the command that renders them printed.
+CURVES_ARGS ?= --steps 300 --jsonl docs/bench/hook-loss-curves.jsonl --out docs/bench/hook-loss-curves.png
+bench-curves: $(STAMP)
+	$(VPY) -m megabuf.bench.curves $(CURVES_ARGS)
 
 # NCCL on every visible GPU (one rank each; 1 GPU still compares megabuf with DDP/FSDP2 at
 # world 1). Runs in test-gpu's .venv-gpu (a CUDA build of torch; see there). Scale the GPT with

@@ -67,9 +67,24 @@ class CommStats:
     def total_ring_nbytes(self) -> int:
         return sum(self.ring_nbytes.values())
 
+    def _counters(self) -> tuple[dict[str, int], ...]:
+        return (self.input_nbytes, self.output_nbytes, self.ring_nbytes, self.calls)
+
     def reset(self) -> None:
-        for counts in (self.input_nbytes, self.output_nbytes, self.ring_nbytes, self.calls):
+        for counts in self._counters():
             counts.clear()
+
+    def snapshot(self) -> tuple[dict[str, int], ...]:
+        """A copy of the counts, for `add_since`."""
+        return tuple(dict(counts) for counts in self._counters())
+
+    def add_since(self, other: CommStats, before: tuple[dict[str, int], ...]) -> None:
+        """Add what `other` counted since its `snapshot()` `before` (e.g. one comm hook's share
+        of the engine's counts)."""
+        for mine, now, then in zip(self._counters(), other._counters(), before, strict=True):
+            for op, value in now.items():
+                if value != then.get(op, 0):
+                    mine[op] += value - then.get(op, 0)
 
 
 @dataclass

@@ -39,6 +39,7 @@ from megabuf.comm_hooks.contract import CommHookRegistrationError, hook_name
 from megabuf.comm_hooks.fixed_order import Deterministic, require_deterministic
 from megabuf.comm_hooks.registration import install as install_comm_hook
 from megabuf.comm_hooks.registration import selected_kinds
+from megabuf.comm_hooks.telemetry import HookReport, hook_report
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.devices import params_device
 from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
@@ -367,6 +368,11 @@ class DistributedDataParallel(nn.Module):
             self._mode_hook = Deterministic()
             buffers = "all" if len(free) == 2 else ("expert" if True in free else "dense")
             self.register_comm_hook(self._mode_hook, buffers=buffers)
+
+    def comm_hook_report(self, *, reset: bool = False) -> HookReport:
+        """Wire bytes and calls each registered comm hook issued, per bucket, since the last
+        reset ([Note: hook wire bytes] in megabuf/comm_hooks/telemetry.py)."""
+        return hook_report(self, reset=reset)
 
     def start_grad_sync(self) -> None:
         """Dispatch every reduction not yet dispatched, in chain order (e.g. from a pipeline's

@@ -168,12 +168,13 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
     systems = "no_comm,torch_ddp_gabv,megabuf_ar_overlap,megabuf_distopt_overlap"
     out = tmp_path / "r.jsonl"
     cmd = [sys.executable, "-m", "megabuf.bench", "--quick", "--models", "gpt_tiny:2",
-           "--systems", systems, "--out", str(out), "--trace", str(tmp_path / "trace")]  # fmt: skip
+           "--systems", systems, "--out", str(out), "--trace", str(tmp_path / "trace"),
+           "--hooks", "megabuf_ar_overlap+bf16"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert lines[0]["kind"] == "run" and len(lines) == 5
+    assert lines[0]["kind"] == "run" and len(lines) == 7  # + megabuf and torch with bf16
     rows = {r["system"]: r for r in lines[1:]}
     for name in systems.split(","):
         assert rows[name]["status"] == "ok", rows[name]
@@ -196,3 +197,11 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
         assert rows[name]["overlap"]["steps"] == 2
     assert (tmp_path / "trace" / "gpt_tiny_megabuf_ar_overlap_rank1.json").exists()
     assert "megabuf_distopt_overlap" in proc.stdout and "x DDP" in proc.stdout
+    # the comm-hook rows: Compress(bf16) counted at exactly its formula, half of fp32's bytes
+    hooked, torch_bf16 = rows["megabuf_ar_overlap+bf16"], rows["torch_ddp_gabv+bf16"]
+    assert hooked["status"] == torch_bf16["status"] == "ok", (hooked, torch_bf16)
+    wire = hooked["hook_wire_bytes_per_step"]
+    assert wire == hooked["theoretical_bytes_per_step"] == hooked["bytes_per_step"], hooked
+    assert 2 * wire == rows["megabuf_ar_overlap"]["bytes_per_step"]
+    assert hooked["ratio_to_same_hook"] == hooked["step_ms"] / torch_bf16["step_ms"]
+    assert 0 < hooked["check_max_abs_error"] <= 2e-3 and "Comm hooks" in proc.stdout

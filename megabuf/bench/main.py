@@ -11,6 +11,12 @@ from typing import Any
 
 import torch
 
+from megabuf.bench.hooks import (
+    LOSSY_CHECK_ATOL,
+    baselines_needed,
+    hook_check_atol,
+    unavailable_reason,
+)
 from megabuf.bench.options import CHECK_ATOL, FLOOR, OPTIMIZER_KWARGS, BenchOptions, parse_options
 from megabuf.bench.plot import matplotlib_available, plot_timeline
 from megabuf.bench.reference import Reference, compute_reference
@@ -19,6 +25,7 @@ from megabuf.bench.report import (
     add_ratios,
     combine_ranks,
     cuda_table,
+    hook_table,
     phase_table,
     results_table,
     write_jsonl,
@@ -41,20 +48,41 @@ def machine_description() -> dict[str, Any]:
     }
 
 
-def make_jobs(opts: BenchOptions, refs: dict[str, Reference], progress: Progress) -> list[Job]:
+def make_jobs(
+    opts: BenchOptions, refs: dict[str, Reference], progress: Progress, hooks: Sequence[str] = ()
+) -> list[Job]:
+    """Every (model, system) of the run, then the hook rows (`hooks`, on `opts.hook_model`, with
+    the plain systems they are compared with if the run has not got them)."""
+    pairs = [(m, b, s) for m, b in opts.models.items() for s in opts.systems]
+    if hooks:
+        have = {s for m, _, s in pairs if m == opts.hook_model}
+        extra = sorted(baselines_needed(hooks) - have) + list(hooks)
+        pairs += [(opts.hook_model, opts.hook_batch, s) for s in extra]
     jobs: list[Job] = []
-    for model, batch in opts.models.items():
-        for system in opts.systems:
-            label = f"{model} {system}"
-            jobs.append(Job(
-                model=model, batch_per_rank=batch, system=system, warmup=opts.warmup,
-                steps=opts.steps, reference=None if system == FLOOR else refs[model],
-                trace_dir=opts.trace_dir, trace_steps=opts.trace_steps,
-                progress=progress.prefix(len(jobs), label), reset_peak=not opts.isolate,
-                megabuf_overrides=dict(opts.megabuf_overrides), device=opts.device,
-                model_overrides=dict(opts.model_overrides),
-            ))  # fmt: skip
+    for model, batch, system in pairs:
+        label = f"{model} {system}"
+        jobs.append(Job(
+            model=model, batch_per_rank=batch, system=system, warmup=opts.warmup,
+            steps=opts.steps, reference=None if system == FLOOR else refs[model],
+            trace_dir=opts.trace_dir, trace_steps=opts.trace_steps,
+            progress=progress.prefix(len(jobs), label), reset_peak=not opts.isolate,
+            megabuf_overrides=dict(opts.megabuf_overrides), device=opts.device,
+            model_overrides=dict(opts.model_overrides),
+        ))  # fmt: skip
     return jobs
+
+
+def available_hooks(opts: BenchOptions) -> list[str]:
+    """`opts.hooks` that can run here; prints a note for each one skipped (a megabuf hook not
+    registered in `megabuf.comm_hooks.build`)."""
+    kept = []
+    for name in opts.hooks:
+        reason = unavailable_reason(name)
+        if reason is None:
+            kept.append(name)
+        else:
+            print(f"megabuf.bench: skipping hook row {name}: {reason}")
+    return kept
 
 
 def run_all(opts: BenchOptions, jobs: list[Job], progress: Progress) -> list[dict[str, Any]]:
@@ -127,6 +155,17 @@ def write_plots(opts: BenchOptions, rows: list[dict[str, Any]]) -> None:
 def print_report(opts: BenchOptions, rows: list[dict[str, Any]], seconds: float) -> None:
     print(results_table(rows, CHECK_ATOL))
     print()
+    hooked = hook_table(rows, CHECK_ATOL)
+    if hooked:
+        print(
+            "\nComm hooks (same model, data and run; 'x same hook' = step time / torch DDP's "
+            "with the same hook, target <= 1.00; wire = ring bytes the hook issued per step, "
+            "counted by megabuf's collective layer ([Note: hook wire bytes]), formula = "
+            "megabuf.comm_hooks.wire_formula over the buckets (torch rows: the formula over "
+            f"the params); the one-step check of lossy hooks is to {LOSSY_CHECK_ATOL:g} (2 lr):"
+        )
+        print(hooked)
+        print()
     print("Where the time goes (median ms per phase, rank 0; grad sync = finish_grad_sync):")
     print(phase_table(rows))
     gpu = cuda_table(rows)
@@ -161,12 +200,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = opts.started_at
     if opts.trace_dir:
         os.makedirs(opts.trace_dir, exist_ok=True)
+    hooks = available_hooks(opts)
+    models = dict(opts.models)
+    if hooks:
+        models.setdefault(opts.hook_model, opts.hook_batch)
     refs = {
-        m: compute_reference(m, b, opts.world_size, opts.model_overrides)
-        for m, b in opts.models.items()
+        m: compute_reference(m, b, opts.world_size, opts.model_overrides) for m, b in models.items()
     }
-    progress = Progress(len(opts.models) * len(opts.systems))
-    jobs = make_jobs(opts, refs, progress)
+    progress = Progress(len(make_jobs(opts, refs, Progress(1), hooks)))
+    jobs = make_jobs(opts, refs, progress, hooks)
     rows = run_all(opts, jobs, progress)
     progress.show(len(jobs), "done")
     progress.close()
@@ -177,5 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = {"options": opts.__dict__, "machine": machine_description(), "argv": sys.argv}
     write_jsonl(opts.out, header, rows)
     print_report(opts, rows, time.perf_counter() - start)
-    failed = [r for r in rows if (r.get("check_max_abs_error") or 0.0) > CHECK_ATOL]
+    failed = [
+        r
+        for r in rows
+        if (r.get("check_max_abs_error") or 0.0) > hook_check_atol(r["system"], CHECK_ATOL)
+    ]
     return 1 if failed else 0

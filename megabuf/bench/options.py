@@ -67,6 +67,11 @@ class BenchOptions:
     """Where models and batches live: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)."""
     model_overrides: dict[str, int] = field(default_factory=dict)
     """GPTConfig fields set for every GPT preset (`--gpt-width/--gpt-depth/--gpt-seq-len`)."""
+    hooks: tuple[str, ...] = ()
+    """Comm-hook rows (megabuf/bench/hooks.py `HOOK_VARIANTS`), run on `hook_model` only."""
+    hook_model: str = ""
+    """The preset the hook rows train (with `hook_batch` samples per rank)."""
+    hook_batch: int = 0
 
 
 def _parse_models(text: str) -> dict[str, int]:
@@ -146,6 +151,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="cpu: gloo ranks (default); cuda: NCCL, rank r on GPU r (never run yet)",
     )
+    p.add_argument(
+        "--hooks",
+        help="comm-hook rows: comma list of megabuf/bench/hooks.py HOOK_VARIANTS names, 'all' "
+        "or 'none' (default on a full run: Compress(bf16) and PowerSGD r=1/4 on megabuf and "
+        "torch DDP; none with --quick or --systems)",
+    )
+    p.add_argument(
+        "--hook-model",
+        help="preset[:batch_per_rank] the hook rows train (default: the first GPT of --models)",
+    )
     scale = p.add_argument_group("GPT size (every gpt_* model; batch: --models gpt_small:B)")
     scale.add_argument("--gpt-width", type=int, metavar="D", help="d_model (d_ff = 4D, D/64 heads)")
     scale.add_argument("--gpt-depth", type=int, metavar="L", help="transformer blocks")
@@ -193,6 +208,9 @@ def parse_options(argv: Sequence[str]) -> BenchOptions:
         world_size = default_world_size(
             args.device, _visible_gpus() if args.device == "cuda" else 0
         )
+    hooks, (hook_model, hook_batch) = _hook_options(
+        args.hooks, args.hook_model, quick or bool(args.systems), models
+    )
     if steps < 1 or warmup < 0 or world_size < 1:
         raise ValueError("megabuf.bench: need --steps >= 1, --warmup >= 0, --world-size >= 1")
     return BenchOptions(
@@ -205,7 +223,24 @@ def parse_options(argv: Sequence[str]) -> BenchOptions:
         else {"bucket_size": args.megabuf_bucket_size},
         device=args.device,
         model_overrides=gpt_overrides(args.gpt_width, args.gpt_depth, args.gpt_seq_len),
+        hooks=hooks, hook_model=hook_model, hook_batch=hook_batch,
     )  # fmt: skip
+
+
+def _hook_options(
+    text: str | None, model_text: str | None, narrowed: bool, models: dict[str, int]
+) -> tuple[tuple[str, ...], tuple[str, int]]:
+    """(hook rows, (model, batch per rank) they train): every variant on a full run, none when
+    the run is narrowed (--quick, --systems) unless --hooks names some; on --hook-model, else
+    the first GPT of `models` (else the first model) with its batch."""
+    from megabuf.bench.hooks import DEFAULT_HOOKS, parse_hooks
+
+    hooks = parse_hooks(text, () if narrowed else DEFAULT_HOOKS)
+    if model_text:
+        return hooks, next(iter(_parse_models(model_text).items()))
+    gpts = [m for m in models if m.startswith("gpt")]
+    name = (gpts or list(models))[0]
+    return hooks, (name, models[name])
 
 
 def _visible_gpus() -> int:

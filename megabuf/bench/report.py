@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from megabuf.bench.hooks import HOOK_VARIANTS, MEGABUF_BASE, TORCH_BASE, hook_check_atol
 from megabuf.bench.options import BASELINE, FLOOR
 
 MiB = 1 << 20
@@ -86,6 +87,11 @@ def add_ratios(rows: list[dict[str, Any]], world_size: int) -> None:
             ref = peers.get(name)
             ok = ref is not None and ref.get("status") == "ok"
             row[key] = row["step_ms"] / ref["step_ms"] if ok and ref is not None else None
+        variant = HOOK_VARIANTS.get(row["system"])
+        if variant is not None and variant.same_as is not None:
+            same = peers.get(variant.same_as)
+            ok = same is not None and same.get("status") == "ok"
+            row["ratio_to_same_hook"] = row["step_ms"] / same["step_ms"] if ok and same else None
         row["samples_per_s"] = 1e3 * row["batch_per_rank"] * world_size / row["step_ms"]
         tokens = row.get("tokens_per_sample")
         row["tokens_per_s"] = None if tokens is None else row["samples_per_s"] * tokens
@@ -110,8 +116,7 @@ def _cells(row: dict[str, Any], tolerance: float) -> list[str]:
     measured = row.get("bytes_per_step")
     sent = _num(measured / MB, ".2f") if measured is not None else "-"
     overlap = row.get("overlap") or {}
-    err = row.get("check_max_abs_error")
-    check = "n/a" if err is None else ("ok " if err <= tolerance else "FAIL ") + f"{err:.1e}"
+    check = _check_cell(row, tolerance)
     return [
         row["model"], row["system"], _step_cell(row),
         _num(row.get("ratio_to_ddp"), ".2f"), _num(row.get("ratio_to_floor"), ".2f"),
@@ -122,6 +127,14 @@ def _cells(row: dict[str, Any], tolerance: float) -> list[str]:
         _num(_pct(row.get("other_cpu_share")), ".0f"),
         check,
     ]  # fmt: skip
+
+
+def _check_cell(row: dict[str, Any], tolerance: float) -> str:
+    """ok/FAIL and the error of the one-step check (a lossy hook's own tolerance)."""
+    err = row.get("check_max_abs_error")
+    if err is None:
+        return "n/a"
+    return ("ok " if err <= hook_check_atol(row["system"], tolerance) else "FAIL ") + f"{err:.1e}"
 
 
 HEADER = [
@@ -152,6 +165,41 @@ def phase_table(rows: Sequence[dict[str, Any]]) -> str:
             p = row["phase_ms"]
             lines.append([row["model"], row["system"]] + [f"{p[k]:.1f}" for k in PHASES])
     return markdown_table(PHASE_HEADER, lines) if lines else ""
+
+
+HOOK_HEADER = [
+    "model", "system", "step ms", "x same hook", "x DDP", "wire MB/step", "formula MB/step",
+    "wire = formula", "check",
+]  # fmt: skip
+
+
+def _hook_cells(row: dict[str, Any], tolerance: float) -> list[str]:
+    if row.get("status") != "ok":
+        return [row["model"], row["system"]] + ["-"] * 6 + [str(row.get("status"))]
+    wire, formula = row.get("hook_wire_bytes_per_step"), row.get("theoretical_bytes_per_step")
+    if wire is None:  # no megabuf hook: the engine's own count (torch rows: none)
+        wire = row.get("bytes_per_step")
+    same = "-" if wire is None or formula is None else (
+        "yes" if wire == formula else f"no ({wire - formula:+d} B)"
+    )  # fmt: skip
+    return [
+        row["model"], row["system"], _step_cell(row), _num(row.get("ratio_to_same_hook"), ".2f"),
+        _num(row.get("ratio_to_ddp"), ".2f"), _num(None if wire is None else wire / MB, ".3f"),
+        _num(None if formula is None else formula / MB, ".3f"), same, _check_cell(row, tolerance),
+    ]  # fmt: skip
+
+
+def hook_table(rows: Sequence[dict[str, Any]], tolerance: float) -> str:
+    """The comm-hook rows (megabuf/bench/hooks.py) with the plain megabuf and torch DDP rows of
+    the same model; empty when the run had no hook row."""
+    models = {r["model"] for r in rows if r["system"] in HOOK_VARIANTS}
+    keep = (MEGABUF_BASE, TORCH_BASE)
+    lines = [
+        _hook_cells(r, tolerance)
+        for r in rows
+        if r["model"] in models and (r["system"] in HOOK_VARIANTS or r["system"] in keep)
+    ]
+    return markdown_table(HOOK_HEADER, lines) if lines else ""
 
 
 CUDA_HEADER = [

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import megabuf
+from megabuf.bench.hooks import HOOK_VARIANTS, build_hooked
 from megabuf.bench.memory import state_bytes_per_param
 from megabuf.bench.reference import (
     Reference,
@@ -168,6 +169,7 @@ def _timed_steps(
         engine.collectives.stats.reset()
     if engine.ddp is not None:
         engine.ddp.enable_timeline()
+        engine.ddp.comm_hook_report(reset=True)
     dist.barrier()
     phases = []
     busy, process, wall = system_busy_s(), time.process_time(), time.perf_counter()
@@ -206,6 +208,9 @@ def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, A
         out["bytes_per_step"] = stats.total_ring_nbytes // job.steps
         out["bytes_by_op"] = {k: v // job.steps for k, v in stats.ring_nbytes.items()}
         out["handed_bytes_by_op"] = {k: v // job.steps for k, v in stats.input_nbytes.items()}
+    if engine.ddp is not None and engine.ddp.comm_hook_report().buckets:
+        # what the comm hook itself issued ([Note: hook wire bytes]); per hook call = per step
+        out["hook_wire_bytes_per_step"] = engine.ddp.comm_hook_report().ring_nbytes_per_step
     if engine.ddp is not None and engine.ddp.timeline is not None:
         out["overlap"] = analyze(engine.ddp.timeline.events).to_dict()
         out["timeline_events"] = list(engine.ddp.timeline.events)
@@ -250,6 +255,8 @@ def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
         result.update(_model_figures(job, module, tokens_per_sample(cfg)))
         if job.system in MEGABUF_CONFIGS:
             engine = build_megabuf(job.system, module, pgs, job.megabuf_overrides)
+        elif job.system in HOOK_VARIANTS:
+            engine = build_hooked(job.system, module, pgs, job.megabuf_overrides)
         else:
             engine = BUILDERS[job.system](module, pgs)
     except NotAvailable as exc:
@@ -276,7 +283,8 @@ def _model_figures(job: Job, module: torch.nn.Module, tokens: int | None) -> dic
     """Params, tokens per sample, and the model-state bytes the bytes/param formula predicts
     for this system on this rank (see megabuf/bench/memory.py), for the GPU table."""
     n_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    per_param = state_bytes_per_param(job.system, dist.get_world_size())
+    # a hook row has its base system's model state (hook state such as PowerSGD's not included)
+    per_param = state_bytes_per_param(job.system.partition("+")[0], dist.get_world_size())
     return {
         "n_params": n_params,
         "tokens_per_sample": tokens,

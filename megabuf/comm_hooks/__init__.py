@@ -6,6 +6,8 @@ Register with `DistributedDataParallel.register_comm_hook(hook, buffers=...)` or
 `CompressWrapper`; torch DDP hooks run through `from_torch` ([Note: torch hooks on megabuf
 buckets]);
 `Deterministic` (what `deterministic_reduction=True` installs: [Note: deterministic reduction]).
+Wire bytes per hook and bucket: `hook_report(model)` ([Note: hook wire bytes] in
+telemetry.py).
 """
 
 from megabuf.comm_hooks.batched_powersgd import BatchedPowerSGD
@@ -18,6 +20,7 @@ from megabuf.comm_hooks.contract import (
     CommHookResultError,
     CommHookTimeoutError,
     GradBucket,
+    HookTally,
     HookWork,
 )
 from megabuf.comm_hooks.fixed_order import (
@@ -28,6 +31,7 @@ from megabuf.comm_hooks.fixed_order import (
 from megabuf.comm_hooks.local_sgd import LocalSGD, LocalSGDError, PeriodicAverager
 from megabuf.comm_hooks.powersgd import PowerSGD
 from megabuf.comm_hooks.quantize import Quantize, QuantizeError
+from megabuf.comm_hooks.telemetry import BucketWire, HookReport, hook_report, wire_formula
 from megabuf.comm_hooks.torch_adapter import (
     CommHookGroupError,
     CommHookScalingError,
@@ -39,6 +43,7 @@ from megabuf.comm_hooks.wrappers import CompressWrapper
 
 __all__ = [
     "BatchedPowerSGD",
+    "BucketWire",
     "CommHook",
     "CommHookError",
     "CommHookGroupError",
@@ -53,6 +58,8 @@ __all__ = [
     "Deterministic",
     "DeterministicReductionError",
     "GradBucket",
+    "HookReport",
+    "HookTally",
     "HookWork",
     "LocalSGD",
     "LocalSGDError",
@@ -67,4 +74,6 @@ __all__ = [
     "build",
     "fixed_order_sum",
     "from_torch",
+    "hook_report",
+    "wire_formula",
 ]

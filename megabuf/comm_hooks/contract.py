@@ -41,7 +41,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -50,7 +51,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megabuf.collectives import Collectives, PendingCollective
+from megabuf.collectives import Collectives, CommStats, PendingCollective
 
 Mode = Literal["all_reduce", "reduce_scatter"]
 MODES: frozenset[str] = frozenset({"all_reduce", "reduce_scatter"})
@@ -89,6 +90,29 @@ class CommHook(Protocol):
     def __call__(self, bucket: GradBucket) -> Any: ...
 
 
+@dataclass
+class HookTally:
+    """What a hook issued for one bucket through `bucket.collectives`, over every dispatch since
+    the last reset: the engine's counts (`CommStats`) taken while the hook's stages ran
+    (`megabuf.comm_hooks.telemetry.hook_report` reads it)."""
+
+    dispatches: int = 0  # hook calls: one per synced step
+    stats: CommStats = field(default_factory=CommStats)
+
+    @contextmanager
+    def counting(self, engine: CommStats) -> Iterator[None]:
+        """Add to `stats` what `engine` counts inside the block (one stage of the hook)."""
+        before = engine.snapshot()
+        try:
+            yield
+        finally:
+            self.stats.add_since(engine, before)
+
+    def reset(self) -> None:
+        self.dispatches = 0
+        self.stats.reset()
+
+
 @dataclass(frozen=True, eq=False)
 class GradBucket:
     """One bucket as a hook sees it; built once at registration, the same object every step."""
@@ -110,6 +134,7 @@ class GradBucket:
     _workspace: dict[tuple[torch.dtype, str, int], Tensor] = field(default_factory=dict, repr=False)
     gradient_scaling_factor: float = 1.0  # what the engine multiplies `data` by before the hook
     _grads: tuple[Tensor, ...] | None = field(default=None, repr=False)  # set by with_data
+    tally: HookTally = field(default_factory=HookTally, repr=False)  # the hook's wire bytes
 
     @property
     def target(self) -> Tensor:
@@ -189,7 +214,12 @@ class HookWork:
         self._current: Waitable | None = None
         self._value: Any = None
         self._stage = 1  # which wait (1 = the hook's first return or first yield), for messages
-        with torch.profiler.record_function(f"megabuf::comm_hook::{self.hook_name}"):
+        self._tally = bucket.tally
+        self._tally.dispatches += 1
+        with (
+            torch.profiler.record_function(f"megabuf::comm_hook::{self.hook_name}"),
+            self._tally.counting(bucket.collectives.stats),
+        ):
             self._accept(hook(bucket))  # type: ignore[operator]
 
     def _accept(self, result: Any) -> None:
@@ -224,7 +254,8 @@ class HookWork:
                     value = self._bounded_wait(current)
                     self._stage += 1
                     if self._stages is not None:
-                        self._advance(value)
+                        with self._tally.counting(self.bucket.collectives.stats):
+                            self._advance(value)
                     else:
                         self._value = value
             except BaseException:
