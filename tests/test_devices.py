@@ -32,6 +32,11 @@ FACTORY_ALLOWLIST = {
     ("checkpoint/dcp_state.py", "optimizer_template"): "DCP reads the saved state into host "
     "templates, moved to the params' device by load_state_dict as above",
     ("checkpoint/offline.py", "_empty"): "offline checkpoint conversion: no model, no device",
+    ("checkpoint/offline.py", "_hook_empty"): "offline listing of comm hook state: no device",
+    ("comm_hooks/lowrank_hook.py", "_next_seed"): "PowerSGD's seed stream is a CPU generator, "
+    "so every rank and device type draws the same seeds",
+    ("comm_hooks/lowrank_hook.py", "_random"): "Q is drawn on the CPU (the same values on "
+    "every device type) and copied to the bucket's device by its caller",
     ("inspect.py", "_itemsize"): "a 0-element tensor read for its element size only",
     # Test and benchmark helpers build models and data on the CPU like any torch user code;
     # callers move them (`.to(device)`), and nothing here serves an existing param.

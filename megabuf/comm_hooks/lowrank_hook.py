@@ -98,7 +98,7 @@ class LowRankHook:
         """Bytes of the tensors a compressing step all-reduces for `bucket` (what
         `Collectives.stats.input_nbytes["all_reduce"]` counts)."""
         numel = self.wire_numel(bucket)
-        factor_size = torch.empty(0, dtype=self.factor_of(bucket)).element_size()
+        factor_size = self.factor_of(bucket).itemsize
         return numel["factors"] * factor_size + numel["uncompressed"] * bucket.data.element_size()
 
     def _next_seed(self) -> int:
