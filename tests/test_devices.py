@@ -55,6 +55,7 @@ CPU_ALLOWLIST = {
     "params' device; allocates nothing",
     ("testing/models.py", "*"): "seeded CPU generator for reproducible test data",
     ("bench/systems.py", "*"): "benchmark systems, CPU by choice (see megabuf.bench)",
+    ("bench/curves.py", "run_ranks"): "loss curves of the demo GPT on gloo ranks, CPU by choice",
     ("bench/options.py", "build_parser"): "--device's default: CPU models and gloo on any "
     "machine unless --device cuda is asked for",
     ("bench/worker.py", "_rank_device"): "the benchmark's own choice of device (--device)",
