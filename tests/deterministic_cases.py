@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from comm_hook_cases import _raises
 from grad_cases import NATIVE_GLOO
 from torch import nn
 
@@ -293,12 +294,6 @@ def _optimizer_steps(config: dict[str, Any], clip: float) -> dict[str, Any]:
 
 
 # ---- misuse -------------------------------------------------------------------------------------
-def _raises(fn: Callable[[], Any]) -> tuple[str, str] | None:
-    try:
-        fn()
-    except Exception as exc:  # the test checks the class and the message
-        return type(exc).__name__, str(exc)
-    return None
 
 
 def _twice() -> None:
