@@ -79,6 +79,13 @@ def _string_literal(node: ast.stmt) -> str | None:
     return None
 
 
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""`data_parallel_sharding_strategy` values, least to most sharded (Megatron's names)."""
+
+GRAD_ACCUMULATION_MODES = ("accumulate_unsharded", "reduce_each_microbatch")
+"""`sharded_grad_accumulation` values."""
+
+
 @document_fields
 @dataclass(frozen=True, kw_only=True)
 class DistributedDataParallelConfig:
@@ -102,9 +109,52 @@ class DistributedDataParallelConfig:
     """Let a pipeline schedule dispatch every model chunk's first param all-gather itself (so the
     gathers of all chunks start together). Requires `use_distributed_optimizer`."""
 
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool | None = None
     """ZeRO-1 layout: pad params/buckets so every bucket splits into dp_size equal shards, reduce-
-    scatter grads instead of all-reducing, keep params in a contiguous `param_data` buffer."""
+    scatter grads instead of all-reducing, keep params in a contiguous `param_data` buffer. The
+    alias of `data_parallel_sharding_strategy = "optim"`; None (the default) follows the
+    strategy. After construction it is always a bool: True under every sharded strategy."""
+
+    data_parallel_sharding_strategy: str | None = None
+    """What is sharded over dp ([Note: sharding strategies] in megabuf/sharding/__init__.py):
+    "no_shard" (DDP: all-reduce), "optim" (ZeRO-1: fp32 main params and optimizer state),
+    "optim_grads" (ZeRO-2: also the reduced grads), "optim_grads_params" (ZeRO-3 / FSDP: also the
+    params, gathered unit by unit around forward and backward). None: "optim" if
+    `use_distributed_optimizer` else "no_shard". After construction it is always a string."""
+
+    shard_units: tuple[str, ...] = ()
+    """optim_grads_params only: the modules whose params are gathered and released together,
+    as class names ("Block") or dotted module paths ("layers.0"); a Python caller may also pass
+    classes. Empty: the documented default policy (megabuf/units.py); a unit set that makes the
+    whole model one unit warns (its peak is a full param copy)."""
+
+    reshard_after_forward: bool = True
+    """optim_grads_params only: release each unit's gathered params after its forward (gather
+    again for backward). False keeps them until the unit's backward (6 instead of 8 wire bytes
+    per param, more memory). The root unit never reshards after forward."""
+
+    prefetch_units: int = 1
+    """optim_grads_params only: how many units ahead (in the recorded runtime order) to start
+    gathering in forward and backward. 0: no prefetch; 1: double buffering."""
+
+    sharded_grad_accumulation: str = "accumulate_unsharded"
+    """optim_grads / optim_grads_params only: how grads accumulate over micro-batches under
+    `no_sync()`. "accumulate_unsharded" (default, as torch DDP's and FSDP's no_sync): the full
+    grad buckets stay allocated through the accumulation window and are reduced once (bitwise
+    equal to "optim"; ZeRO-1's grad memory during accumulation). "reduce_each_microbatch" (as
+    Megatron-FSDP): every backward reduce-scatters into the persistent grad shard, so `no_sync()`
+    saves no communication but the full buckets are released after each backward."""
+
+    cpu_offload: bool = False
+    """Sharded strategies only: keep the fp32 main params and optimizer state on the host (pinned
+    when CUDA is present) and run the optimizer step on the CPU. A no-op with a warning when the
+    params already live on the CPU."""
+
+    verify_param_access: bool = False
+    """optim_grads_params debug mode: released param storage is kept, filled with NaN, so a read
+    of a param outside its unit's forward/backward gives NaN (caught by
+    `check_for_nan_in_grad`) instead of an error from an empty storage. Costs the full param
+    memory; for debugging only."""
 
     check_for_nan_in_grad: bool = False
     """Flag NaN/Inf grads of each bucket before its reduction (on the device, no host read in
@@ -169,6 +219,7 @@ class DistributedDataParallelConfig:
     declare `deterministic = True` (e.g. Compress with accumulate = "fp32")."""
 
     def __post_init__(self) -> None:
+        self._resolve_sharding_strategy()
         for name in ("overlap_param_gather", "align_param_gather"):
             if getattr(self, name) and not self.use_distributed_optimizer:
                 raise ValueError(
@@ -194,6 +245,85 @@ class DistributedDataParallelConfig:
             raise ValueError(
                 "megabuf: DistributedDataParallelConfig.num_distributed_optimizer_instances="
                 f"{self.num_distributed_optimizer_instances} is not supported; use 1"
+            )
+
+    def _resolve_sharding_strategy(self) -> None:
+        """Make `data_parallel_sharding_strategy` and `use_distributed_optimizer` agree (one may
+        be None and follows the other); name every contradiction."""
+        field = "DistributedDataParallelConfig.data_parallel_sharding_strategy"
+        strategy, dist_opt = self.data_parallel_sharding_strategy, self.use_distributed_optimizer
+        if strategy is not None and strategy not in SHARDING_STRATEGIES:
+            raise ValueError(
+                f"megabuf: {field}={strategy!r} is not one of {list(SHARDING_STRATEGIES)}"
+            )
+        if dist_opt is not None and not isinstance(dist_opt, bool):
+            raise ValueError(
+                "megabuf: DistributedDataParallelConfig.use_distributed_optimizer must be a bool "
+                f"or None, got {dist_opt!r}"
+            )
+        if strategy is None:
+            strategy = "optim" if dist_opt else "no_shard"
+        if dist_opt is not None and dist_opt != (strategy != "no_shard"):
+            raise ValueError(
+                f"megabuf: {field}={strategy!r} contradicts use_distributed_optimizer={dist_opt} "
+                "(every sharded strategy uses the distributed optimizer; no_shard does not); "
+                "set only data_parallel_sharding_strategy and leave use_distributed_optimizer "
+                "unset"
+            )
+        object.__setattr__(self, "data_parallel_sharding_strategy", strategy)
+        object.__setattr__(self, "use_distributed_optimizer", strategy != "no_shard")
+        self._check_sharding_options(strategy)
+
+    def _check_sharding_options(self, strategy: str) -> None:
+        """Options that only one strategy reads must not be set under another (a run that
+        silently ignores them would not be the run the user asked for)."""
+        units = self.shard_units
+        if isinstance(units, (str, type)):
+            units = (units,)
+        if not isinstance(units, (tuple, list)) or not all(
+            isinstance(u, (str, type)) and u for u in units
+        ):
+            raise ValueError(
+                "megabuf: DistributedDataParallelConfig.shard_units must be a list of module "
+                f"class names, dotted module paths or classes, got {self.shard_units!r}"
+            )
+        object.__setattr__(self, "shard_units", tuple(units))
+        prefetch = self.prefetch_units
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(
+                "megabuf: DistributedDataParallelConfig.prefetch_units must be an int >= 0, "
+                f"got {prefetch!r}"
+            )
+        if self.sharded_grad_accumulation not in GRAD_ACCUMULATION_MODES:
+            raise ValueError(
+                "megabuf: DistributedDataParallelConfig.sharded_grad_accumulation="
+                f"{self.sharded_grad_accumulation!r} is not one of {list(GRAD_ACCUMULATION_MODES)}"
+            )
+        zero3, zero23 = ("optim_grads_params",), ("optim_grads", "optim_grads_params")
+        applies = {
+            "shard_units": (bool(self.shard_units), zero3),
+            "reshard_after_forward": (self.reshard_after_forward is not True, zero3),
+            "prefetch_units": (prefetch != 1, zero3),
+            "verify_param_access": (bool(self.verify_param_access), zero3),
+            "sharded_grad_accumulation": (
+                self.sharded_grad_accumulation != "accumulate_unsharded", zero23
+            ),
+            "cpu_offload": (bool(self.cpu_offload), ("optim", *zero23)),
+        }  # fmt: skip
+        for name, (is_set, strategies) in applies.items():
+            if is_set and strategy not in strategies:
+                raise ValueError(
+                    f"megabuf: DistributedDataParallelConfig.{name}={getattr(self, name)!r} only "
+                    f"applies to data_parallel_sharding_strategy {' / '.join(strategies)}, not "
+                    f"{strategy!r}; leave {name} at its default or change the strategy"
+                )
+        if strategy == "optim_grads_params" and (
+            self.overlap_param_gather or self.align_param_gather
+        ):
+            raise ValueError(
+                "megabuf: DistributedDataParallelConfig.overlap_param_gather / "
+                "align_param_gather do not apply to optim_grads_params: params are gathered unit "
+                "by unit in forward, overlapped by prefetch_units; turn them off"
             )
 
     def _check_comm_hook(self) -> None:
@@ -243,5 +373,10 @@ class DistributedDataParallelConfig:
         return cfg.replace(comm_hook=dict(top))
 
     def replace(self, **changes: Any) -> DistributedDataParallelConfig:
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again). Changing only one of
+        `data_parallel_sharding_strategy` / `use_distributed_optimizer` lets the other follow."""
+        pair = ("data_parallel_sharding_strategy", "use_distributed_optimizer")
+        for mine, other in (pair, pair[::-1]):
+            if mine in changes and other not in changes:
+                changes[other] = None
         return dataclasses.replace(self, **changes)

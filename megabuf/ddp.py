@@ -101,6 +101,7 @@ class DistributedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         options = torch_compat.resolve(module, ddp_config, process_groups, torch_ddp_args)
+        _refuse_unbuilt_strategy(options.ddp_config)
         self.module = module
         self.ddp_config = options.ddp_config
         self.process_groups = options.process_groups or ProcessGroups.default()
@@ -314,7 +315,7 @@ class DistributedDataParallel(nn.Module):
             require_deterministic(hook, self.rank)
         install_comm_hook(
             hook, self.all_bucket_groups, self.plan, expert_kinds=selected_kinds(buffers),
-            use_distributed_optimizer=cfg.use_distributed_optimizer,
+            use_distributed_optimizer=bool(cfg.use_distributed_optimizer),
             average=cfg.average_in_collective, rank=self.rank, replaceable=self._mode_hook,
         )  # fmt: skip
 
@@ -533,6 +534,18 @@ class DistributedDataParallel(nn.Module):
             )
         self.publish_params()
         return self.module.load_state_dict(state_dict, strict=strict)
+
+
+IMPLEMENTED_STRATEGIES = ("no_shard", "optim")
+
+
+def _refuse_unbuilt_strategy(cfg: DistributedDataParallelConfig) -> None:
+    strategy = cfg.data_parallel_sharding_strategy
+    if strategy not in IMPLEMENTED_STRATEGIES:
+        raise NotImplementedError(
+            f"megabuf: data_parallel_sharding_strategy={strategy!r} is not implemented yet "
+            f"(implemented: {list(IMPLEMENTED_STRATEGIES)}); use 'optim' (ZeRO-1)"
+        )
 
 
 def as_model_chunks(

@@ -186,7 +186,7 @@ def _buffer_plan(
         [specs[i].numel for i in param_ids],
         bucket_size=bucket_size,
         dp_size=dp_size,
-        sharded=config.use_distributed_optimizer,
+        sharded=bool(config.use_distributed_optimizer),
         high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
         own_bucket=[specs[i].own_bucket for i in param_ids],
     )

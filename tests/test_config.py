@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -76,6 +77,9 @@ def test_shipped_config_loads_every_table_value(name: str) -> None:
         default = cls()
         for field in cls.__dataclass_fields__:
             want = tables[table].get(field, getattr(default, field))
+            if field == "data_parallel_sharding_strategy" and field not in tables[table]:
+                # derived from use_distributed_optimizer (its alias) when not written
+                want = "optim" if tables[table].get("use_distributed_optimizer") else "no_shard"
             assert getattr(cfg, field) == want, (name, table, field)
 
 
@@ -103,3 +107,45 @@ def test_rank_layout_documented_order() -> None:
     assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     with pytest.raises(ValueError, match="ep_size=3"):
         rank_layout(8, pp_size=2, ep_size=3)
+
+
+def test_sharding_strategy_and_its_alias_agree_and_contradictions_are_named() -> None:
+    """`use_distributed_optimizer` is the alias of strategy "optim"; one follows the other, a
+    contradiction names both fields, options of another strategy are refused by name."""
+    C = DistributedDataParallelConfig
+    assert (C().data_parallel_sharding_strategy, C().use_distributed_optimizer) == (
+        "no_shard", False
+    )  # fmt: skip
+    assert C(use_distributed_optimizer=True).data_parallel_sharding_strategy == "optim"
+    for strategy in ("optim", "optim_grads", "optim_grads_params"):
+        assert C(data_parallel_sharding_strategy=strategy).use_distributed_optimizer is True
+    zero2 = C(data_parallel_sharding_strategy="optim_grads")
+    unsharded = zero2.replace(data_parallel_sharding_strategy="no_shard")
+    assert unsharded.use_distributed_optimizer is False
+    assert zero2.replace(use_distributed_optimizer=False).data_parallel_sharding_strategy == (
+        "no_shard"
+    )
+    errors = {
+        "contradicts use_distributed_optimizer=False": dict(
+            data_parallel_sharding_strategy="optim_grads", use_distributed_optimizer=False
+        ),
+        "is not one of": dict(data_parallel_sharding_strategy="zero3"),
+        "shard_units=('Block',) only applies to data_parallel_sharding_strategy "
+        "optim_grads_params, not 'optim'": dict(
+            data_parallel_sharding_strategy="optim", shard_units=["Block"]
+        ),
+        "prefetch_units must be an int >= 0": dict(prefetch_units=-1),
+        "cpu_offload=True only applies": dict(cpu_offload=True),
+        "sharded_grad_accumulation='reduce_each_microbatch' only applies": dict(
+            data_parallel_sharding_strategy="optim",
+            sharded_grad_accumulation="reduce_each_microbatch",
+        ),
+        "do not apply to optim_grads_params": dict(
+            data_parallel_sharding_strategy="optim_grads_params", overlap_param_gather=True
+        ),
+    }
+    for message, kwargs in errors.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            C(**kwargs)
+    units = C(data_parallel_sharding_strategy="optim_grads_params", shard_units="Block")
+    assert units.shard_units == ("Block",)
