@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -70,7 +72,9 @@ class ProcessGroups:
         """Plain data parallelism over `group` (torch DDP's `process_group`): no expert or
         pipeline parallelism, so ep and pp hold this rank alone. Only `group`'s ranks call it."""
         rank = dist.get_rank()
-        alone = dist.new_group([rank], use_local_synchronization=True)
+        alone = _cached(
+            ("alone", rank), lambda: dist.new_group([rank], use_local_synchronization=True)
+        )
         return cls(dp=group, expt_dp=group, ep=alone, pp=alone, pp_ranks=(rank,))
 
     @classmethod
@@ -159,14 +163,41 @@ def _my_group(
     world = dist.get_world_size()
     if len(ranks_list) == 1 and len(ranks_list[0]) == world:
         return dist.group.WORLD  # type: ignore[return-value]
+    mine = _cached(("kind", tuple(map(tuple, ranks_list))), lambda: _create_kind(ranks_list, rank))
+    if mine is None and not optional:
+        raise RuntimeError(f"megabuf: rank {rank} is in no group of {ranks_list}")
+    return mine
+
+
+def _create_kind(ranks_list: list[list[int]], rank: int) -> ProcessGroup | None:
     mine: ProcessGroup | None = None
     for ranks in ranks_list:  # every rank creates every group, in the same order
         group = dist.new_group(ranks)
         if rank in ranks:
             mine = group
-    if mine is None and not optional:
-        raise RuntimeError(f"megabuf: rank {rank} is in no group of {ranks_list}")
     return mine
+
+
+# [Note: groups are made once per world]
+# Each gloo group owns worker threads and sockets that live until the world is destroyed, so a
+# process that builds many engines (a notebook, a test worker, a sweep) must not make new groups
+# for each: `build` and `for_dp_group` reuse the groups made for the same rank lists in the same
+# world. Sharing a communicator between engines is safe because every rank builds, and therefore
+# dispatches, its engines in the same program order; a new `init_process_group` (a new WORLD
+# object) starts a fresh cache. The key includes every group of the kind, so every rank hits or
+# misses together and the collective `new_group` calls stay matched.
+_G = TypeVar("_G")
+_GROUP_CACHE: dict[object, object] = {"world": None}
+
+
+def _cached(key: object, make: Callable[[], _G]) -> _G:
+    world = dist.group.WORLD
+    if _GROUP_CACHE["world"] is not world:
+        _GROUP_CACHE.clear()
+        _GROUP_CACHE["world"] = world
+    if key not in _GROUP_CACHE:
+        _GROUP_CACHE[key] = make()
+    return _GROUP_CACHE[key]  # type: ignore[return-value]
 
 
 DEFAULT_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl"}
