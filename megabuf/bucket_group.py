@@ -45,6 +45,7 @@ from megabuf.collectives import Collectives
 from megabuf.comm_hooks.contract import GradBucket, HookWork, Waitable
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.nan_check import nonfinite_flags
+from megabuf.sharding.params import ShardedParams
 from megabuf.timeline import Timeline  # re-exported: ddp.py and users import it from here
 
 
@@ -128,6 +129,7 @@ class BucketGroup:
         rank: int,
         param_to_name: Mapping[torch.nn.Parameter, str],
         chain: DispatchChain | None = None,
+        sharded_params: ShardedParams | None = None,
     ) -> None:
         self.buckets = list(buckets)
         self.ddp_config = ddp_config
@@ -139,6 +141,8 @@ class BucketGroup:
         self.rank = rank  # global rank, for messages
         self.param_to_name = param_to_name
         self.chain = chain
+        # optim_grads_params: the full params and shards ([Note: sharded param lifecycle])
+        self.sharded_params = sharded_params
         self.params_list = [p for b in self.buckets for p in b.params_list]
         self.params = set(self.params_list)
         self._index = {p: i for i, p in enumerate(self.params_list)}

@@ -32,6 +32,10 @@ class _ParamAndGradBucket:
         self.params_list = list(params)  # buffer order
         self.params = set(self.params_list)
         self.param_data = param_data  # 1-D view, param_dtype, padded bucket numel (or None)
+        # optim_grads_params: this rank's param shard, 1-D, param_dtype, numel / dp (persistent);
+        # `param_data` then has a storage of its own, released between uses ([Note: sharded
+        # param lifecycle] in megabuf/sharding/params.py)
+        self.param_shard: Tensor | None = None
         self.grad_data = grad_data  # 1-D view, grad_dtype, padded bucket numel
         self.offset = offset  # start of this bucket inside the buffer, in elements
         self.numel_unpadded = numel_unpadded  # sum of param numels in the bucket
@@ -87,22 +91,49 @@ class _ParamAndGradBuffer:
         device = self.params[0].device
         self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)  # 1-D
         self.param_data: Tensor | None = None  # 1-D, param_dtype, padded numel (sharded only)
-        if self.ddp_config.use_distributed_optimizer:
+        # optim_grads_params: one full param tensor per bucket, each with its own storage
+        self.bucket_params: list[Tensor] | None = None
+        if self.ddp_config.data_parallel_sharding_strategy == "optim_grads_params":
+            self.bucket_params = [
+                torch.zeros(b.numel, dtype=self.param_dtype, device=device)
+                for b in self.layout.buckets
+            ]
+        elif self.ddp_config.use_distributed_optimizer:
             self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
         for param, slot in self.param_index_map.items():
             start, end = slot.start, slot.end
-            if self.param_data is not None:
-                view = self.param_data[start:end].view(param.shape)
+            home = self._param_home(slot)
+            if home is not None:
+                view = home.view(param.shape)
                 view.copy_(param.data)  # values preserved; then the param lives in the buffer
                 param.data = view
             param.main_grad = self.grad_data[start:end].view(param.shape)  # type: ignore[attr-defined]
         self.buckets = [self._make_bucket(slot.bucket_id) for slot in self.layout.buckets]
+
+    def _param_home(self, slot: ParamSlot) -> Tensor | None:
+        """The 1-D view a param lives in: of `param_data`, of its bucket's full params
+        (optim_grads_params), or None (params stay where they are)."""
+        if self.param_data is not None:
+            return self.param_data[slot.start : slot.end]
+        if self.bucket_params is not None:
+            base = self.layout.buckets[slot.bucket_id].start
+            return self.bucket_params[slot.bucket_id][slot.start - base : slot.end - base]
+        return None
 
     def _make_bucket(self, bucket_id: int) -> _ParamAndGradBucket:
         slot = self.layout.buckets[bucket_id]
         param_data = None
         if self.param_data is not None:
             param_data = self.param_data[slot.start : slot.end]
+        if self.bucket_params is not None:
+            bucket = self._make_bucket_with(bucket_id, self.bucket_params[bucket_id])
+            shard = slot.numel // self.dp_size
+            bucket.param_shard = torch.zeros(shard, dtype=self.param_dtype, device=self.device)
+            return bucket
+        return self._make_bucket_with(bucket_id, param_data)
+
+    def _make_bucket_with(self, bucket_id: int, param_data: Tensor | None) -> _ParamAndGradBucket:
+        slot = self.layout.buckets[bucket_id]
         return _ParamAndGradBucket(
             [self.params[i] for i in slot.param_ids],
             param_data,
@@ -112,6 +143,36 @@ class _ParamAndGradBuffer:
             self.gradient_scaling_factor,
             bucket_id,
         )
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    def param_shard_view(self, start: int, end: int) -> Tensor:
+        """This rank's persistent param memory for buffer range [start, end): a view of
+        `param_data`, or under optim_grads_params of the bucket's `param_shard` (the range must
+        then lie inside this rank's shard of one bucket)."""
+        if self.param_data is not None:
+            return self.param_data[start:end]
+        for slot, bucket in zip(self.layout.buckets, self.buckets, strict=True):
+            lo, hi = slot.shard_range(self.dp_rank, self.dp_size)
+            if lo <= start <= end <= hi and bucket.param_shard is not None:
+                return bucket.param_shard[start - lo : end - lo]
+        raise ValueError(
+            f"megabuf: buffer range [{start}, {end}) is not inside this rank's (dp rank "
+            f"{self.dp_rank}) param shard of one bucket of {self.describe()}"
+        )
+
+    @property
+    def param_nbytes(self) -> int:
+        """Persistent param bytes: `param_data`, the param shards (optim_grads_params), or the
+        params themselves (no distributed optimizer)."""
+        if self.param_data is not None:
+            return self.param_data.numel() * self.param_data.element_size()
+        if self.bucket_params is not None:
+            shards = [b.param_shard for b in self.buckets if b.param_shard is not None]
+            return sum(s.numel() * s.element_size() for s in shards)
+        return sum(p.numel() * p.element_size() for p in self.params)
 
     def scale_gradients(self, factor: float) -> None:
         self.grad_data.mul_(factor)

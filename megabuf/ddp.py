@@ -54,6 +54,9 @@ from megabuf.replicas import (
     is_expert_parallel,
     param_specs,
 )
+from megabuf.sharding.ledger import MemoryLedger
+from megabuf.sharding.params import ShardedParams, shards_params
+from megabuf.sharding.zero3 import ParamUnits
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +116,8 @@ class DistributedDataParallel(nn.Module):
         self._backward_sync = BackwardEndSync(
             self.ddp_config.sync_grads_at_backward_end, self.finish_grad_sync
         )
+        self.memory_ledger = MemoryLedger()
+        self.param_units: ParamUnits | None = None  # optim_grads_params: the unit runtime
         self._build(options.init_sync)
         self._mode_hook: Deterministic | None = None  # deterministic_reduction's, replaceable
         if self.ddp_config.comm_hook is not None:
@@ -159,6 +164,8 @@ class DistributedDataParallel(nn.Module):
         self._structure = ParamStructure(self.module)
         if init_sync:
             self.broadcast_params()
+        if shards_params(self.ddp_config.data_parallel_sharding_strategy):
+            self.param_units = ParamUnits.build(self)  # shards filled, full params released
         for buf in self._all_buffers:
             logger.debug("megabuf: %s", buf.describe())
 
@@ -233,7 +240,24 @@ class DistributedDataParallel(nn.Module):
             rank=self.rank,
             param_to_name=self.param_to_name,
             chain=chain,
+            sharded_params=self._sharded_params(planned),
         )
+
+    def _sharded_params(self, planned: GroupPlan) -> ShardedParams | None:
+        """optim_grads_params: the group's full params and shards ([Note: sharded param
+        lifecycle] in megabuf/sharding/params.py)."""
+        if not shards_params(self.ddp_config.data_parallel_sharding_strategy):
+            return None
+        group = self.process_groups.expt_dp if planned.expert else self.process_groups.dp
+        buckets = [self._all_buffers[b].buckets[k] for b, k in planned.members]
+        return ShardedParams(
+            [b.param_data for b in buckets if b.param_data is not None],
+            [b.param_shard for b in buckets if b.param_shard is not None],
+            self.collectives, group, self.memory_ledger, group_id=planned.group_id,
+            unit_name=ParamUnits.unit_name_of(self, planned), rank=self.rank,
+            dp_rank=dist.get_rank(group), dp_size=dist.get_world_size(group),
+            poison=self.ddp_config.verify_param_access,
+        )  # fmt: skip
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -462,6 +486,8 @@ class DistributedDataParallel(nn.Module):
             group.abandon_grad_sync()
             if group.param_state is ParamSyncState.DISPATCHED:
                 group.finish_param_sync(skip_next_bucket_dispatch=True)
+        if self.param_units is not None:
+            self.param_units.runtime.reset()
         self._backward_sync.require_sync = True
         self.zero_grad_buffer()
 
@@ -472,7 +498,15 @@ class DistributedDataParallel(nn.Module):
     # ---- params -------------------------------------------------------------------------------
     def broadcast_params(self) -> None:
         """Copy dp-rank-0's params (expert params: expt_dp-rank-0's) and buffers to all ranks.
-        Collective: every rank must call it."""
+        Collective: every rank must call it. Under optim_grads_params the params are gathered,
+        broadcast and written back into the shards."""
+        if self.param_units is not None:
+            with self.summon_full_params(writeback=True):
+                self._broadcast_params()
+            return
+        self._broadcast_params()
+
+    def _broadcast_params(self) -> None:
         pgs = self.process_groups
         with torch.no_grad():
             for _, param in _unique_named_parameters(self.module):
@@ -492,8 +526,11 @@ class DistributedDataParallel(nn.Module):
         optimizer/distributed.py). `force_dispatch` is accepted for Megatron's callers; every
         gather is dispatched anyway. While torch.profiler records, gathers are synchronous: an
         async gloo collective started inside a profiled region and waited on after it crashes
-        the process at exit. Collective: every dp rank calls it (the step does)."""
+        the process at exit. Collective: every dp rank calls it (the step does). A no-op under
+        optim_grads_params: units gather lazily in forward ([Note: who gathers when])."""
         del unused, force_dispatch
+        if self.param_units is not None:
+            return
         if force_sync or not self.ddp_config.overlap_param_gather or profiler_recording():
             for group in self.all_bucket_groups:
                 group.start_param_sync(force_sync=True)
@@ -509,6 +546,27 @@ class DistributedDataParallel(nn.Module):
         for group in self.all_bucket_groups:
             group.finish_param_sync(skip_next_bucket_dispatch=True)
 
+    def reshard_params(self) -> None:
+        """optim_grads_params: finish every gather in flight and release every unit's full
+        params (the optimizer does it before writing the shards). Not collective; a no-op under
+        the other strategies."""
+        if self.param_units is not None:
+            self.param_units.runtime.release_all()
+
+    @contextmanager
+    def summon_full_params(self, *, writeback: bool = False) -> Iterator[None]:
+        """Every param readable inside (optim_grads_params: every unit gathered, released on
+        exit; `writeback=True` copies what was written into the params back into the shards).
+        Read or edit params outside forward inside it: a released param has a 0-byte storage
+        and reading it fails (a RuntimeError, or a crash of the process for some CPU kernels).
+        Collective under optim_grads_params; elsewhere it publishes params (not collective)."""
+        if self.param_units is None:
+            self.publish_params()
+            yield
+            return
+        with self.param_units.summon_full_params(writeback=writeback):
+            yield
+
     def enable_forward_pre_hook(self) -> None:
         self.param_gather_hooks.enable()
 
@@ -519,24 +577,35 @@ class DistributedDataParallel(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """The wrapped module's state dict (its keys, no `module.` prefix), after publishing
-        params (not collective: rank 0 may call it alone, see publish_params)."""
+        params (not collective: rank 0 may call it alone, see publish_params). Under
+        optim_grads_params the params are gathered unit by unit and copied out: collective
+        (every dp rank calls it), keyword arguments only."""
+        if self.param_units is not None:
+            if args:
+                raise ValueError(
+                    "megabuf: state_dict() under optim_grads_params takes keyword arguments "
+                    "only (destination=, prefix=)"
+                )
+            return self.param_units.state_dict(self.module, **kwargs)
         self.publish_params()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Copy values into the wrapped module's params and buffers (its keys). megabuf's
         optimizers notice the change (param versions) and reload their fp32 main params.
-        Every dp rank must call it with the same state dict, or replicas differ."""
+        Every dp rank must call it with the same state dict, or replicas differ. Under
+        optim_grads_params every unit is gathered around the load (a full param copy at the
+        peak) and the loaded values are written into the shards."""
         if assign:
             raise ValueError(
                 "megabuf: load_state_dict(assign=True) would detach params from the buffers; "
                 "use assign=False (values are copied into the existing params)"
             )
-        self.publish_params()
-        return self.module.load_state_dict(state_dict, strict=strict)
+        with self.summon_full_params(writeback=True):
+            return self.module.load_state_dict(state_dict, strict=strict)
 
 
-IMPLEMENTED_STRATEGIES = ("no_shard", "optim")
+IMPLEMENTED_STRATEGIES = ("no_shard", "optim", "optim_grads_params")
 
 
 def _refuse_unbuilt_strategy(cfg: DistributedDataParallelConfig) -> None:

@@ -82,7 +82,7 @@ def sharded_main_params(
     buffer: _ParamAndGradBuffer, keys: dict[nn.Parameter, str]
 ) -> list[MainParam]:
     """Main params for this rank's shards of every bucket of `buffer` (distributed optimizer)."""
-    if buffer.param_data is None:
+    if buffer.param_data is None and buffer.bucket_params is None:
         raise ValueError(
             "megabuf: DistributedOptimizer needs a model built with "
             "DistributedDataParallelConfig(use_distributed_optimizer=True); this buffer has no "
@@ -92,7 +92,7 @@ def sharded_main_params(
     for piece in shard_pieces(buffer.layout, buffer.dp_rank, buffer.dp_size):
         param = buffer.params[piece.param_id]
         lo, hi = piece.buffer_start, piece.buffer_start + piece.numel
-        param_view = buffer.param_data[lo:hi]  # 1-D, param_dtype
+        param_view = buffer.param_shard_view(lo, hi)  # 1-D, param_dtype (optim_grads_params: shard)
         grad_view = buffer.grad_data[lo:hi]  # 1-D, grad_dtype
         if param_view.dtype == torch.float32:
             main, model_data = param_view, None

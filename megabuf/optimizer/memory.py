@@ -68,10 +68,7 @@ def memory_report(parts: OptimizerParts) -> OptimizerMemoryReport:
         b for c in parts.model_chunks for expert in (False, True) for b in grad_buffers(c, expert)
     ]
     shard = sum(b.numel // b.dp_size for b in buffers) if parts.sharded else owned
-    param_nbytes = sum(
-        _nbytes(b.param_data) if b.param_data is not None else sum(_nbytes(p) for p in b.params)
-        for b in buffers
-    )
+    param_nbytes = sum(b.param_nbytes for b in buffers)
     full_copy = sum(4 * mp.numel for mp in parts.main_params if is_half_grad(mp))
     window = parts.grad_upcast_window_numel
     copy = full_copy if window is None else peak_window_nbytes(parts.main_params, window)

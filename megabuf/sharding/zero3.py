@@ -1,0 +1,116 @@
+"""`ParamUnits`: what `DistributedDataParallel` holds under optim_grads_params (ZeRO-3).
+
+It ties the planned shard units (megabuf/units.py) to the bucket groups' `ShardedParams`,
+installs the unit runtime's hooks ([Note: who gathers when] in units_runtime.py), and does what
+needs every unit's params at once outside forward: `summon_full_params`, `state_dict` (unit by
+unit) and `load_state_dict`. Frozen params are not in the buffers and stay replicated: every
+rank keeps them whole, as without sharding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from megabuf.plan import GroupPlan
+from megabuf.sharding.params import ParamShardState
+from megabuf.sharding.units_runtime import RuntimeUnit, UnitRuntime
+
+if TYPE_CHECKING:
+    from megabuf.bucket_group import BucketGroup
+    from megabuf.ddp import DistributedDataParallel
+
+
+def _unit_of(planned: GroupPlan) -> int:
+    """The shard unit of a planned group (units.py's `GroupPlan.unit`; the root without it)."""
+    unit = getattr(planned, "unit", None)
+    return 0 if unit is None else int(unit)
+
+
+def _unit_modules(model: DistributedDataParallel) -> list[tuple[str, nn.Module]]:
+    """(name, module) per unit, the root first: the model's unit plan, or the root alone."""
+    unit_plan = getattr(model, "unit_plan", None)
+    if unit_plan is None:
+        return [("", model.module)]
+    return [(u.name, u.module) for u in unit_plan.units]
+
+
+class ParamUnits:
+    """The ZeRO-3 side of one wrapped model: its units, their groups and the runtime."""
+
+    def __init__(self, runtime: UnitRuntime, groups: list[BucketGroup]) -> None:
+        self.runtime = runtime
+        self.groups = groups  # every bucket group, by group id
+
+    @staticmethod
+    def unit_name_of(model: DistributedDataParallel, planned: GroupPlan) -> str:
+        return _unit_modules(model)[_unit_of(planned)][0]
+
+    @classmethod
+    def build(cls, model: DistributedDataParallel) -> ParamUnits:
+        """Fill the shards from the (broadcast) full params, release them, install the hooks."""
+        modules = _unit_modules(model)
+        units = [RuntimeUnit(i, name, module) for i, (name, module) in enumerate(modules)]
+        by_id = {g.group_id: g for g in model.all_bucket_groups}
+        groups = [by_id[planned.group_id] for planned in model.plan.groups]
+        for planned, group in zip(model.plan.groups, groups, strict=True):
+            if group.sharded_params is None:
+                raise RuntimeError(
+                    f"megabuf: bucket group {group.group_id} has no sharded params under "
+                    f"optim_grads_params (rank {model.rank}); this is a megabuf bug"
+                )
+            units[_unit_of(planned)].params.append(group.sharded_params)
+            group.sharded_params.release_params(writeback=True)
+        cfg = model.ddp_config
+        runtime = UnitRuntime(
+            units,
+            reshard_after_forward=cfg.reshard_after_forward,
+            prefetch_units=cfg.prefetch_units,
+            rank=model.rank,
+        )
+        runtime.install()
+        return cls(runtime, groups)
+
+    @contextmanager
+    def summon_full_params(self, *, writeback: bool = False) -> Iterator[None]:
+        """Every unit gathered inside; `writeback`: what was written into the params is copied
+        into the shards before they are released. Collective."""
+        self.runtime.release_all()
+        self.runtime.gather_all()
+        try:
+            yield
+        finally:
+            for group in self.groups:
+                params = group.sharded_params
+                if params is not None and params.state is ParamShardState.UNSHARDED:
+                    params.release_params(writeback=writeback)
+
+    def state_dict(self, module: nn.Module, **kwargs: Any) -> dict[str, Any]:
+        """`module.state_dict(**kwargs)` with every sharded param gathered unit by unit and
+        copied out (the peak is one bucket group's full params). Collective."""
+        if kwargs.get("keep_vars"):
+            raise ValueError(
+                "megabuf: state_dict(keep_vars=True) under optim_grads_params would hand out "
+                "params whose storage is released after the call; use keep_vars=False, or read "
+                "the params inside model.summon_full_params()"
+            )
+        self.runtime.release_all()
+        state = module.state_dict(**kwargs)  # aliases of the released params: nothing read
+        prefix = kwargs.get("prefix", "")
+        keys: dict[nn.Parameter, list[str]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if prefix + name in state:
+                keys.setdefault(param, []).append(prefix + name)
+        for group in self.groups:
+            params = group.sharded_params
+            if params is None:
+                continue
+            params.ensure_gathered()
+            for param in group.params_list:
+                for key in keys.get(param, ()):
+                    state[key] = state[key].clone()
+            params.release_params()
+        return state
