@@ -30,6 +30,7 @@ from megabuf.testing.models import build_model, loss_fn, make_batch
 #   zero_ddp: 4 + 4 + 4 (DDP buckets) + 8/dp (ZeroRedundancyOptimizer shards the moments)
 #   fsdp2_*: 16/dp (params, grads and moments sharded)
 #   megabuf_distopt_*: 4 + 4 + 8/dp (fp32 params are stepped in place: no main copy)
+#   megabuf_zero3*: 16/dp (param shards, grad shards, moments; plus the transient units)
 FP32_PARAM, FP32_GRAD, ADAM_MOMENTS = 4.0, 4.0, 8.0
 
 
@@ -44,6 +45,8 @@ def state_bytes_per_param(system: str, dp_size: int) -> float:
     if system == "zero_ddp":
         return FP32_PARAM + 2 * FP32_GRAD + ADAM_MOMENTS / dp_size
     if system.startswith("fsdp2_"):
+        return full / dp_size
+    if system.startswith("megabuf_zero3"):
         return full / dp_size
     if system.startswith("megabuf_distopt_"):
         return FP32_PARAM + FP32_GRAD + ADAM_MOMENTS / dp_size

@@ -144,6 +144,8 @@ def _megabuf(
 ) -> Engine:
     model = DistributedDataParallel(module, config, process_groups=pgs)
     nbytes = _ring(param_nbytes(module), pgs.dp_size, 2)
+    if model.param_units is not None:
+        return _zero3(model, module, pgs.dp_size)
     if config.use_distributed_optimizer:
         return _with_distributed_optimizer(model, module, nbytes)
     opt = _adamw(model.parameters())
@@ -175,6 +177,26 @@ def _with_distributed_optimizer(
     )  # fmt: skip
 
 
+def _zero3(model: DistributedDataParallel, module: nn.Module, dp_size: int) -> Engine:
+    """optim_grads_params: a forward all-gather and a reduce-scatter of everything, plus a
+    backward re-gather of every unit but the root when resharding after forward."""
+    total = param_nbytes(module)
+    regather = 0
+    units = model.param_units
+    if model.ddp_config.reshard_after_forward and units is not None:
+        root = {id(p) for p in units.runtime.units[0].params}
+        regather = total - sum(
+            p.numel() * p.element_size()
+            for g in model.all_bucket_groups
+            if id(g.sharded_params) in root
+            for p in g.params_list
+        )
+    engine = _with_distributed_optimizer(model, module, _ring(2 * total + regather, dp_size, 1))
+    if units is not None:
+        engine.publish = units.runtime.gather_all  # released again by the next step
+    return engine
+
+
 MEGABUF_CONFIGS: dict[str, dict[str, Any]] = {
     "megabuf_ar_overlap": {"overlap_grad_reduce": True},
     "megabuf_ar_sync": {},
@@ -184,6 +206,15 @@ MEGABUF_CONFIGS: dict[str, dict[str, Any]] = {
         "overlap_param_gather": True,
     },
     "megabuf_distopt_sync": {"use_distributed_optimizer": True},
+    "megabuf_zero3": {  # ZeRO-3: units gathered in forward and again in backward
+        "data_parallel_sharding_strategy": "optim_grads_params",
+        "overlap_grad_reduce": True,
+    },
+    "megabuf_zero3_noreshard": {  # ZeRO-3, units kept gathered from forward to backward
+        "data_parallel_sharding_strategy": "optim_grads_params",
+        "overlap_grad_reduce": True,
+        "reshard_after_forward": False,
+    },
 }
 """DistributedDataParallelConfig fields of each megabuf system (the rest are defaults)."""
 
