@@ -86,6 +86,27 @@ def test_default_policy_without_a_container_takes_children_with_params() -> None
     assert owned(plan) == {"": ("scale",), "a": ("a.weight", "a.bias"), "b": ("b.weight", "b.bias")}
 
 
+def test_default_policy_needs_two_children_with_params() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.big = nn.ModuleList([nn.Linear(16, 16), nn.ReLU()])  # one child with params
+            self.small = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+
+    plan = units_of(Net())
+    assert [u.name for u in plan.units] == ["", "small.0", "small.1"]
+
+
+def test_a_class_entry_matches_subclasses_a_class_name_only_that_class() -> None:
+    class MyLinear(nn.Linear):
+        pass
+
+    model = nn.Sequential(MyLinear(2, 2), nn.Linear(2, 2))
+    assert [u.name for u in units_of(model, [nn.Linear]).units] == ["", "0", "1"]
+    assert [u.name for u in units_of(model, ["Linear"]).units] == ["", "1"]
+    assert [u.name for u in units_of(model, ["MyLinear"]).units] == ["", "0"]
+
+
 def test_entries_by_class_name_class_and_path_agree() -> None:
     model = MLPStack(4, 3)
     by_name = units_of(model, ["Linear"])
@@ -150,6 +171,15 @@ def test_a_module_used_twice_is_one_unit() -> None:
     assert names == ["", "shared", "a.1", "b.0"]  # "a.0" and "b.1" are "shared" again
     assert owned(plan)["shared"] == ("shared.weight", "shared.bias")
     assert plan.units[1].parent == 0
+
+
+def test_a_module_used_twice_inside_one_unit_has_that_unit_as_parent() -> None:
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(nn.Sequential(shared, nn.ReLU(), shared), nn.Linear(4, 4))
+    plan = units_of(model, ["0", "Linear"])
+    assert [u.name for u in plan.units] == ["", "0", "0.0", "1"]
+    assert [u.parent for u in plan.units] == [None, 0, 1, 0]
+    assert owned(plan)["0.0"] == ("0.0.weight", "0.0.bias")
 
 
 def test_containers_sharing_a_child_send_it_to_their_common_ancestor() -> None:
@@ -520,6 +550,13 @@ def test_unit_aligned_invariants_and_other_strategies_unchanged(
         assert all(g.unit is None for g in without.groups) and without.unit_of_spec is None
     zero2, _ = _plans(specs, units, "optim_grads", dp, **cfg)
     assert zero2 == _plans(specs, units, "optim", dp, **cfg)[0]
-    # one unit with units contiguous in registration order: the plain sharded layout
+    # one unit: the plain sharded layout
     optim, _ = _plans(specs, units, "optim", dp, **cfg)
     assert [b.layout for b in zero3_default.buffers] == [b.layout for b in optim.buffers]
+    # units contiguous in registration order: params in plain reverse order
+    contiguous = sorted(units)
+    in_order, _ = _plans(specs, contiguous, ZERO3, dp, **cfg)
+    _check_unit_aligned(in_order, specs, contiguous)
+    for buf in in_order.buffers:
+        placed = [buf.param_ids[i] for k in buf.layout.buckets for i in k.param_ids]
+        assert placed == sorted(buf.param_ids, reverse=True)
