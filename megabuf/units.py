@@ -117,14 +117,11 @@ def plan_units(
     index = {id(m): i for i, m in enumerate(modules)}
     owner = {name: _owner(tree, index, name, p) for name, p in trainable}
     _reject_splits(tree, index, explicit, trainable, modules)
+    owned: list[list[str]] = [[] for _ in modules]
+    for name, _ in trainable:
+        owned[owner[name]].append(name)
     units = tuple(
-        Unit(
-            i,
-            tree.first_path[id(m)],
-            m,
-            tuple(n for n, _ in trainable if owner[n] == i),
-            _parent(tree, index, m) if i else None,
-        )
+        Unit(i, tree.first_path[id(m)], m, tuple(owned[i]), _parent(tree, index, m) if i else None)
         for i, m in enumerate(modules)
     )
     plan = UnitPlan(units, MappingProxyType(owner))
