@@ -57,6 +57,7 @@ from megabuf.replicas import (
 from megabuf.sharding.ledger import MemoryLedger
 from megabuf.sharding.params import ShardedParams, shards_params
 from megabuf.sharding.zero3 import ParamUnits
+from megabuf.units import UnitPlan, plan_units
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,9 @@ class DistributedDataParallel(nn.Module):
         trainable = [(n, p) for n, p in named if p.requires_grad]
         self.param_to_name = {p: n for n, p in trainable}
         params = [p for _, p in trainable]
+        self.unit_plan: UnitPlan | None = None  # optim_grads_params: [Note: shard units]
+        if shards_params(self.ddp_config.data_parallel_sharding_strategy):
+            self.unit_plan = plan_units(self.module, self.ddp_config.shard_units, trainable)
         self.plan: Plan = build_plan(
             param_specs(trainable),
             self.ddp_config,
@@ -143,6 +147,9 @@ class DistributedDataParallel(nn.Module):
             expt_dp_size=dist.get_world_size(pgs.expt_dp),
             expert_shares_dp_group=pgs.expt_dp is pgs.dp,
             disable_bucketing=self.disable_bucketing,
+            unit_of_param=self.unit_plan.unit_ids([n for n, _ in trainable])
+            if self.unit_plan is not None
+            else None,
         )
         self._all_buffers: list[_ParamAndGradBuffer] = self._make_buffers(params)  # plan order
         expert = [planned.expert for planned in self.plan.buffers]

@@ -72,6 +72,7 @@ class ParamUnits:
             rank=model.rank,
         )
         runtime.install()
+        model.memory_ledger.reset_peaks()  # the wrapped full copy is gone: peaks start here
         return cls(runtime, groups)
 
     @contextmanager
