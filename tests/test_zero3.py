@@ -17,6 +17,7 @@ from zero3_cases import (
     read_case,
     release_case,
     states_case,
+    stray_read_case,
     train_case,
 )
 
@@ -32,6 +33,10 @@ TRAIN: dict[str, dict[str, Any]] = {
     "forward_order_changes": {"model": "blocks", "reorder_at": 2, "steps": 4},
     "gpt_tied_no_reshard": {"model": "gpt", "ddp": NO_RESHARD},
     "two_microbatches_no_sync": {"model": "gpt", "micro": 2},
+    "parent_reads_child_it_encloses": {
+        "model": "parent_reads",
+        "ddp": {"shard_units": ["first", "out"]},
+    },
     "ckpt_no_reshard_prefetch2": {"model": "ckpt", "ddp": {**NO_RESHARD, "prefetch_units": 2}},
 }
 DP1_DP4 = ["mlp", "gpt_tied", "activation_checkpointing", "module_used_twice"]
@@ -63,6 +68,7 @@ def cases(dp: int) -> dict[str, tuple[Any, ...]]:
         {"model": "permuted", "ddp": {"verify_param_access": True}},
     )
     out["errors"] = (error_case, {"model": "mlp"})
+    out["stray_read"] = (stray_read_case, {"model": "parent_reads"})
     out["load_state_dict"] = (load_case, {"model": "gpt"})
     out["eval_states"] = (states_case, {"model": "gpt"})
     return out
@@ -200,3 +206,14 @@ def test_eval_forward_releases_every_unit(results: Any) -> None:
     _only(2, world)
     for states in case_result(per_rank, "eval_states"):
         assert states and set(states) == {"SHARDED"}, states
+
+
+def test_stray_read_in_first_forward_names_param_and_units(results: Any) -> None:
+    """Default units make the children of ParentReads units, yet the parent reads `inner`'s
+    weight: the first forward raises on every rank naming the param, its unit and the unit
+    running, instead of reading a released (0-byte) storage."""
+    world, per_rank = results
+    _only(2, world)
+    for rank, msg in enumerate(case_result(per_rank, "stray_read")):
+        assert msg.startswith("megabuf: inner.weight (shard unit inner) is read while"), msg
+        assert f"forward of unit <root> (rank {rank})" in msg and "shard_units" in msg, msg

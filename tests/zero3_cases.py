@@ -78,6 +78,25 @@ class Blocks(nn.Module):
         return self.head(x)
 
 
+class ParentReads(nn.Module):
+    """The parent reads a child's weight through F.linear (the child's forward never runs) and
+    multiplies by the members of an nn.ParameterList."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(DIM, DIM)
+        self.inner = nn.Linear(DIM, DIM)  # never called
+        self.gains = nn.ParameterList([nn.Parameter(1 + 0.1 * torch.randn(DIM)) for _ in range(2)])
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        h = torch.tanh(F.linear(h, self.inner.weight, self.inner.bias))
+        for gain in self.gains:
+            h = h * gain
+        return self.out(h)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": lambda: MLPStack(DIM, 4, seed=0),
     "gpt": lambda: GPT(GPT_CFG, seed=0),
@@ -86,6 +105,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "frozen": lambda: Blocks(frozen=True),
     "blocks": Blocks,
     "permuted": Blocks,
+    "parent_reads": ParentReads,
 }
 
 
@@ -264,6 +284,19 @@ def error_case(case: dict[str, Any]) -> dict[str, str]:
             errors[label] = f"{type(exc).__name__}: {exc}"
     errors["state"] = group.sharded_params.state.name  # type: ignore[union-attr]
     return errors
+
+
+def stray_read_case(case: dict[str, Any]) -> str:
+    """A unit set under which the parent reads released params: the first forward raises a
+    named error (on every rank, at the same point) instead of reading an empty storage."""
+    model, _ = wrap(case)
+    x, _ = data(case, 0)
+    try:
+        model(local(x))
+    except RuntimeError as exc:
+        model.reset_iter_state()
+        return str(exc)
+    return "no error"
 
 
 def load_case(case: dict[str, Any]) -> dict[str, Any]:

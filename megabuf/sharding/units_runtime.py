@@ -30,7 +30,7 @@ writes the shards (`release_all` first drops any full copy that would turn stale
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from megabuf.sharding.params import ParamShardState, ShardedParams
+from megabuf.sharding.read_guard import StrayReadGuard
 
 
 @dataclass
@@ -109,6 +110,7 @@ class UnitRuntime:
         reshard_after_forward: bool,
         prefetch_units: int,
         rank: int,
+        owners: Mapping[nn.Parameter, tuple[str, str, ShardedParams]] | None = None,
     ) -> None:
         self.units = list(units)  # units[0] is the root
         self.reshard_after_forward = reshard_after_forward
@@ -122,6 +124,9 @@ class UnitRuntime:
         self._backward_cursor = 0
         self._final_queued = False
         self._handles: list[RemovableHandle] = []
+        self._running: list[str] = []  # names of the units whose forward runs, innermost last
+        self._guard: StrayReadGuard | None = None  # [Note: stray reads]
+        self._owners = owners or {}
 
     # ---- installation -------------------------------------------------------------------------
     def install(self) -> None:
@@ -135,6 +140,8 @@ class UnitRuntime:
                 self._handles.append(
                     unit.module.register_forward_hook(self._post_forward_hook(unit))
                 )
+        root = self.units[0].module
+        self._handles.append(root.register_forward_hook(self._exit_guard, always_call=True))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -161,6 +168,7 @@ class UnitRuntime:
             return None
         if unit.is_root:
             self._begin_forward()
+        self._running.append(unit.name)
         position = len(self._current)
         self._current.append(unit.index)
         unit.start_gather()
@@ -175,10 +183,26 @@ class UnitRuntime:
         self._current_grad = torch.is_grad_enabled()
         self._diverged = False
         self._final_queued = False  # a backward that raised never ran its callback
+        self._running = []
+        if self._current_grad not in self.orders and self._owners and self._guard is None:
+            guard = StrayReadGuard(self._owners, self._innermost, self.rank)
+            guard.__enter__()
+            self._guard = guard
+
+    def _innermost(self) -> str:
+        return self._running[-1] if self._running else ""
+
+    def _exit_guard(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The root's last forward hook (also run when forward raised)."""
+        if self._guard is not None and not in_backward():
+            guard, self._guard = self._guard, None
+            guard.__exit__(None, None, None)
 
     def _post_forward(self, unit: RuntimeUnit, output: Any) -> None:
         if in_backward():
             return
+        if self._running:
+            self._running.pop()
         if not torch.is_grad_enabled():
             unit.release()  # no backward will come
         else:

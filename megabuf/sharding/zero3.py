@@ -65,11 +65,18 @@ class ParamUnits:
             units[_unit_of(planned)].params.append(group.sharded_params)
             group.sharded_params.release_params(writeback=True)
         cfg = model.ddp_config
+        owners = {
+            p: (model.param_to_name[p], units[_unit_of(planned)].name, group.sharded_params)
+            for planned, group in zip(model.plan.groups, groups, strict=True)
+            if group.sharded_params is not None
+            for p in group.params_list
+        }
         runtime = UnitRuntime(
             units,
             reshard_after_forward=cfg.reshard_after_forward,
             prefetch_units=cfg.prefetch_units,
             rank=model.rank,
+            owners=owners,
         )
         runtime.install()
         model.memory_ledger.reset_peaks()  # the wrapped full copy is gone: peaks start here
