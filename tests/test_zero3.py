@@ -49,6 +49,17 @@ SWEEP: dict[str, dict[str, Any]] = {
     "sweep_noreshard_pf1": {"model": "permuted", "ddp": NO_RESHARD},
 }
 OPTIM = {"sweep_optim": {"model": "permuted", "ddp": {"data_parallel_sharding_strategy": "optim"}}}
+# bf16 params, fp32 grads and fp32 main params: ZeRO-3 vs ZeRO-1, bitwise at dp=2
+BF16 = {"grad_reduce_in_fp32": True}
+OPTIM["bf16_optim"] = {
+    "model": "gpt",
+    "bf16": True,
+    "ddp": {**BF16, "use_distributed_optimizer": True},
+}
+OPTIM["bf16_zero3"] = {
+    "model": "gpt", "bf16": True,
+    "ddp": {**BF16, "data_parallel_sharding_strategy": "optim_grads_params"},
+}  # fmt: skip
 
 
 def cases(dp: int) -> dict[str, tuple[Any, ...]]:
@@ -217,3 +228,16 @@ def test_stray_read_in_first_forward_names_param_and_units(results: Any) -> None
     for rank, msg in enumerate(case_result(per_rank, "stray_read")):
         assert msg.startswith("megabuf: inner.weight (shard unit inner) is read while"), msg
         assert f"forward of unit <root> (rank {rank})" in msg and "shard_units" in msg, msg
+
+
+def test_bf16_params_with_fp32_main_params_bitwise_equal_to_optim(results: Any) -> None:
+    """bf16 GPT (tied embeddings), fp32 grads and fp32 main params: ZeRO-3 writes the updated
+    main shard into the bf16 param shard; the params equal ZeRO-1's bit for bit at dp=2."""
+    world, per_rank = results
+    _only(2, world)
+    for rank in range(world):
+        want = case_result(per_rank, "bf16_optim")[rank]["final"]
+        got = case_result(per_rank, "bf16_zero3")[rank]["final"]
+        assert list(got) == list(want)
+        for key in want:
+            assert got[key].dtype == want[key].dtype and got[key].equal(want[key]), key

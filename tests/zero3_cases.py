@@ -118,6 +118,8 @@ def make_model(case: dict[str, Any]) -> nn.Module:
     model = MODELS[case.get("model", "mlp")]()
     if case.get("model") == "permuted":
         _permute(model)
+    if case.get("bf16"):
+        model.to(torch.bfloat16)
     return model
 
 
@@ -204,10 +206,12 @@ def optim_case(case: dict[str, Any]) -> dict[str, Any]:
     cfg = megabuf.DistributedDataParallelConfig.from_dict(case["ddp"])
     model = megabuf.DistributedDataParallel(make_model(case), cfg)
     opt = megabuf.DistributedOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.01)
+    dtype = torch.bfloat16 if case.get("bf16") else torch.float32
     for step in range(case.get("steps", 3)):
         x, y = data(case, step)
         opt.zero_grad()
-        loss_of(case, model(local(x)), local(y)).backward()
+        x = local(x) if case.get("model") == "gpt" else local(x).to(dtype)
+        loss_of(case, model(x).float(), local(y)).backward()
         opt.step()
     return {"final": {k: v.clone() for k, v in model.state_dict().items()}}
 
