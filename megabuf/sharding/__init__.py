@@ -18,6 +18,9 @@ equal shards), the same bucket groups and the same reduce-scatter, so at one mic
 sharded strategies are bitwise equal to "optim". What changes is which storages are released
 (resized to 0, views kept) and when; `MemoryLedger` records every such allocation so
 `memory_report()` can state persistent bytes and transient high-water marks exactly.
+ZeRO-3's param side: [Note: sharded param lifecycle] (params.py), [Note: who gathers when]
+(units_runtime.py) and [Note: stray reads] (read_guard.py); frozen params are not in the
+buffers and stay replicated (whole on every rank) under every strategy.
 """
 
 from megabuf.sharding.ledger import MemoryLedger
