@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from dist_pool import case_result, run_each
 from zero3_cases import (
+    checkpoint_case,
     error_case,
     load_case,
     optim_case,
@@ -85,9 +86,20 @@ def cases(dp: int) -> dict[str, tuple[Any, ...]]:
     return out
 
 
+CHECKPOINT = {
+    "name": "zero3_to_optim",
+    "model": "gpt",
+    "resume_ddp": {"data_parallel_sharding_strategy": "optim"},
+}
+
+
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"dp{n}")
-def results(request: Any, pools: Any) -> tuple[int, list[dict[str, Any]]]:
-    return request.param, pools(request.param).run(run_each, cases(request.param))
+def results(request: Any, pools: Any, tmp_path_factory: Any) -> tuple[int, list[dict[str, Any]]]:
+    todo = cases(request.param)
+    if request.param == 2:
+        root = str(tmp_path_factory.mktemp("zero3_checkpoints"))
+        todo["checkpoint"] = (checkpoint_case, root, CHECKPOINT)
+    return request.param, pools(request.param).run(run_each, todo)
 
 
 def _only(dp: int, world: int) -> None:
@@ -241,3 +253,16 @@ def test_bf16_params_with_fp32_main_params_bitwise_equal_to_optim(results: Any) 
         assert list(got) == list(want)
         for key in want:
             assert got[key].dtype == want[key].dtype and got[key].equal(want[key]), key
+
+
+def test_checkpoint_saved_under_zero3_resumes_under_zero1_and_zero3(results: Any) -> None:
+    """save_checkpoint under ZeRO-3 (model space: the params gathered unit by unit), then
+    load_checkpoint under ZeRO-1 and under ZeRO-3 at dp=2: the 2 steps after resuming give
+    bitwise the params of the uninterrupted run."""
+    world, per_rank = results
+    _only(2, world)
+    for res in case_result(per_rank, "checkpoint"):
+        want = res["uninterrupted"]
+        for label in ("zero3", "other"):
+            for key in want:
+                assert res[label][key].equal(want[key]), f"{label}: {key}"

@@ -10,6 +10,7 @@ final params, so the test side can also compare runs with each other bitwise.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -141,6 +142,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def wrap(case: dict[str, Any]) -> tuple[megabuf.DistributedDataParallel, Any]:
+    """The case's model under ZeRO-3 (or under the strategy its "ddp" names)."""
     cfg = megabuf.DistributedDataParallelConfig.from_dict({**ZERO3, **case.get("ddp", {})})
     model = megabuf.DistributedDataParallel(make_model(case), cfg)
     opt = megabuf.DistributedOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.01)
@@ -301,6 +303,31 @@ def stray_read_case(case: dict[str, Any]) -> str:
         model.reset_iter_state()
         return str(exc)
     return "no error"
+
+
+def _steps(case: dict[str, Any], model: Any, opt: Any, steps: range) -> None:
+    for step in steps:
+        x, y = data(case, step)
+        opt.zero_grad()
+        loss_of(case, model(local(x)), local(y)).backward()
+        opt.step()
+
+
+def checkpoint_case(root: str, case: dict[str, Any]) -> dict[str, Any]:
+    """Save under ZeRO-3 after 3 steps, run 2 more; resume the file under `resume_ddp` (and
+    under ZeRO-3 again) and run the same 2 steps: the final params of all three."""
+    path = os.path.join(root, case["name"])
+    model, opt = wrap(case)
+    _steps(case, model, opt, range(3))
+    megabuf.save_checkpoint(path, model, opt)
+    _steps(case, model, opt, range(3, 5))
+    out = {"uninterrupted": {k: v.clone() for k, v in model.state_dict().items()}}
+    for label, ddp in (("zero3", case.get("ddp", {})), ("other", case["resume_ddp"])):
+        other, other_opt = wrap({**case, "ddp": ddp})
+        megabuf.load_checkpoint(path, other, other_opt)
+        _steps(case, other, other_opt, range(3, 5))
+        out[label] = {k: v.clone() for k, v in other.state_dict().items()}
+    return out
 
 
 def load_case(case: dict[str, Any]) -> dict[str, Any]:
