@@ -123,6 +123,8 @@ def test_adamw_steps_match_single_process_reference(results: Any, name: str) -> 
         assert res["eval_err"] <= ATOL, f"{where}: eval output off by {res['eval_err']}"
         assert res["released"] and res["ledger_now"] == 0, where
         assert res["gathers"] > 0, where
+        if name == "frozen_params":
+            assert res["frozen_whole"] and all(res["frozen_whole"]), where
 
 
 def test_forward_order_change_warns_and_stays_correct(results: Any) -> None:
@@ -213,6 +215,7 @@ def test_named_errors(results: Any) -> None:
             assert msg.startswith("RuntimeError: megabuf: bucket group"), msg
             assert "SHARDED" in msg and f"rank {rank}" in msg and "shard unit" in msg, msg
         assert res["keep_vars"].startswith("ValueError: megabuf: state_dict(keep_vars=True)")
+        assert res["positional"].startswith("ValueError: megabuf: state_dict() under optim_gr")
         assert res["state"] == "SHARDED"
 
 

@@ -200,6 +200,11 @@ def train_case(case: dict[str, Any]) -> dict[str, Any]:
         "ledger_now": model.memory_ledger.now("unsharded_params"),
         "warnings": caught,
         "gathers": sum(g.sharded_params.gathers for g in model.all_bucket_groups),
+        "frozen_whole": [  # frozen params are not sharded: whole on every rank, always
+            p.untyped_storage().nbytes() >= p.numel() * p.element_size()
+            for p in model.module.parameters()
+            if not p.requires_grad
+        ],
     }
 
 
@@ -282,6 +287,7 @@ def error_case(case: dict[str, Any]) -> dict[str, str]:
         "finish_unstarted": group.sharded_params.finish_param_gather,  # type: ignore[union-attr]
         "release_released": group.sharded_params.release_params,  # type: ignore[union-attr]
         "keep_vars": lambda: model.state_dict(keep_vars=True),
+        "positional": lambda: model.state_dict(None),
     }.items():
         try:
             fn()
