@@ -34,6 +34,7 @@ TRAIN: dict[str, dict[str, Any]] = {
     "forward_order_changes": {"model": "blocks", "reorder_at": 2, "steps": 4},
     "gpt_tied_no_reshard": {"model": "gpt", "ddp": NO_RESHARD},
     "two_microbatches_no_sync": {"model": "gpt", "micro": 2},
+    "expert_parallel_params": {"model": "mlp", "expert": True},
     "parent_reads_child_it_encloses": {
         "model": "parent_reads",
         "ddp": {"shard_units": ["first", "out"]},
@@ -123,6 +124,8 @@ def test_adamw_steps_match_single_process_reference(results: Any, name: str) -> 
         assert res["eval_err"] <= ATOL, f"{where}: eval output off by {res['eval_err']}"
         assert res["released"] and res["ledger_now"] == 0, where
         assert res["gathers"] > 0, where
+        if name == "expert_parallel_params":
+            assert res["expert_groups"] > 0, where
         if name == "frozen_params":
             assert res["frozen_whole"] and all(res["frozen_whole"]), where
 

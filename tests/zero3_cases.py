@@ -144,7 +144,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def wrap(case: dict[str, Any]) -> tuple[megabuf.DistributedDataParallel, Any]:
     """The case's model under ZeRO-3 (or under the strategy its "ddp" names)."""
     cfg = megabuf.DistributedDataParallelConfig.from_dict({**ZERO3, **case.get("ddp", {})})
-    model = megabuf.DistributedDataParallel(make_model(case), cfg)
+    module = make_model(case)
+    if case.get("expert"):  # ep=1: expert params replicated over expt_dp == dp
+        megabuf.mark_expert_parallel(module.layers[-1].parameters())
+    model = megabuf.DistributedDataParallel(module, cfg)
     opt = megabuf.DistributedOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.01)
     return model, opt
 
@@ -200,6 +203,7 @@ def train_case(case: dict[str, Any]) -> dict[str, Any]:
         "ledger_now": model.memory_ledger.now("unsharded_params"),
         "warnings": caught,
         "gathers": sum(g.sharded_params.gathers for g in model.all_bucket_groups),
+        "expert_groups": len(model.expert_parallel_bucket_groups),
         "frozen_whole": [  # frozen params are not sharded: whole on every rank, always
             p.untyped_storage().nbytes() >= p.numel() * p.element_size()
             for p in model.module.parameters()
