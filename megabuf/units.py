@@ -14,8 +14,11 @@ unit 0, the root, named "".
   `type(m).__name__` equals it). An entry that matches nothing raises naming it and listing the
   model's class names.
 - Default policy (empty `shard_units`): the children of the largest `nn.ModuleList` /
-  `nn.Sequential` (by trainable elements held) that has at least two children holding trainable
-  params; without one, each direct child of the root that holds trainable params. Why: the
+  `nn.ModuleDict` / `nn.Sequential` (by trainable elements held) that has at least two children
+  holding trainable params; without one, each direct child of the root that holds trainable
+  params, where a container that has no forward of its own (`ModuleList`, `ModuleDict`: its
+  parent calls its members) stands for its children and a `ParameterList` / `ParameterDict`
+  (read by its parent) is no unit: a unit's params are gathered only around its forward. Why: the
   repeated blocks of a model (transformer layers, an MLP stack) sit in such a container, they
   are the natural gather granularity (coarse enough that per-unit hooks cost little, fine enough
   that the peak is a few blocks, not the model), and the largest container is the block list
@@ -195,14 +198,20 @@ def _default_units(tree: _Tree, trainable_ids: set[int]) -> list[nn.Module]:
     best: list[nn.Module] = []
     best_numel = 0
     for _, m in tree.paths:
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)):
+        if not isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             continue
         kids = [c for c in m.children() if held(c) > 0]
         if len(kids) >= 2 and held(m) > best_numel:
             best, best_numel = kids, held(m)
     if best:
         return best
-    return [c for c in tree.root.children() if held(c) > 0]
+    out: list[nn.Module] = []
+    for child in tree.root.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):  # no forward: its parent calls
+            out.extend(c for c in child.children() if held(c) > 0)
+        elif held(child) > 0 and not isinstance(child, (nn.ParameterList, nn.ParameterDict)):
+            out.append(child)
+    return out
 
 
 def _unit_modules(tree: _Tree, chosen: Sequence[nn.Module]) -> list[nn.Module]:

@@ -11,7 +11,7 @@ import dataclasses
 import datetime
 import math
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any
 
@@ -172,10 +172,12 @@ def pipeline_case(case: dict[str, Any]) -> dict[str, Any]:
             norms.append(opt.step()[1])
         elif opt is not None:
             opt.step()
-    for chunk in chunks:
-        chunk.publish_params()  # lazy gathers (overlap_param_gather) land before we read
     expected, ref_norms = reference_params(steps, n_rows, device)
-    return {**_report(chunks, expected, rec, pgs), "norms": norms, "ref_norms": ref_norms}
+    with ExitStack() as stack:  # lazy gathers land (ZeRO-3: every unit gathered) before we read
+        for chunk in chunks:
+            stack.enter_context(chunk.summon_full_params())
+        report = _report(chunks, expected, rec, pgs)
+    return {**report, "norms": norms, "ref_norms": ref_norms}
 
 
 def _report(

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from dist_pool import case_result, run_each
+from pipeline_cases import pipeline_case
 from zero3_cases import (
     checkpoint_case,
     error_case,
@@ -64,8 +65,17 @@ OPTIM["bf16_zero3"] = {
 }  # fmt: skip
 
 
+PIPELINE_ZERO3 = {"data_parallel_sharding_strategy": "optim_grads_params", "bucket_size": 200}
+PIPELINE: dict[str, dict[str, Any]] = {  # 4 ranks: pp=2 x dp=2 (tests/pipeline_cases.py)
+    "pipeline_1f1b": {"pp": 2, "config": PIPELINE_ZERO3},
+    "pipeline_interleaved": {"pp": 2, "chunks": 2, "config": PIPELINE_ZERO3},
+}
+
+
 def cases(dp: int) -> dict[str, tuple[Any, ...]]:
     out: dict[str, tuple[Any, ...]] = {}
+    if dp == 4:
+        out.update({name: (pipeline_case, case) for name, case in PIPELINE.items()})
     names = TRAIN if dp == 2 else {k: TRAIN[k] for k in DP1_DP4}
     out.update({name: (train_case, case) for name, case in names.items()})
     if dp != 2:
@@ -272,3 +282,15 @@ def test_checkpoint_saved_under_zero3_resumes_under_zero1_and_zero3(results: Any
         for label in ("zero3", "other"):
             for key in want:
                 assert res[label][key].equal(want[key]), f"{label}: {key}"
+
+
+@pytest.mark.parametrize("name", PIPELINE)
+def test_pipeline_schedules_under_zero3(results: Any, name: str) -> None:
+    """1F1B and interleaved 1F1B (pp=2 x dp=2, tied embeddings on the first and last stage)
+    under optim_grads_params: the params after 3 SGD steps equal one process's on the global
+    batch (the schedules' param_sync hooks are no-ops: units gather in forward)."""
+    world, per_rank = results
+    _only(4, world)
+    for rank, res in enumerate(case_result(per_rank, name)):
+        worst = max(res["errors"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= ATOL, f"{name} rank {rank}: {worst}"

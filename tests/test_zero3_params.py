@@ -122,3 +122,28 @@ def test_verify_param_access_keeps_the_storage_filled_with_nan() -> None:
 def test_only_optim_grads_params_shards_params() -> None:
     assert shards_params("optim_grads_params")
     assert not any(shards_params(s) for s in ("no_shard", "optim", "optim_grads", None))
+
+
+class _Containers(torch.nn.Module):
+    """No ModuleList with two blocks: a ModuleDict holding one block and a ParameterList."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(4, 4)
+        self.blocks = torch.nn.ModuleDict({"0": torch.nn.Linear(4, 4)})
+        self.gains = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(4))])
+
+
+def test_default_units_never_pick_a_container_without_forward() -> None:
+    """A unit's params are gathered around its forward, so the default policy picks the blocks
+    of a ModuleDict (like a ModuleList) and never a ParameterList / ModuleDict itself."""
+    from megabuf.units import plan_units
+
+    model = _Containers()
+    plan = plan_units(model, (), list(model.named_parameters()))
+    assert [u.name for u in plan.units] == ["", "stem", "blocks.0"]
+    assert plan.units[plan.unit_of_param["gains.0"]].name == ""
+    many = torch.nn.Module()
+    many.blocks = torch.nn.ModuleDict({str(i): torch.nn.Linear(4, 4) for i in range(3)})
+    plan = plan_units(many, (), list(many.named_parameters()))
+    assert [u.name for u in plan.units] == ["", "blocks.0", "blocks.1", "blocks.2"]
