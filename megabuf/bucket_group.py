@@ -45,7 +45,7 @@ from megabuf.collectives import Collectives
 from megabuf.comm_hooks.contract import GradBucket, HookWork, Waitable
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.nan_check import nonfinite_flags
-from megabuf.sharding.grads import GradBucketState, ShardedGrads
+from megabuf.sharding.grads import REDUCING_GROUPS_LIMIT, GradBucketState, ShardedGrads
 from megabuf.timeline import Timeline  # re-exported: ddp.py and users import it from here
 
 
@@ -95,6 +95,17 @@ class DispatchChain:
         while self.next_index < len(self.groups) and self.groups[self.next_index].all_ready:
             self.groups[self.next_index].start_grad_sync()
             self.next_index += 1
+            if self.groups[0].sharded_grads is not None:
+                self._bound_reducing()
+
+    def _bound_reducing(self) -> None:
+        """optim_grads*: finish the oldest reductions in flight beyond REDUCING_GROUPS_LIMIT, so
+        their full buckets are released during backward ([Note: sharded grad lifecycle])."""
+        dispatched = [
+            g for g in self.groups[: self.next_index] if g.grad_state is GradSyncState.DISPATCHED
+        ]
+        for group in dispatched[: max(0, len(dispatched) - REDUCING_GROUPS_LIMIT)]:
+            group.finish_grad_sync()
 
     def dispatch_rest(self) -> None:
         """Dispatch every group not yet dispatched, in order, ready or not ([Note: grad

@@ -8,6 +8,9 @@ equality with "optim", released storages and ledger bounds, wire bytes, named er
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -185,3 +188,255 @@ def test_full_size_error_feedback_is_refused_unless_opted_in() -> None:
     check_error_feedback(hook, "optim_grads", 5)
     assert error_feedback_nbytes(hook) == 0  # nothing set up yet
     assert error_feedback_nbytes(object()) == 0
+
+
+# ---- multi-process: gloo ranks (zero2_cases.py) -----------------------------------------------
+FP32_ATOL = 1e-6  # as tests/test_optimizer_distributed.py
+# reduce_each_microbatch sums M reduced micro-batch grads instead of reducing one sum: the fp32
+# additions happen in another order, so params differ from "optim" by a few fp32 roundings per
+# step, relative to the largest param (observed: ~1e-8; a lost or doubled micro-batch: ~1e-2)
+REDUCE_EACH_RTOL = 1e-6
+OVERLAP = {"overlap_grad_reduce": True, "bucket_size": 50}
+BF16 = {"bf16": True, "eps": 1e-4}
+REFERENCE: dict[str, dict[str, Any]] = {
+    "ref_adamw_fp32_overlap": {"optimizer": "adamw", "ddp": OVERLAP},
+    "ref_adam_fp32_clip_sync": {"optimizer": "adam", "clip": 0.05, "ddp": {"bucket_size": 100}},
+    "ref_adamw_bf16_fp32_main": {
+        "optimizer": "adamw",
+        **BF16,
+        "ddp": {**OVERLAP, "grad_reduce_in_fp32": True},
+    },
+    "ref_dense_and_expert_clip": {
+        "optimizer": "adamw",
+        "clip": 0.05,
+        "expert": True,
+        "ddp": OVERLAP,
+    },
+    "ref_frozen": {"model": "frozen", "optimizer": "adamw", "ddp": OVERLAP},
+    "ref_reduce_each": {
+        "optimizer": "adamw",
+        "accumulation": "reduce_each_microbatch",
+        "ddp": OVERLAP,
+    },
+}
+BITWISE: dict[str, dict[str, Any]] = {
+    "m1_overlap": {"optimizer": "adamw", "ddp": OVERLAP},
+    "m1_no_overlap": {"optimizer": "adamw", "ddp": {"bucket_size": 50}},
+    "m1_one_bucket": {"optimizer": "adamw", "ddp": {}},
+    "m4_accumulate_unsharded_overlap": {"optimizer": "adamw", "m": 4, "ddp": OVERLAP},
+    "m4_accumulate_unsharded_no_overlap": {
+        "optimizer": "adamw",
+        "m": 4,
+        "ddp": {"bucket_size": 50},
+    },
+    "m1_compress_bf16_fp32": {"optimizer": "adamw", "hook": "compress", "ddp": OVERLAP},
+    "m1_bf16_fp32_main": {
+        "optimizer": "adamw",
+        **BF16,
+        "ddp": {**OVERLAP, "grad_reduce_in_fp32": True},
+    },
+    "m1_frozen": {"model": "frozen", "optimizer": "adamw", "ddp": OVERLAP},
+    "m1_reduce_each": {
+        "optimizer": "adamw",
+        "accumulation": "reduce_each_microbatch",
+        "ddp": OVERLAP,
+    },
+}
+REDUCE_EACH: dict[str, dict[str, Any]] = {
+    "m4_reduce_each_overlap": {
+        "optimizer": "adamw",
+        "m": 4,
+        "accumulation": "reduce_each_microbatch",
+        "ddp": OVERLAP,
+    },
+    "m4_reduce_each_no_overlap": {
+        "optimizer": "adamw",
+        "m": 4,
+        "accumulation": "reduce_each_microbatch",
+        "ddp": {"bucket_size": 50},
+    },
+}
+MEMORY: dict[str, dict[str, Any]] = {
+    "memory_overlap": {
+        "optimizer": "adamw",
+        "ddp": {"overlap_grad_reduce": True, "bucket_size": 1},
+    },
+    "memory_overlap_reduce_each_m2": {
+        "optimizer": "adamw",
+        "m": 2,
+        "accumulation": "reduce_each_microbatch",
+        "ddp": {"overlap_grad_reduce": True, "bucket_size": 1},
+    },
+}
+WIRE_DDP = {**OVERLAP, "grad_reduce_in_fp32": True}
+WIRE: dict[str, dict[str, Any]] = {  # bf16 params, fp32 grads, M = 3
+    "wire_optim": {"optimizer": "adamw", **BF16, "m": 3, "zero2": False, "ddp": WIRE_DDP},
+    "wire_accumulate_unsharded": {"optimizer": "adamw", **BF16, "m": 3, "ddp": WIRE_DDP},
+    "wire_reduce_each": {
+        "optimizer": "adamw",
+        **BF16,
+        "m": 3,
+        "accumulation": "reduce_each_microbatch",
+        "ddp": WIRE_DDP,
+    },
+}
+MISUSE_MESSAGES = {
+    "illegal_transition": r"RuntimeError: megabuf: bucket group \d+ grad buckets are RELEASED, "
+    r"expected REDUCING \(rank \d\)",
+    "torch_optimizer": r"RuntimeError: megabuf: SGD steps \w+.*use_distributed_optimizer=True",
+    "backward_after_finish": r"RuntimeError: megabuf: backward after finish_grad_sync\(\) without "
+    r"zero_grad_buffer\(\) \(rank \d, \w+",
+    "powersgd_error_feedback": r"ValueError: megabuf: PowerSGD with error_feedback=True .*"
+    r"data_parallel_sharding_strategy='optim_grads' \(rank \d\)",
+    "whole_grad_data": r"RuntimeError: megabuf: buffer .* has no contiguous grad_data under "
+    r"data_parallel_sharding_strategy='optim_grads' \(rank \d of its dp group\)",
+    "reproducibility_check": r"RuntimeError: megabuf: the reproducibility check .*'optim_grads'",
+}
+
+
+def _cases(world_size: int) -> dict[str, tuple[Any, ...]]:
+    import zero2_cases as zc
+
+    cases: dict[str, tuple[Any, ...]] = {n: (zc.reference_case, c) for n, c in REFERENCE.items()}
+    if world_size == 1:
+        return cases
+    cases |= {n: (zc.bitwise_case, c) for n, c in BITWISE.items() if world_size == 2 or n in DP4}
+    if world_size == 4:
+        return cases | {"moe_ep2": (zc.moe_case, {})}
+    cases |= {n: (zc.bitwise_case, c) for n, c in REDUCE_EACH.items()}
+    cases |= {n: (zc.memory_case, c) for n, c in MEMORY.items()}
+    cases |= {n: (zc.wire_case, c) for n, c in WIRE.items()}
+    cases |= {f"misuse_{label}": (zc.misuse_case, label) for label in MISUSE_MESSAGES}
+    return cases | {"powersgd_opt_in": (zc.powersgd_opt_in_case, {})}
+
+
+DP4 = ("m1_overlap", "m4_accumulate_unsharded_overlap")
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda ws: f"dp{ws}")
+def results(request: Any, pools: Any) -> tuple[int, list[dict[str, Any]]]:
+    from dist_pool import run_each
+
+    return request.param, pools(request.param).run(run_each, _cases(request.param))
+
+
+def _one(results: Any, name: str, sizes: tuple[int, ...] = (2,)) -> list[Any]:
+    from dist_pool import case_result
+
+    world_size, per_rank = results
+    if world_size not in sizes:
+        pytest.skip(f"runs at dp {sizes}")
+    return case_result(per_rank, name)
+
+
+@pytest.mark.parametrize("name", REFERENCE)
+def test_steps_match_single_process_reference(results: Any, name: str) -> None:
+    """3 optimizer steps under optim_grads equal torch's on the global batch at dp 1/2/4: fp32
+    within 1e-6; bf16 params with fp32 main params within the bound of
+    [Note: bf16 optimizer bound] (masters) and one bf16 ulp (params). Tied and always-zero
+    grads (Net), dense + expert buffers under one clipped norm, frozen params,
+    reduce_each_microbatch at one micro-batch."""
+    for rank, res in enumerate(_one(results, name, (1, 2, 4))):
+        where = f"dp={results[0]} rank {rank} {name}"
+        if not REFERENCE[name].get("bf16"):
+            worst = max(res["errors"].items(), key=lambda kv: kv[1])
+            assert worst[1] <= FP32_ATOL, f"{where}: {worst}"
+            continue
+        key, (err, ratio) = max(res["masters"].items(), key=lambda kv: kv[1][1])
+        assert ratio <= 1.0, f"{where}: master of {key} off by {err:.3g} ({ratio:.3g}x bound)"
+        worst = max(res["ulps"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1.0, f"{where}: bf16 param {worst}"
+
+
+@pytest.mark.parametrize("name", BITWISE)
+def test_bitwise_equal_to_optim(results: Any, name: str) -> None:
+    """Params and reduced grad shards after 3 steps equal "optim"'s bit for bit: one
+    micro-batch (overlap on and off, one or many buckets, Compress(bf16, "fp32"), bf16 params
+    with fp32 main params, frozen params, reduce_each_microbatch), and accumulate_unsharded at 4
+    micro-batches. Every full grad bucket is released (0-byte storage, ledger at 0) after each
+    sync. At dp 2, and at dp 4 for two of them."""
+    for rank, res in enumerate(_one(results, name, (2, 4) if name in DP4 else (2,))):
+        assert res["bitwise"], f"dp={results[0]} rank {rank} {name}: off by {res['max_diff']}"
+        assert res["lifecycle_ok"], f"rank {rank} {name}: a grad bucket was not released"
+
+
+@pytest.mark.parametrize("name", REDUCE_EACH)
+def test_reduce_each_microbatch_within_tolerance_of_optim(results: Any, name: str) -> None:
+    """reduce_each_microbatch at 4 micro-batches: within REDUCE_EACH_RTOL (relative to the
+    largest value) of "optim", which reduces the accumulated sum once."""
+    for rank, res in enumerate(_one(results, name)):
+        assert res["max_diff"] <= REDUCE_EACH_RTOL * res["scale"], (rank, name, res)
+        assert res["lifecycle_ok"], (rank, name)
+
+
+@pytest.mark.parametrize("name", MEMORY)
+def test_grad_buckets_released_and_transient_peak_bounded(results: Any, name: str) -> None:
+    """With one bucket per param and overlap_grad_reduce: after every sync the ledger's
+    "grad_buckets" is 0 and each bucket's storage has 0 bytes; the peak stays within
+    (REDUCING_GROUPS_LIMIT + 3) x the largest group (reducing + accumulating, the tied weight's
+    group accumulates over the whole backward) and below the sum of all groups; the persistent
+    "grad_shard" equals the buffers' shards and the optimizer's memory report; zero_grad()
+    zeroes the shards."""
+    for res in _one(results, name):
+        assert res["lifecycle_ok"]
+        assert res["groups"] >= 6, res
+        assert 0 < res["peak"] <= (res["limit"] + 3) * res["largest_group"], res
+        assert res["peak"] < res["all_groups"], res
+        assert res["scratch_peak"] <= (res["limit"] + 1) * res["largest_group"], res
+        assert res["grad_shard"] == res["shard_bytes"] == res["report_grad_bytes"], res
+        assert res["zeroed"]
+
+
+def test_wire_bytes_per_param(results: Any) -> None:
+    """bf16 params, fp32 grads, M = 3 micro-batches, dp = 2 (ring bytes, x (d-1)/d of the
+    padded numel): "optim" and accumulate_unsharded 4 (RS) + 2 (AG) = 6 bytes per param per
+    step; reduce_each_microbatch 4M + 2 = 14 ([Note: sharded grad lifecycle], design §2.6)."""
+    if results[0] != 2:
+        pytest.skip("runs at dp 2")
+    d = 2
+    for name, rs_bytes in (
+        ("wire_optim", 4), ("wire_accumulate_unsharded", 4), ("wire_reduce_each", 4 * 3),
+    ):  # fmt: skip
+        for res in _one(results, name):
+            numel = res["padded_numel"] * (d - 1) // d
+            assert res["reduce_scatter"] == rs_bytes * numel, (name, res)
+            assert res["all_gather"] == 2 * numel, (name, res)
+
+
+@pytest.mark.parametrize("label", MISUSE_MESSAGES)
+def test_misuse_raises_named_error(results: Any, label: str) -> None:
+    """An illegal lifecycle transition, a torch optimizer stepping the params, a backward after
+    the sync without zero_grad_buffer(), PowerSGD with error feedback, reading the whole
+    buffer's grad_data, the reproducibility check: each raises naming what and where."""
+    for message in _one(results, f"misuse_{label}"):
+        assert re.search(MISUSE_MESSAGES[label], message), message
+
+
+def test_powersgd_error_feedback_opt_in_is_reported(results: Any) -> None:
+    """PowerSGD(error_feedback=True) with allow_full_size_error_feedback trains under
+    optim_grads and its residual bytes are recorded in the ledger."""
+    for res in _one(results, "powersgd_opt_in"):
+        assert res["ledger"] == res["errors"] > 0, res
+        assert res["lifecycle_ok"] and res["finite"], res
+
+
+def test_expert_buffers_bitwise_equal_to_optim(results: Any) -> None:
+    """MoE with ep=2 at dp=4 (expert buffers reduced over expt_dp): 3 Adam steps under
+    optim_grads equal "optim" bit for bit, every grad bucket released."""
+    for res in _one(results, "moe_ep2", (4,)):
+        assert res["bitwise"] and res["n"] > 0, res
+
+
+def test_bench_system_and_memory_formula() -> None:
+    """`megabuf_zero2` is a benchmark system built with optim_grads; its model-state formula
+    (fp32 params, AdamW) is 4 + (4 + 8) / dp bytes per param."""
+    from megabuf.bench.memory import state_bytes_per_param
+    from megabuf.bench.options import SYSTEM_NAMES
+    from megabuf.bench.systems import MEGABUF_CONFIGS
+    from megabuf.config import DistributedDataParallelConfig
+
+    assert "megabuf_zero2" in SYSTEM_NAMES
+    cfg = DistributedDataParallelConfig(**MEGABUF_CONFIGS["megabuf_zero2"])
+    assert cfg.data_parallel_sharding_strategy == "optim_grads" and cfg.use_distributed_optimizer
+    assert state_bytes_per_param("megabuf_zero2", 4) == 7.0
+    assert state_bytes_per_param("megabuf_zero2", 1) == 16.0

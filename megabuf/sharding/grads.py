@@ -24,9 +24,17 @@ One `ShardedGrads` per bucket group drives the storages through
 - finish: the reduction landed in the bucket's local shard; it is *copied* into `grad_shard` on
   the first reduction since `zero()` (so one micro-batch is bitwise "optim") and *added* after
   that (reduce_each_microbatch), then the bucket is released.
+With overlap_grad_reduce a group is dispatched during backward as soon as it is ready, and at
+most REDUCING_GROUPS_LIMIT groups of one dispatch chain stay REDUCING: dispatching one more
+first finishes (waits for) the oldest, which releases its buckets while backward goes on. So the
+full buckets alive at once are the groups accumulating plus at most REDUCING_GROUPS_LIMIT + 1
+reducing. Without overlap every group is reduced at the end of backward, when all of them hold
+grads (the full grad buffer, as under "optim"); under `no_sync()` with accumulate_unsharded the
+buckets stay allocated through the accumulation window, also as under "optim".
 Every refill and release is recorded in the engine's `MemoryLedger`: "grad_buckets" (transient:
-at most the groups accumulating or reducing at once, each its buckets' bytes), "grad_scratch"
-(transient, groups reducing) and "grad_shard" (persistent, recorded at construction).
+the groups accumulating or reducing at once, each its buckets' bytes), "grad_scratch" (transient,
+groups reducing, gloo's all-to-all reduce-scatter only) and "grad_shard" (persistent, recorded
+at construction).
 An illegal transition raises naming the bucket group, the rank and both states.
 """
 
@@ -43,6 +51,7 @@ from megabuf.layout import BufferLayout
 from megabuf.sharding.ledger import MemoryLedger
 
 SHARDED_GRAD_STRATEGIES = ("optim_grads", "optim_grads_params")
+REDUCING_GROUPS_LIMIT = 2  # reductions of one dispatch chain in flight during backward
 GRAD_BUCKETS = "grad_buckets"
 GRAD_SCRATCH = "grad_scratch"
 GRAD_SHARD = "grad_shard"
