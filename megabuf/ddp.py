@@ -433,6 +433,7 @@ class DistributedDataParallel(nn.Module):
         if self._backward_sync.require_sync:
             self.finish_grad_sync()
         else:
+            self._microbatch_pending = True  # also when its forward ran with sync on
             self.finish_microbatch()
 
     def finish_microbatch(self) -> None:

@@ -54,7 +54,23 @@ class Frozen(nn.Module):
         return self.tail(torch.tanh(self.frozen(h))).float()
 
 
+class Deep(nn.Module):
+    """Six layers in a chain, nothing tied: grads arrive bucket after bucket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(5))
+        self.tail = nn.Linear(DIM, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(self.tail.weight.dtype)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.tail(h).float()
+
+
 MODELS.setdefault("frozen", Frozen)
+MODELS.setdefault("deep", Deep)
 
 
 def zero2(ddp: dict[str, Any], accumulation: str | None = None) -> dict[str, Any]:
