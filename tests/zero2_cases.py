@@ -11,6 +11,7 @@ grad bucket released after the sync (0-byte storage), the ledger's transient gra
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -112,13 +113,13 @@ def reduced_grads(model: megabuf.DistributedDataParallel) -> list[torch.Tensor]:
     return out
 
 
-def train(model: Any, opt: Any, steps: int, m: int, run: Any = None) -> dict[str, Any]:
+def train(model: Any, opt: Any, steps: int, m: int, start: int = 0) -> dict[str, Any]:
     """`steps` steps of `m` micro-batches (all but the last under no_sync()); after each sync
     the lifecycle's promises are checked (optim_grads)."""
     device = params_device(model.module)
     sharded = model.ddp_config.data_parallel_sharding_strategy == "optim_grads"
     ok, grads = True, []
-    for step in range(steps):
+    for step in range(start, start + steps):
         opt.zero_grad()
         for i, (x, y) in enumerate(_microbatches(step, m)):
             loss = loss_fn(model(x.to(device)), y.to(device)) / m
@@ -127,8 +128,6 @@ def train(model: Any, opt: Any, steps: int, m: int, run: Any = None) -> dict[str
                     loss.backward()
             else:
                 loss.backward()
-        if run is not None:
-            run(model)
         grads = reduced_grads(model)
         if sharded:
             ok &= released(model) and model.memory_ledger.now("grad_buckets") == 0
@@ -212,6 +211,27 @@ def wire_case(case: dict[str, Any]) -> dict[str, Any]:
         "all_gather": stats.ring_nbytes.get("all_gather", 0),
         "padded_numel": sum(b.numel for b in model.buffers),
     }
+
+
+def checkpoint_case(root: str) -> dict[str, Any]:
+    """Save under optim_grads after 2 steps, resume under "optim" (a fresh model) and under
+    optim_grads: 2 more steps give the uninterrupted run's params bit for bit."""
+    case: dict[str, Any] = {
+        "optimizer": "adamw",
+        "ddp": {"overlap_grad_reduce": True, "bucket_size": 50},
+    }
+    path = os.path.join(root, f"zero2_dp{dist.get_world_size()}")
+    model, opt = _run(case, "optim_grads")
+    train(model, opt, 2, 1)
+    megabuf.save_checkpoint(path, model, opt)
+    want = train(model, opt, 2, 1, start=2)["params"]
+    out = {}
+    for strategy in ("optim", "optim_grads"):
+        resumed, resumed_opt = _run(case, strategy)
+        megabuf.load_checkpoint(path, resumed, resumed_opt)
+        got = train(resumed, resumed_opt, 2, 1, start=2)["params"]
+        out[strategy] = all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    return out
 
 
 # ---- expert-parallel buffers (ep=2 at dp=4) ---------------------------------------------------
