@@ -234,6 +234,7 @@ BITWISE: dict[str, dict[str, Any]] = {
         **BF16,
         "ddp": {**OVERLAP, "grad_reduce_in_fp32": True},
     },
+    "m1_scale_gradients": {"optimizer": "adamw", "scale": 0.375, "ddp": OVERLAP},
     "m1_frozen": {"model": "frozen", "optimizer": "adamw", "ddp": OVERLAP},
     "m1_reduce_each": {
         "optimizer": "adamw",
@@ -355,7 +356,8 @@ def test_steps_match_single_process_reference(results: Any, name: str) -> None:
 def test_bitwise_equal_to_optim(results: Any, name: str) -> None:
     """Params and reduced grad shards after 3 steps equal "optim"'s bit for bit: one
     micro-batch (overlap on and off, one or many buckets, Compress(bf16, "fp32"), bf16 params
-    with fp32 main params, frozen params, reduce_each_microbatch), and accumulate_unsharded at 4
+    with fp32 main params, frozen params, reduce_each_microbatch, model.scale_gradients() after
+    the sync scaling the grad shards), and accumulate_unsharded at 4
     micro-batches. Every full grad bucket is released (0-byte storage, ledger at 0) after each
     sync. At dp 2, and at dp 4 for two of them."""
     for rank, res in enumerate(_one(results, name, (2, 4) if name in DP4 else (2,))):

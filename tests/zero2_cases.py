@@ -113,9 +113,12 @@ def reduced_grads(model: megabuf.DistributedDataParallel) -> list[torch.Tensor]:
     return out
 
 
-def train(model: Any, opt: Any, steps: int, m: int, start: int = 0) -> dict[str, Any]:
+def train(
+    model: Any, opt: Any, steps: int, m: int, start: int = 0, scale: float = 1.0
+) -> dict[str, Any]:
     """`steps` steps of `m` micro-batches (all but the last under no_sync()); after each sync
-    the lifecycle's promises are checked (optim_grads)."""
+    the lifecycle's promises are checked (optim_grads) and grads are scaled by `scale`
+    (`model.scale_gradients`, as finalize_model_grads does for a per-token loss)."""
     device = params_device(model.module)
     sharded = model.ddp_config.data_parallel_sharding_strategy == "optim_grads"
     ok, grads = True, []
@@ -128,6 +131,8 @@ def train(model: Any, opt: Any, steps: int, m: int, start: int = 0) -> dict[str,
                     loss.backward()
             else:
                 loss.backward()
+        if scale != 1.0:
+            model.scale_gradients(scale)
         grads = reduced_grads(model)
         if sharded:
             ok &= released(model) and model.memory_ledger.now("grad_buckets") == 0
@@ -156,7 +161,9 @@ def bitwise_case(case: dict[str, Any]) -> dict[str, Any]:
     runs = []
     for strategy in ("optim", "optim_grads"):
         model, opt = _run(case, strategy)
-        runs.append(train(model, opt, case.get("steps", 3), case.get("m", 1)))
+        runs.append(
+            train(model, opt, case.get("steps", 3), case.get("m", 1), 0, case.get("scale", 1.0))
+        )
     a, b = runs
     pairs = list(zip(a["params"] + a["grads"], b["params"] + b["grads"], strict=True))
     return {
