@@ -183,13 +183,8 @@ def memory_case(case: dict[str, Any]) -> dict[str, Any]:
     out = train(model, opt, 2, case.get("m", 1))
     per_group = [g.sharded_grads.full_nbytes for g in model.all_bucket_groups if g.sharded_grads]
     shard_bytes = sum(b.grad_nbytes for b in list(model.buffers) + model.expert_parallel_buffers)
-    opt.zero_grad()  # grad shards zeroed for the next accumulation
-    zeroed = all(
-        torch.count_nonzero(b.grad_shard) == 0
-        for buf in model.buffers
-        for b in buf.buckets
-        if b.grad_shard is not None
-    )
+    opt.zero_grad()  # grad shards count as zero for the next accumulation (lazily)
+    zeroed = all(g.sharded_grads.fresh for g in model.all_bucket_groups if g.sharded_grads)
     return {
         "lifecycle_ok": out["lifecycle_ok"],
         "peak": ledger.peak("grad_buckets"),

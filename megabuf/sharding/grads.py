@@ -151,6 +151,7 @@ class ShardedGrads:
         self.ledger = ledger
         self.full_nbytes = sum(_nbytes(t) for t in self.full)
         self.scratch: list[Tensor] = []  # gloo all-to-all landing zones, made at first start
+        self._scratch_held = False  # the scratch storages are allocated (this reduction's)
         self.state = GradBucketState.RELEASED
         self._fresh = True  # no reduction landed since zero(): the next one is copied
         ledger.alloc(GRAD_SHARD, self.shard_nbytes)
@@ -210,6 +211,7 @@ class ShardedGrads:
             for s in self.scratch:
                 _resize(s, _nbytes(s))
         self.ledger.alloc(GRAD_SCRATCH, self.full_nbytes)
+        self._scratch_held = True
         return list(self.scratch)
 
     def finish(self) -> None:
@@ -230,21 +232,27 @@ class ShardedGrads:
             self._release()
         self.zero()
 
+    @property
+    def fresh(self) -> bool:
+        """No reduction landed in the shards since zero(): they count as zero."""
+        return self._fresh
+
     def zero(self) -> None:
-        """A new iteration: the shards hold zero (the next reduction overwrites them) and
+        """A new iteration: the shards count as zero, lazily (no memset: the next reduction is
+        copied into them, as [Note: grad accumulation into main_grad] does for main_grad), and
         a group still accumulating (a no_sync backward whose grads are being dropped) is
         released."""
         self._expect(GradBucketState.RELEASED, GradBucketState.ACCUMULATING)
         if self.state is GradBucketState.ACCUMULATING:
             self._release()
-        torch._foreach_zero_(self.shards)
         self._fresh = True
 
     def _release(self) -> None:
-        if self.state is GradBucketState.REDUCING and self.scratch:
+        if self._scratch_held:
             for s in self.scratch:
                 _resize(s, 0)
             self.ledger.free(GRAD_SCRATCH, self.full_nbytes)
+            self._scratch_held = False
         for t in self.full:
             _resize(t, 0)
         self.ledger.free(GRAD_BUCKETS, self.full_nbytes)
