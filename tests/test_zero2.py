@@ -235,6 +235,13 @@ BITWISE: dict[str, dict[str, Any]] = {
         "ddp": {"bucket_size": 50},
     },
     "m1_compress_bf16_fp32": {"optimizer": "adamw", "hook": "compress", "ddp": OVERLAP},
+    "m1_quantize_int8": {"optimizer": "adamw", "hook": "quantize", "ddp": OVERLAP},
+    "m1_powersgd_no_error_feedback": {
+        "optimizer": "adamw",
+        "hook": "powersgd_no_error_feedback",
+        "ddp": OVERLAP,
+    },
+    "m1_deterministic": {"optimizer": "adamw", "ddp": {**OVERLAP, "deterministic_reduction": True}},
     "m1_bf16_fp32_main": {
         "optimizer": "adamw",
         **BF16,
@@ -361,7 +368,8 @@ def test_steps_match_single_process_reference(results: Any, name: str) -> None:
 @pytest.mark.parametrize("name", BITWISE)
 def test_bitwise_equal_to_optim(results: Any, name: str) -> None:
     """Params and reduced grad shards after 3 steps equal "optim"'s bit for bit: one
-    micro-batch (overlap on and off, one or many buckets, Compress(bf16, "fp32"), bf16 params
+    micro-batch (overlap on and off, one or many buckets, the comm hooks Compress(bf16, "fp32"),
+    Quantize(8 bits), PowerSGD without error feedback and deterministic_reduction, bf16 params
     with fp32 main params, frozen params, reduce_each_microbatch, model.scale_gradients() after
     the sync scaling the grad shards), and accumulate_unsharded at 4
     micro-batches. Every full grad bucket is released (0-byte storage, ledger at 0) after each

@@ -34,7 +34,7 @@ from optimizer_cases import (
 from torch import nn
 
 import megabuf
-from megabuf.comm_hooks import Compress, PowerSGD
+from megabuf.comm_hooks import Compress, PowerSGD, Quantize
 from megabuf.sharding.grads import REDUCING_GROUPS_LIMIT
 from megabuf.testing.moe import MoEModel, moe_batch
 
@@ -150,8 +150,13 @@ def _run(case: dict[str, Any], strategy: str) -> tuple[Any, Any]:
     else:
         ddp = {**ddp, "use_distributed_optimizer": True}
     model = build_model({**case, "ddp": ddp})
-    if case.get("hook") == "compress":
-        model.register_comm_hook(Compress(torch.bfloat16, "fp32"))
+    hooks = {
+        "compress": lambda: Compress(torch.bfloat16, "fp32"),
+        "quantize": lambda: Quantize(bits=8, block=64),
+        "powersgd_no_error_feedback": lambda: PowerSGD(rank=2, start_step=1, error_feedback=False),
+    }
+    if "hook" in case:
+        model.register_comm_hook(hooks[case["hook"]]())
     return model, build_opt(model, case)
 
 
