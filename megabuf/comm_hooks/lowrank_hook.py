@@ -23,6 +23,8 @@ class LowRankHook:
     name = "LowRankHook"
     modes = MODES
     _state: Mapping[int, Any]  # bucket index -> the subclass's state (has `warm`, `error`)
+    # optim_grads*: set True to accept the full-size residuals ([Note: sharded grad lifecycle])
+    allow_full_size_error_feedback = False
 
     def __init__(
         self, rank: int, start_step: int, error_feedback: bool, warm_start: bool,
