@@ -31,6 +31,7 @@ from megabuf.testing.models import build_model, loss_fn, make_batch
 #   fsdp2_*: 16/dp (params, grads and moments sharded)
 #   megabuf_distopt_*: 4 + 4 + 8/dp (fp32 params are stepped in place: no main copy)
 #   megabuf_zero3*: 16/dp (param shards, grad shards, moments; plus the transient units)
+#   megabuf_zero2: 4 + 4/dp + 8/dp (grads kept as reduced shards; plus the transient buckets)
 FP32_PARAM, FP32_GRAD, ADAM_MOMENTS = 4.0, 4.0, 8.0
 
 
@@ -50,6 +51,8 @@ def state_bytes_per_param(system: str, dp_size: int) -> float:
         return full / dp_size
     if system.startswith("megabuf_distopt_"):
         return FP32_PARAM + FP32_GRAD + ADAM_MOMENTS / dp_size
+    if system == "megabuf_zero2":
+        return FP32_PARAM + (FP32_GRAD + ADAM_MOMENTS) / dp_size
     if system in ("no_comm", "torch_ddp_gabv") or system.startswith("megabuf_ar_"):
         return full
     raise ValueError(f"megabuf.bench: no memory formula for system {system!r}")

@@ -30,6 +30,7 @@ SYSTEM_NAMES: tuple[str, ...] = (
     "megabuf_distopt_sync",
     "megabuf_zero3",
     "megabuf_zero3_noreshard",
+    "megabuf_zero2",
 )
 BASELINE = "torch_ddp_gabv"  # ratios are to torch DDP with gradient_as_bucket_view=True
 FLOOR = "no_comm"

@@ -224,6 +224,11 @@ MEGABUF_CONFIGS: dict[str, dict[str, Any]] = {
         "overlap_grad_reduce": True,
         "reshard_after_forward": False,
     },
+    "megabuf_zero2": {  # ZeRO-2: the full grad buckets exist only while they reduce
+        "data_parallel_sharding_strategy": "optim_grads",
+        "overlap_grad_reduce": True,
+        "overlap_param_gather": True,
+    },
 }
 """DistributedDataParallelConfig fields of each megabuf system (the rest are defaults)."""
 

@@ -92,8 +92,8 @@ def sharded_main_params(
     for piece in shard_pieces(buffer.layout, buffer.dp_rank, buffer.dp_size):
         param = buffer.params[piece.param_id]
         lo, hi = piece.buffer_start, piece.buffer_start + piece.numel
-        param_view = buffer.param_shard_view(lo, hi)  # 1-D, param_dtype (optim_grads_params: shard)
-        grad_view = buffer.grad_data[lo:hi]  # 1-D, grad_dtype
+        param_view = buffer.param_shard_view(lo, hi)  # 1-D, param_dtype (ZeRO-3: the shard)
+        grad_view = buffer.reduced_grad(lo, hi)  # 1-D, grad_dtype (the grad shard: optim_grads*)
         if param_view.dtype == torch.float32:
             main, model_data = param_view, None
         else:

@@ -79,7 +79,7 @@ def memory_report(parts: OptimizerParts) -> OptimizerMemoryReport:
         state_nbytes=state_nbytes,
         scalar_state_nbytes=scalar_nbytes,
         param_buffer_nbytes=param_nbytes,
-        grad_buffer_nbytes=sum(_nbytes(b.grad_data) for b in buffers),
+        grad_buffer_nbytes=sum(b.grad_nbytes for b in buffers),
         grad_copy_nbytes=copy,
         grad_copy_saved_nbytes=full_copy - copy,
     )
