@@ -39,6 +39,12 @@ EXAMPLES = {
         r"params bitwise equal: True",
         r"check vs 1 process: .* resumed bitwise: True -> OK",
     ),
+    "train_sharded_like_fsdp": (
+        ["examples/train_sharded.py", "--like", "fsdp", "--steps", "3", "--check"],
+        r"\[fsdp -> optim_grads_params\] done: loss \S+ -> \S+ in 3 steps on 2 ranks",
+        r"params bitwise equal: True",
+        r"check vs 1 process: .* resumed bitwise: True -> OK",
+    ),
     "train_pipeline": (
         ["examples/train_pipeline.py", "--steps", "2", "--check"],
         r"(?m)^step +1 ",
