@@ -57,14 +57,6 @@ class RuntimeUnit:
     def is_root(self) -> bool:
         return self.index == 0
 
-    @property
-    def state(self) -> ParamShardState:
-        """SHARDED only if every group is; UNSHARDED only if every group is."""
-        states = {p.state for p in self.params}
-        if len(states) == 1:
-            return states.pop()
-        return ParamShardState.GATHERING if states else ParamShardState.UNSHARDED
-
     def start_gather(self) -> None:
         for p in self.params:
             if p.state is ParamShardState.SHARDED:
@@ -117,7 +109,6 @@ class UnitRuntime:
         self.prefetch_units = prefetch_units
         self.rank = rank
         self.orders: dict[bool, list[int]] = {}  # grad enabled? -> recorded unit order
-        self.order_changes = 0  # re-recordings after a different forward order
         self._current: list[int] = []  # units of the running forward, in pre-forward order
         self._current_grad = True
         self._diverged = False
@@ -216,7 +207,6 @@ class UnitRuntime:
         """Record the order at the first forward of its kind; a different one re-records."""
         recorded = self.orders.get(self._current_grad)
         if recorded is not None and recorded != self._current:
-            self.order_changes += 1
             warnings.warn(
                 f"megabuf: the shard units ran in a different order in this forward than in "
                 f"the recorded one (rank {self.rank}): {self._names(self._current)} instead of "
