@@ -36,13 +36,23 @@ TRAIN: dict[str, dict[str, Any]] = {
     "gpt_tied_no_reshard": {"model": "gpt", "ddp": NO_RESHARD},
     "two_microbatches_no_sync": {"model": "gpt", "micro": 2},
     "expert_parallel_params": {"model": "mlp", "expert": True},
+    # NCCL's realisation on gloo (native all-gather and reduce-scatter collectives, matched by
+    # issue order): every rank must issue the gathers and reductions in the same order
+    "native_collectives_gpt": {"model": "gpt", "native": True},
+    "native_collectives_ckpt_prefetch2": {
+        "model": "ckpt",
+        "native": True,
+        "ddp": {"prefetch_units": 2},
+    },
     "parent_reads_child_it_encloses": {
         "model": "parent_reads",
         "ddp": {"shard_units": ["first", "out"]},
     },
     "ckpt_no_reshard_prefetch2": {"model": "ckpt", "ddp": {**NO_RESHARD, "prefetch_units": 2}},
 }
-DP1_DP4 = ["mlp", "gpt_tied", "activation_checkpointing", "module_used_twice"]
+DP1_DP4 = [
+    "mlp", "gpt_tied", "activation_checkpointing", "module_used_twice", "native_collectives_gpt"
+]  # fmt: skip
 # bitwise against one another at dp=2 (and "optim", ZeRO-1, at M=1)
 SWEEP: dict[str, dict[str, Any]] = {
     "sweep_reshard_pf1": {"model": "permuted"},
@@ -140,6 +150,8 @@ def test_adamw_steps_match_single_process_reference(results: Any, name: str) -> 
         assert res["eval_err"] <= ATOL, f"{where}: eval output off by {res['eval_err']}"
         assert res["released"] and res["ledger_now"] == 0, where
         assert res["gathers"] > 0, where
+        if TRAIN[name].get("native"):
+            assert res["strategy"].all_gather == "native", where
         if name == "expert_parallel_params":
             assert res["expert_groups"] > 0, where
         if name == "frozen_params":

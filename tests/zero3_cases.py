@@ -18,10 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from grad_cases import NATIVE_GLOO
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import megabuf
+from megabuf.collectives import Collectives
 from megabuf.testing.models import GPT, GPTConfig, MLPStack, gpt_loss
 
 GLOBAL_BATCH = 8
@@ -147,7 +149,8 @@ def wrap(case: dict[str, Any]) -> tuple[megabuf.DistributedDataParallel, Any]:
     module = make_model(case)
     if case.get("expert"):  # ep=1: expert params replicated over expt_dp == dp
         megabuf.mark_expert_parallel(module.layers[-1].parameters())
-    model = megabuf.DistributedDataParallel(module, cfg)
+    collectives = Collectives(NATIVE_GLOO) if case.get("native") else None
+    model = megabuf.DistributedDataParallel(module, cfg, collectives=collectives)
     opt = megabuf.DistributedOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.01)
     return model, opt
 
@@ -204,6 +207,7 @@ def train_case(case: dict[str, Any]) -> dict[str, Any]:
         "warnings": caught,
         "gathers": sum(g.sharded_params.gathers for g in model.all_bucket_groups),
         "expert_groups": len(model.expert_parallel_bucket_groups),
+        "strategy": model.collectives.strategy(model.process_groups.dp, torch.device("cpu")),
         "frozen_whole": [  # frozen params are not sharded: whole on every rank, always
             p.untyped_storage().nbytes() >= p.numel() * p.element_size()
             for p in model.module.parameters()
