@@ -207,6 +207,8 @@ def test_released_after_post_forward_post_backward_and_step(results: Any) -> Non
             root = sizes.get("<root>", 0)
             biggest = max(v for k, v in sizes.items() if k != "<root>") if len(sizes) > 1 else 0
             assert res["ledger_peak"] <= root + 2 * biggest, (res["ledger_peak"], sizes)
+            # state_dict() gathers one unit's group at a time
+            assert res["state_dict_peak"] == max(sizes.values()), res["state_dict_peak"]
 
 
 def test_no_reshard_keeps_units_until_backward(results: Any) -> None:

@@ -262,6 +262,9 @@ def release_case(case: dict[str, Any]) -> dict[str, Any]:
         u.name or "<root>": sum(p.full_nbytes for p in u.params) for u in units if u.params
     }
     seen["order"] = [u.name for u in units]
+    model.memory_ledger.reset_peaks()
+    model.state_dict()
+    seen["state_dict_peak"] = model.memory_ledger.peak("unsharded_params")
     return seen
 
 
