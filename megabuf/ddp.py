@@ -54,6 +54,7 @@ from megabuf.replicas import (
     is_expert_parallel,
     param_specs,
 )
+from megabuf.sharding.ledger import MemoryLedger
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ class DistributedDataParallel(nn.Module):
         self.collectives = collectives if collectives is not None else Collectives()
         self.sync_buffers_in_forward = options.sync_buffers_in_forward
         self.rank = dist.get_rank()
+        # one per engine: every released/refilled storage is recorded here (memory_report())
+        self.memory_ledger = MemoryLedger()
         self._backward_seen = False  # register_comm_hook() must come before the first backward
         self._backward_sync = BackwardEndSync(
             self.ddp_config.sync_grads_at_backward_end, self.finish_grad_sync
