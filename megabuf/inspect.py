@@ -21,6 +21,7 @@ from megabuf.config import DistributedDataParallelConfig
 from megabuf.layout import BufferLayout
 from megabuf.plan import BufferPlan, ParamSpec, Plan, build_plan
 from megabuf.replicas import param_specs
+from megabuf.sharding.memory_table import StrategyMemory, format_memory_table, memory_per_strategy
 
 MiB = 1 << 20
 
@@ -83,6 +84,7 @@ class Inspection:
     buffers: tuple[BufferInfo, ...]
     groups: tuple[GroupInfo, ...]  # one row per (bucket group, member bucket)
     plan: Plan  # what DistributedDataParallel allocates
+    memory: tuple[StrategyMemory, ...] = ()  # persistent bytes per sharding strategy (Adam)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -169,9 +171,13 @@ def inspect_model(
     )  # fmt: skip
     buffers = tuple(_buffer_info(b, specs) for b in plan.buffers)
     numel_total = sum(p.numel() for _, p in named)
+    memory = memory_per_strategy(
+        specs, config, dp_size=dp_size, expt_dp_size=dp_size // ep_size,
+        expert_shares_dp_group=ep_size == 1, disable_bucketing=disable_bucketing,
+    )  # fmt: skip
     return Inspection(
         model_name, config, dp_size, plan.bucket_size, numel_total, buffers, _group_infos(plan),
-        plan,
+        plan, memory,
     )  # fmt: skip
 
 
@@ -225,6 +231,7 @@ def format_inspection(info: Inspection, *, show_params: bool = False) -> str:
             lines.extend(_format_bucket(bucket, show_params))
     lines.append(f"bucket groups ({len(info.plan.groups)}), in dispatch order:")
     lines.extend(_format_chains(info))
+    lines.extend(format_memory_table(info.memory, info.dp_size, "Adam"))
     return "\n".join(lines)
 
 
@@ -278,4 +285,15 @@ def inspection_to_dict(info: Inspection) -> dict[str, object]:
         ],
         "groups": [g.__dict__ for g in info.groups],
         "chains": [list(chain) for chain in info.plan.chains],
+        "memory": [_memory_dict(m) for m in info.memory],
+    }
+
+
+def _memory_dict(m: StrategyMemory) -> dict[str, object]:
+    return {
+        "strategy": m.strategy,
+        "dp_rank": m.dp_rank,
+        "bytes_per_param": m.bytes_per_param,
+        "textbook_bytes_per_param": m.textbook_bytes_per_param,
+        "nbytes": dict(m.nbytes),
     }

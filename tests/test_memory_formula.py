@@ -3,13 +3,16 @@ hand from a padded layout, the design notes' §2.6 table, CPU offload, transient
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from megabuf.cli import main as cli_main
 from megabuf.config import SHARDING_STRATEGIES, DistributedDataParallelConfig
+from megabuf.inspect import format_inspection, inspect_model
 from megabuf.plan import ParamSpec, Plan, build_plan
 from megabuf.sharding.formula import (
     ADAM,
@@ -22,6 +25,7 @@ from megabuf.sharding.formula import (
     textbook,
     transient_bounds,
 )
+from megabuf.sharding.memory_table import memory_per_strategy
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -60,7 +64,7 @@ def test_persistent_bytes_match_figures_by_hand(strategy: str, rank: int) -> Non
     params, grads, main, state, scratch = BY_HAND[strategy, rank]
     assert got == {
         "params": params, "grads": grads, "main_params": main, "optimizer_state": state,
-        "comm_scratch": scratch, "host_main_params": 0, "host_optimizer_state": 0,
+        "comm_scratch": scratch, "host_main_params": 0, "host_optimizer_state": 0, "host_grads": 0,
     }  # fmt: skip
 
 
@@ -110,6 +114,7 @@ def test_fp32_params_have_no_main_copy_and_offload_makes_one_on_the_host() -> No
     assert off["main_params"] == off["optimizer_state"] == 0
     assert off["host_main_params"] == 4 * 114
     assert off["host_optimizer_state"] == plain["optimizer_state"]
+    assert off["host_grads"] == 4 * 114
     assert off["params"] == plain["params"] and off["grads"] == plain["grads"]
 
 
@@ -167,3 +172,35 @@ def test_transient_bounds() -> None:
     assert got["unsharded_params"] == root + 2 * max(rest)
     got = transient_bounds(fake, "optim_grads_params", reshard_after_forward=False)
     assert got["unsharded_params"] == sum(sizes)
+
+
+def test_inspect_shows_memory_per_strategy(capsys: pytest.CaptureFixture[str]) -> None:
+    """`megabuf inspect`: one row per strategy from the formula (busiest rank), next to the
+    textbook figure; an unpadded fp32 model gives 16, 8 + 8/d, 4 + 12/d, 16/d (+ Adam's step)."""
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64, bias=False))
+    info = inspect_model(model, DistributedDataParallelConfig(), 4)
+    assert [m.strategy for m in info.memory] == list(SHARDING_STRATEGIES)
+    numel = 128 * 64
+    for row, want in zip(info.memory, [16, 10, 7, 4], strict=True):
+        assert row.textbook_bytes_per_param == want
+        assert row.bytes_per_param == want + 4 / numel
+    text = format_inspection(info)
+    assert "persistent memory per strategy at dp_size=4" in text
+    assert "optim_grads_params    4.00 B/param (textbook 4.00)" in text
+    assert cli_main(["inspect", "gpt_tiny", "--dp-size", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["memory"]
+    assert [r["strategy"] for r in rows] == list(SHARDING_STRATEGIES)
+    assert rows[0]["bytes_per_param"] > rows[1]["bytes_per_param"] > rows[3]["bytes_per_param"]
+
+
+def test_memory_table_takes_the_busiest_rank() -> None:
+    """Rank 0 holds 114 of TWO's elements, rank 1 36: the optim row is rank 0's."""
+    rows = memory_per_strategy(
+        TWO, DistributedDataParallelConfig(grad_reduce_in_fp32=True), dp_size=2,
+        expt_dp_size=2, expert_shares_dp_group=True,
+    )  # fmt: skip
+    optim = rows[1]
+    assert (optim.strategy, optim.dp_rank) == ("optim", 0)
+    plan = plan_for(TWO, "optim", 2, grad_reduce_in_fp32=True)
+    assert optim.nbytes == persistent_bytes(plan, "optim", ADAM, dp_rank=0)
+    assert optim.textbook_bytes_per_param == 18 - 12 + 12 / 2
