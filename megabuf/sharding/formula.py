@@ -20,7 +20,8 @@ all-to-all landing zone a gloo reduce-scatter keeps per bucket (`reduce_scatter_
 native reduce-scatter needs none); under optim_grads* the full grad bucket is released after
 its reduction and its scratch is taken to go with it. With `cpu_offload` the main params and the
 optimizer state are host memory (`host_main_params`, `host_optimizer_state`): the main params are
-then an fp32 copy for every dtype (the buffer stays on the device).
+then an fp32 copy for every dtype (the buffer stays on the device), and the grads of this
+rank's pieces get a host copy in the grad dtype (`host_grads`).
 
 Summed over the buffers this is the design notes' table (§2.6) with the exact padding: bf16
 params, fp32 grads and Adam give 18, 6 + 12/d, 2 + 16/d and 18/d bytes per param (`textbook`).
@@ -40,7 +41,7 @@ from megabuf.plan import BufferPlan, Plan
 
 FP32_NBYTES = 4
 DEVICE_CATEGORIES = ("params", "grads", "main_params", "optimizer_state", "comm_scratch")
-HOST_CATEGORIES = ("host_main_params", "host_optimizer_state")
+HOST_CATEGORIES = ("host_main_params", "host_optimizer_state", "host_grads")
 SHARDED_GRADS = ("optim_grads", "optim_grads_params")
 
 
@@ -122,6 +123,7 @@ def buffer_bytes(
         "comm_scratch": n * g if strategy == "optim" and reduce_scatter_scratch else 0,
         "host_main_params": main if cpu_offload else 0,
         "host_optimizer_state": state if cpu_offload else 0,
+        "host_grads": owned * g if cpu_offload else 0,
     }
     return out
 
