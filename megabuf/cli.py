@@ -31,7 +31,15 @@ def load_config(path: str | None, overrides: Sequence[str]) -> DistributedDataPa
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"megabuf: --set expects key=value, got {item!r}")
-        changes[key.strip()] = _parse_value(value.strip())
+        key = key.strip()
+        changes[key] = _parse_value(value.strip())
+        if key == "shard_units":  # a comma-separated list of class names or module paths
+            changes[key] = tuple(u.strip() for u in value.split(",") if u.strip())
+    # the strategy and its alias follow each other unless both are set
+    pair = ("data_parallel_sharding_strategy", "use_distributed_optimizer")
+    for mine, other in (pair, pair[::-1]):
+        if mine in changes and other not in changes:
+            changes[other] = None
     return DistributedDataParallelConfig.from_dict({**cfg.__dict__, **changes}) if changes else cfg
 
 
@@ -46,7 +54,8 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    "or package.module:factory")  # fmt: skip
     p.add_argument("--config", help="a TOML config (e.g. configs/distopt_overlap.toml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set bucket_size=1000000")  # fmt: skip
+                   help="override a config field, e.g. --set bucket_size=1000000 or "
+                   "--set shard_units=Block,lm_head (comma-separated)")  # fmt: skip
     p.add_argument("--dp-size", type=int, default=2, help="data-parallel size (default 2)")
     p.add_argument("--ep-size", type=int, default=1, help="expert-parallel size (default 1)")
     p.add_argument("--disable-bucketing", action="store_true")

@@ -3,6 +3,8 @@
 A thin layer over `megabuf.plan`, the planner `DistributedDataParallel` allocates from: it turns
 a model's trainable params into `ParamSpec`s, plans them at a given fake `dp_size` (no process
 group) and formats the result. `tests/test_inspect.py` checks it against a real wrapped model.
+Under optim_grads_params it also plans the shard units (`megabuf.units.plan_units`) and shows
+each unit: its owned params, padded elements, gathered bytes, buckets and bucket group.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -22,6 +25,7 @@ from megabuf.layout import BufferLayout
 from megabuf.plan import BufferPlan, ParamSpec, Plan, build_plan
 from megabuf.replicas import param_specs
 from megabuf.sharding.memory_table import StrategyMemory, format_memory_table, memory_per_strategy
+from megabuf.units import UnitPlan, plan_units
 
 MiB = 1 << 20
 
@@ -34,6 +38,7 @@ class BucketInfo:
     numel_unpadded: int
     param_names: tuple[str, ...]  # buffer order
     shard_ranges: tuple[tuple[int, int], ...]  # per dp rank; empty when not sharded
+    unit: int | None = None  # the shard unit it belongs to (optim_grads_params only)
 
     @property
     def numel(self) -> int:
@@ -72,6 +77,24 @@ class GroupInfo:
     bucket_id: int
     dispatch_position: int  # place in the expected backward (dispatch) order of its chain
     chain_id: int  # the dispatch chain (one per communicator) the group belongs to
+    unit: int | None = None  # the shard unit it gathers (optim_grads_params only)
+
+
+@dataclass(frozen=True)
+class UnitInfo:
+    """One shard unit (optim_grads_params): what it owns and what gathering it costs."""
+
+    index: int
+    name: str  # dotted module path; "" for the root
+    class_name: str
+    parent: int | None
+    param_names: tuple[str, ...]  # owned trainable params, registration order
+    numel_unpadded: int  # elements of the owned params
+    numel: int  # padded: all of the unit's buckets, across buffers
+    param_nbytes: int  # the unit's gathered (unsharded) params, each bucket in its param dtype
+    grad_nbytes: int  # the unit's full grad buckets, each in its grad dtype
+    buckets: tuple[tuple[int, int], ...]  # (buffer index, bucket id), dense then expert
+    group_ids: tuple[int, ...]  # its bucket groups (dense, expert); none if it owns nothing
 
 
 @dataclass(frozen=True)
@@ -84,6 +107,7 @@ class Inspection:
     buffers: tuple[BufferInfo, ...]
     groups: tuple[GroupInfo, ...]  # one row per (bucket group, member bucket)
     plan: Plan  # what DistributedDataParallel allocates
+    units: tuple[UnitInfo, ...] = ()  # optim_grads_params only, by unit index
     memory: tuple[StrategyMemory, ...] = ()  # persistent bytes per sharding strategy (Adam)
 
 
@@ -121,7 +145,9 @@ def load_model(spec: str, seed: int = 0) -> nn.Module:
     return model
 
 
-def _buffer_info(buf: BufferPlan, specs: Sequence[ParamSpec]) -> BufferInfo:
+def _buffer_info(
+    buf: BufferPlan, specs: Sequence[ParamSpec], units: Sequence[int] | None
+) -> BufferInfo:
     layout, dp_size = buf.layout, buf.dp_size
     buckets = tuple(
         BucketInfo(
@@ -131,6 +157,7 @@ def _buffer_info(buf: BufferPlan, specs: Sequence[ParamSpec]) -> BufferInfo:
             b.numel_unpadded,
             tuple(specs[i].name for i in buf.bucket_param_ids(b.bucket_id)),
             tuple(b.shard_range(r, dp_size) for r in range(dp_size)) if layout.sharded else (),
+            None if units is None else units[buf.bucket_param_ids(b.bucket_id)[0]],
         )
         for b in layout.buckets
     )
@@ -143,7 +170,7 @@ def _buffer_info(buf: BufferPlan, specs: Sequence[ParamSpec]) -> BufferInfo:
 def _group_infos(plan: Plan) -> tuple[GroupInfo, ...]:
     """One row per (bucket group, member bucket), in group id order."""
     return tuple(
-        GroupInfo(g.group_id, buffer_index, bucket_id, g.dispatch_position, g.chain_id)
+        GroupInfo(g.group_id, buffer_index, bucket_id, g.dispatch_position, g.chain_id, g.unit)
         for g in plan.groups
         for buffer_index, bucket_id in g.members
     )
@@ -164,21 +191,71 @@ def inspect_model(
             f"megabuf: need dp_size >= 1 divisible by ep_size; got {dp_size}, {ep_size}"
         )
     named = list(model.named_parameters())
-    specs = param_specs([(n, p) for n, p in named if p.requires_grad])
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    specs = param_specs(trainable)
+    unit_plan = None
+    if config.data_parallel_sharding_strategy == "optim_grads_params":
+        unit_plan = plan_units(model, config.shard_units, trainable)
     plan = build_plan(
         specs, config, dp_size=dp_size, expt_dp_size=dp_size // ep_size,
         expert_shares_dp_group=ep_size == 1, disable_bucketing=disable_bucketing,
+        unit_of_param=unit_plan.unit_ids([n for n, _ in trainable]) if unit_plan else None,
     )  # fmt: skip
-    buffers = tuple(_buffer_info(b, specs) for b in plan.buffers)
+    buffers = tuple(_buffer_info(b, specs, plan.unit_of_spec) for b in plan.buffers)
     numel_total = sum(p.numel() for _, p in named)
+    units = _unit_infos(unit_plan, plan, specs) if unit_plan else ()
     memory = memory_per_strategy(
         specs, config, dp_size=dp_size, expt_dp_size=dp_size // ep_size,
         expert_shares_dp_group=ep_size == 1, disable_bucketing=disable_bucketing,
+        unit_of_param=_zero3_units(model, unit_plan, trainable),
     )  # fmt: skip
     return Inspection(
         model_name, config, dp_size, plan.bucket_size, numel_total, buffers, _group_infos(plan),
-        plan, memory,
+        plan, units, memory,
     )  # fmt: skip
+
+
+def _zero3_units(
+    model: nn.Module, unit_plan: UnitPlan | None, trainable: Sequence[tuple[str, nn.Parameter]]
+) -> tuple[int, ...]:
+    """The shard unit of each trainable param for the memory table's optim_grads_params row:
+    the configured units, else the default policy's (its one-unit warning is for runs, not for
+    a table row)."""
+    if unit_plan is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            unit_plan = plan_units(model, (), trainable)
+    return unit_plan.unit_ids([n for n, _ in trainable])
+
+
+def _unit_infos(units: UnitPlan, plan: Plan, specs: Sequence[ParamSpec]) -> tuple[UnitInfo, ...]:
+    """Each unit's owned params and, from the plan's unit groups, its buckets and bytes."""
+    numel_of = {s.name: s.numel for s in specs}
+    out = []
+    for unit in units.units:
+        groups = [g for g in plan.groups if g.unit == unit.index]
+        buckets = tuple(pair for g in groups for pair in g.members)
+        slots = [(plan.buffers[b], plan.buffers[b].layout.buckets[k]) for b, k in buckets]
+        out.append(
+            UnitInfo(
+                unit.index,
+                unit.name,
+                type(unit.module).__name__,
+                unit.parent,
+                unit.param_names,
+                sum(numel_of[n] for n in unit.param_names),
+                sum(k.numel for _, k in slots),
+                sum(k.numel * _itemsize(buf.param_dtype) for buf, k in slots),
+                sum(k.numel * _itemsize(buf.grad_dtype) for buf, k in slots),
+                buckets,
+                tuple(g.group_id for g in groups),
+            )
+        )
+    return tuple(out)
+
+
+def _fmt_nbytes(nbytes: int) -> str:
+    return f"{nbytes / MiB:.2f} MiB" if nbytes >= MiB // 100 else f"{nbytes:,} B"
 
 
 def _fmt_range(lo: int, hi: int) -> str:
@@ -187,10 +264,11 @@ def _fmt_range(lo: int, hi: int) -> str:
 
 def _format_bucket(bucket: BucketInfo, show_params: bool) -> list[str]:
     share = 100.0 * bucket.padding_numel / max(1, bucket.numel)
+    unit = "" if bucket.unit is None else f", unit {bucket.unit}"
     lines = [
         f"    bucket {bucket.bucket_id}: {_fmt_range(bucket.start, bucket.end)} "
         f"{bucket.numel:,} elements, {len(bucket.param_names)} params, "
-        f"padding {bucket.padding_numel:,} ({share:.2f}%)"
+        f"padding {bucket.padding_numel:,} ({share:.2f}%){unit}"
     ]
     if bucket.shard_ranges:
         shards = "  ".join(f"r{r} {_fmt_range(*s)}" for r, s in enumerate(bucket.shard_ranges))
@@ -229,10 +307,38 @@ def format_inspection(info: Inspection, *, show_params: bool = False) -> str:
         )
         for bucket in b.buckets:
             lines.extend(_format_bucket(bucket, show_params))
+    lines.extend(_format_units(info, show_params))
     lines.append(f"bucket groups ({len(info.plan.groups)}), in dispatch order:")
     lines.extend(_format_chains(info))
     lines.extend(format_memory_table(info.memory, info.dp_size, "Adam"))
     return "\n".join(lines)
+
+
+def _format_units(info: Inspection, show_params: bool) -> list[str]:
+    """The shard units (optim_grads_params): one line each, then their params."""
+    if not info.units:
+        return []
+    cfg = info.config
+    lines = [
+        f"shard units ({len(info.units)}; reshard_after_forward={cfg.reshard_after_forward}, "
+        f"prefetch_units={cfg.prefetch_units}), gathered and released together:"
+    ]
+    for u in info.units:
+        where = "root" if u.parent is None else f"in unit {u.parent}"
+        buckets = ", ".join(f"buffer {b} bucket {k}" for b, k in u.buckets) or "none"
+        groups = ", ".join(map(str, u.group_ids)) or "none"
+        lines.append(
+            f" unit {u.index} {u.name or '<root>'} ({u.class_name}, {where}): "
+            f"{len(u.param_names)} params, {u.numel_unpadded:,} elements, padded {u.numel:,}; "
+            f"gathered params {_fmt_nbytes(u.param_nbytes)}; buckets: {buckets}; group {groups}"
+        )
+        if show_params:
+            lines.extend(f"      - {name}" for name in u.param_names)
+        elif u.param_names:
+            first, last = u.param_names[0], u.param_names[-1]
+            lines.append(f"      params: {first} ... {last}" if first != last
+                         else f"      params: {first}")  # fmt: skip
+    return lines
 
 
 def _format_chains(info: Inspection) -> list[str]:
@@ -247,9 +353,14 @@ def _format_chains(info: Inspection) -> list[str]:
         lines.append(f" chain {chain_id} ({what}, over {over}): {count}")
         rows = [g for g in info.groups if g.chain_id == chain_id]
         for g in sorted(rows, key=lambda g: (g.dispatch_position, g.group_id)):
+            unit = "" if g.unit is None else f" (unit {g.unit} {_unit_name(info, g.unit)})"
             lines.append(f"  {g.dispatch_position}: group {g.group_id} = buffer {g.buffer_index} "
-                         f"bucket {g.bucket_id}")  # fmt: skip
+                         f"bucket {g.bucket_id}{unit}")  # fmt: skip
     return lines
+
+
+def _unit_name(info: Inspection, index: int) -> str:
+    return (info.units[index].name if index < len(info.units) else "") or "<root>"
 
 
 def inspection_to_dict(info: Inspection) -> dict[str, object]:
@@ -277,6 +388,7 @@ def inspection_to_dict(info: Inspection) -> dict[str, object]:
                         "numel_unpadded": k.numel_unpadded,
                         "params": list(k.param_names),
                         "shard_ranges": [list(s) for s in k.shard_ranges],
+                        "unit": k.unit,
                     }
                     for k in b.buckets
                 ],
@@ -285,6 +397,22 @@ def inspection_to_dict(info: Inspection) -> dict[str, object]:
         ],
         "groups": [g.__dict__ for g in info.groups],
         "chains": [list(chain) for chain in info.plan.chains],
+        "units": [
+            {
+                "index": u.index,
+                "name": u.name,
+                "class": u.class_name,
+                "parent": u.parent,
+                "params": list(u.param_names),
+                "numel_unpadded": u.numel_unpadded,
+                "numel": u.numel,
+                "param_nbytes": u.param_nbytes,
+                "grad_nbytes": u.grad_nbytes,
+                "buckets": [list(pair) for pair in u.buckets],
+                "groups": list(u.group_ids),
+            }
+            for u in info.units
+        ],
         "memory": [_memory_dict(m) for m in info.memory],
     }
 

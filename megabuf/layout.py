@@ -13,6 +13,11 @@ returns frozen dataclasses so a layout can be printed, compared and unit-tested 
   bandwidth), so every bucket splits into dp_size equal contiguous shards; shard r of a bucket is
   owned by dp rank r. Unsharded layout: no padding at all.
 - `numel_unpadded` always means the sum of param numels (payload); padding = numel - that.
+- Unit-aligned layout (`unit_ids`, ZeRO-3, [Note: shard units] in megabuf/units.py): each unit's
+  params are placed together, units in reverse order of their last-registered param and each
+  unit's params in reverse registration order (with units already contiguous in registration
+  order this is exactly the plain reverse order); a bucket is also closed before a param of
+  another unit, so no bucket spans two units, and a large unit takes several buckets.
 """
 
 from __future__ import annotations
@@ -127,12 +132,15 @@ def compute_layout(
     sharded: bool = False,
     high_nccl_busbw: bool = False,
     own_bucket: Sequence[bool] | None = None,
+    unit_ids: Sequence[int] | None = None,
 ) -> BufferLayout:
     """Lay out params (given in registration order) into one buffer; see [Note: buffer layout].
 
-    bucket_size None means one bucket for the whole buffer (apart from `own_bucket` params).
+    bucket_size None means one bucket for the whole buffer (apart from `own_bucket` params), or
+    with `unit_ids` (the shard unit of each param) one bucket per unit.
     """
     _check_layout_args(numels, bucket_size, dp_size, own_bucket)
+    _check_unit_ids(unit_ids, len(numels))
     own = own_bucket if own_bucket is not None else [False] * len(numels)
     pad_multiple = bucket_pad_multiple(dp_size, high_nccl_busbw) if sharded else 1
     slots: dict[int, ParamSlot] = {}
@@ -146,9 +154,10 @@ def compute_layout(
         buckets.append(BucketSlot(len(buckets), bucket_start, end, payload, tuple(members)))
         bucket_start, cursor, members, payload = end, end, [], 0
 
-    for pid in reversed(range(len(numels))):
-        if own[pid] and members:
-            close_bucket()  # a param with its own bucket starts a fresh one
+    for pid in _placement_order(len(numels), unit_ids):
+        new_unit = unit_ids is not None and members and unit_ids[pid] != unit_ids[members[0]]
+        if members and (own[pid] or new_unit):
+            close_bucket()  # a param with its own bucket, or of another unit, starts a fresh one
         start = _round_up(cursor, PARAM_ALIGN_NUMEL) if sharded else cursor
         cursor = start + numels[pid]
         slots[pid] = ParamSlot(start, cursor, len(buckets))
@@ -180,6 +189,22 @@ def _check_layout_args(
         raise ValueError(
             f"megabuf: own_bucket has {len(own_bucket)} entries for {len(numels)} params"
         )
+
+
+def _check_unit_ids(unit_ids: Sequence[int] | None, n_params: int) -> None:
+    if unit_ids is not None and len(unit_ids) != n_params:
+        raise ValueError(f"megabuf: unit_ids has {len(unit_ids)} entries for {n_params} params")
+
+
+def _placement_order(n_params: int, unit_ids: Sequence[int] | None) -> list[int]:
+    """Param ids in buffer order: reverse registration order, each unit's params kept together
+    (a unit is placed where its last-registered param would be); see [Note: buffer layout]."""
+    if unit_ids is None:
+        return list(reversed(range(n_params)))
+    by_unit: dict[int, list[int]] = {}
+    for pid in reversed(range(n_params)):
+        by_unit.setdefault(unit_ids[pid], []).append(pid)
+    return [pid for pids in by_unit.values() for pid in pids]
 
 
 def shard_pieces(layout: BufferLayout, dp_rank: int, dp_size: int) -> tuple[ShardPiece, ...]:

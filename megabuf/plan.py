@@ -12,6 +12,27 @@ Rules, in order:
 - Bucket groups: one per bucket, dense then expert, ids unique across both (they tag p2p messages);
   with `disable_bucketing` one group for all dense buckets and one for all expert buckets.
 - Dispatch chains: see [Note: one chain per communicator].
+- Under "optim_grads_params" (ZeRO-3): see [Note: unit-aligned plan].
+
+[Note: unit-aligned plan]
+ZeRO-3 gathers and releases params unit by unit ([Note: shard units] in megabuf/units.py), so
+`build_plan(unit_of_param=...)` (the owning unit of each spec) changes two rules, and only under
+`data_parallel_sharding_strategy == "optim_grads_params"`; every other strategy ignores
+`unit_of_param` and gets exactly the plan above.
+- Layout: each buffer's params of one unit are contiguous and no bucket spans two units
+  (`compute_layout(unit_ids=...)`, [Note: buffer layout]); a large unit may take several buckets,
+  and without a bucket size each unit gets one bucket per buffer. Padding is unchanged.
+- Bucket groups: one per unit holding all of that unit's buckets across the dense buffers (in
+  buffer then bucket order), and one per unit across the expert buffers; `GroupPlan.unit` names
+  the unit. Group ids: dense groups by unit index, then expert groups by unit index. A unit that
+  owns no trainable param has no group. `disable_bucketing` cannot merge units: it only drops
+  the bucket size (one bucket per unit per buffer).
+- Chain order: a unit group is complete only when the grad of its earliest-registered param
+  arrives, so the chain sorts unit groups by that param, last-registered first (the root, which
+  usually owns the input embedding, comes last). Keying on the last-registered param, as for
+  single-bucket groups, would put the root first and stall every other group behind it.
+`unit_of_param=None` under "optim_grads_params" puts every param in unit 0 (the whole model one
+unit), which is what `megabuf.units.plan_units` gives a model without shard units.
 
 [Note: one chain per communicator]
 Collectives on one communicator must be issued in the same order on every rank ([Note: dispatch
@@ -76,6 +97,7 @@ class GroupPlan:
     members: tuple[tuple[int, int], ...]  # (buffer index, bucket id), in buffer then bucket order
     chain_id: int
     dispatch_position: int  # place in its chain's expected backward (dispatch) order
+    unit: int | None = None  # the shard unit it holds ([Note: unit-aligned plan]); else None
 
 
 @dataclass(frozen=True)
@@ -86,6 +108,7 @@ class Plan:
     buffers: tuple[BufferPlan, ...]  # dense first, then expert
     groups: tuple[GroupPlan, ...]  # by group id
     chains: tuple[tuple[int, ...], ...]  # group ids of each chain, in dispatch order
+    unit_of_spec: tuple[int, ...] | None = None  # owning unit per spec (optim_grads_params only)
 
 
 def dtype_key(dtype: torch.dtype, config: DistributedDataParallelConfig) -> DtypeKey:
@@ -118,24 +141,52 @@ def build_plan(
     expt_dp_size: int,
     expert_shares_dp_group: bool,
     disable_bucketing: bool = False,
+    unit_of_param: Sequence[int] | None = None,
 ) -> Plan:
-    """Plan DDP for trainable params `specs` (registration order); see the module docstring."""
+    """Plan DDP for trainable params `specs` (registration order); see the module docstring.
+    `unit_of_param`: the shard unit of each spec, read only under optim_grads_params."""
     _check_args(specs, dp_size, expt_dp_size, expert_shares_dp_group)
+    units = _unit_of_spec(specs, config, unit_of_param)
     keyed = _buffer_params(specs, config)
     numels = [sum(specs[i].numel for i in ids) for _, _, ids in keyed]
     bucket_size = resolve_bucket_size(numels, config, dp_size, disable_bucketing)
     buffers = tuple(
         _buffer_plan(i, expert, key, ids, specs, config, bucket_size,
-                     expt_dp_size if expert else dp_size)
+                     expt_dp_size if expert else dp_size, units)
         for i, (expert, key, ids) in enumerate(keyed)
     )  # fmt: skip
-    members = _group_members(buffers, disable_bucketing)
-    chains = _chains(members, buffers, merge=expert_shares_dp_group)
+    if units is None:
+        members = _group_members(buffers, disable_bucketing)
+        group_units: list[int | None] = [None] * len(members)
+    else:
+        members, group_units = _unit_group_members(buffers, units)
+    chains = _chains(members, buffers, merge=expert_shares_dp_group, by_unit=units is not None)
     place = {gid: (c, pos) for c, ids in enumerate(chains) for pos, gid in enumerate(ids)}
     groups = tuple(
-        GroupPlan(gid, expert, pairs, *place[gid]) for gid, (expert, pairs) in enumerate(members)
+        GroupPlan(gid, expert, pairs, *place[gid], group_units[gid])
+        for gid, (expert, pairs) in enumerate(members)
     )
-    return Plan(bucket_size, buffers, groups, chains)
+    return Plan(bucket_size, buffers, groups, chains, units)
+
+
+def _unit_of_spec(
+    specs: Sequence[ParamSpec],
+    config: DistributedDataParallelConfig,
+    unit_of_param: Sequence[int] | None,
+) -> tuple[int, ...] | None:
+    """The unit of each spec under optim_grads_params ([Note: unit-aligned plan]), else None."""
+    if unit_of_param is not None:
+        bad = [s.name for s, u in zip(specs, unit_of_param) if isinstance(u, bool) or
+               not isinstance(u, int) or u < 0]  # fmt: skip
+        if len(unit_of_param) != len(specs) or bad:
+            raise ValueError(
+                f"megabuf: build_plan(unit_of_param=...) needs one unit index >= 0 per trainable "
+                f"param: got {len(unit_of_param)} for {len(specs)} params"
+                + (f", bad entries for {bad}" if bad else "")
+            )
+    if config.data_parallel_sharding_strategy != "optim_grads_params":
+        return None
+    return tuple(unit_of_param) if unit_of_param is not None else (0,) * len(specs)
 
 
 def _check_args(
@@ -181,6 +232,7 @@ def _buffer_plan(
     config: DistributedDataParallelConfig,
     bucket_size: int | None,
     dp_size: int,
+    units: tuple[int, ...] | None,
 ) -> BufferPlan:
     layout = compute_layout(
         [specs[i].numel for i in param_ids],
@@ -189,6 +241,7 @@ def _buffer_plan(
         sharded=bool(config.use_distributed_optimizer),
         high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
         own_bucket=[specs[i].own_bucket for i in param_ids],
+        unit_ids=None if units is None else [units[i] for i in param_ids],
     )
     return BufferPlan(index, expert, key[0], key[1], param_ids, layout, dp_size)
 
@@ -208,17 +261,41 @@ def _group_members(
     return out
 
 
+def _unit_group_members(
+    buffers: Sequence[BufferPlan], units: tuple[int, ...]
+) -> tuple[list[tuple[bool, tuple[tuple[int, int], ...]]], list[int | None]]:
+    """One group per (kind, unit): dense groups by unit index, then expert ones; see
+    [Note: unit-aligned plan]."""
+    members: list[tuple[bool, tuple[tuple[int, int], ...]]] = []
+    group_units: list[int | None] = []
+    for expert in (False, True):
+        by_unit: dict[int, list[tuple[int, int]]] = {}
+        for b in buffers:
+            if b.expert != expert:
+                continue
+            for k in b.layout.buckets:
+                unit = units[b.param_ids[k.param_ids[0]]]
+                by_unit.setdefault(unit, []).append((b.index, k.bucket_id))
+        for unit in sorted(by_unit):
+            members.append((expert, tuple(by_unit[unit])))
+            group_units.append(unit)
+    return members, group_units
+
+
 def _chains(
     members: Sequence[tuple[bool, tuple[tuple[int, int], ...]]],
     buffers: Sequence[BufferPlan],
     *,
     merge: bool,
+    by_unit: bool = False,
 ) -> tuple[tuple[int, ...], ...]:
-    """Group ids per chain in dispatch order; see [Note: one chain per communicator]."""
+    """Group ids per chain in dispatch order; see [Note: one chain per communicator] (and
+    [Note: unit-aligned plan] for unit groups, keyed on their earliest-registered param)."""
+    pick = min if by_unit else max
 
     def backward_key(gid: int) -> int:  # last-registered params first
         _, pairs = members[gid]
-        return -max(max(buffers[b].bucket_param_ids(k)) for b, k in pairs)
+        return -pick(pick(buffers[b].bucket_param_ids(k)) for b, k in pairs)
 
     kinds = [(False, True)] if merge else [(False,), (True,)]
     chains = []

@@ -169,3 +169,13 @@ def test_curves_run_end_to_end(tmp_path: Path, capsys: Any) -> None:
     assert curves[0]["hook_wire_bytes_per_step"] == 2 * n_params  # dp 2: bf16 bytes once
     out = capsys.readouterr().out
     assert "wrote" in out and "c.png" in out, out
+
+
+def test_torch_powersgd_rows_use_one_bucket_and_the_others_torchs_default() -> None:
+    """[Note: torch PowerSGD on gloo]: torch's powerSGD_hook races its callback-issued all-reduce
+    against the next bucket's, so its torch rows get one bucket; bf16 keeps torch's default."""
+    from megabuf.bench.hooks import ONE_BUCKET_MB, torch_bucket_cap_mb
+
+    torch_specs = {v.spec["hook"]: v.spec for v in HOOK_VARIANTS.values() if v.engine == "torch"}
+    assert torch_bucket_cap_mb(torch_specs["powersgd"]) == ONE_BUCKET_MB
+    assert torch_bucket_cap_mb(torch_specs["bf16_compress"]) is None

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from bench_cases import KnownNet, ddp_layouts
 from plan_cases import ddp_vs_inspect
 from torch import nn
@@ -167,3 +168,93 @@ def test_cli_finds_a_factory_module_in_the_current_directory(tmp_path: Path) -> 
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "20 params" in proc.stdout, proc.stdout  # 3 x 5 weight + 5 bias
+
+
+# ---- shard units (optim_grads_params) ----------------------------------------------------------
+
+ZERO3 = {"data_parallel_sharding_strategy": "optim_grads_params"}
+
+
+def _mlp_with_head() -> nn.Module:
+    from megabuf.testing.models import MLPStack
+
+    model = MLPStack(8, 3)
+    model.head = nn.Linear(8, 2)  # registered last, owned by the root unit
+    return model
+
+
+def test_units_text_for_a_known_model() -> None:
+    cfg = DistributedDataParallelConfig(**ZERO3)
+    text = format_inspection(inspect_model(_mlp_with_head(), cfg, 2, model_name="mlp"))
+    # each unit one bucket, padded to 128: the root's head (18 elements) first (registered
+    # last), then layers.2, .1, .0 (72 elements each: weight at 0, bias at 64)
+    expected = [
+        "    bucket 0: [0, 128) 128 elements, 2 params, padding 110 (85.94%), unit 0",
+        "    bucket 3: [384, 512) 128 elements, 2 params, padding 56 (43.75%), unit 1",
+        "shard units (4; reshard_after_forward=True, prefetch_units=1), gathered and released "
+        "together:",
+        " unit 0 <root> (MLPStack, root): 2 params, 18 elements, padded 128; gathered params "
+        "512 B; buckets: buffer 0 bucket 0; group 0",
+        " unit 1 layers.0 (Linear, in unit 0): 2 params, 72 elements, padded 128; gathered params "
+        "512 B; buckets: buffer 0 bucket 3; group 1",
+        "      params: layers.0.weight ... layers.0.bias",
+        "  0: group 0 = buffer 0 bucket 0 (unit 0 <root>)",
+        "  3: group 1 = buffer 0 bucket 3 (unit 1 layers.0)",
+    ]
+    for line in expected:
+        assert line in text.splitlines(), f"missing line {line!r} in:\n{text}"
+
+
+def test_units_agree_with_the_plan_and_cover_every_param() -> None:
+    model = load_model("gpt_tiny")  # tied embeddings: tok_emb.weight is the root's
+    cfg = DistributedDataParallelConfig(**ZERO3, bucket_size=20_000, grad_reduce_in_fp32=True)
+    info = inspect_model(model.to(torch.bfloat16), cfg, 4)
+    assert [u.name for u in info.units] == ["", "blocks.0", "blocks.1"]
+    assert "tok_emb.weight" in info.units[0].param_names
+    owned = [n for u in info.units for n in u.param_names]
+    assert sorted(owned) == sorted(n for n, _ in model.named_parameters())
+    buckets = {(b.index, k.bucket_id): k for b in info.buffers for k in b.buckets}
+    for u in info.units:
+        mine = [buckets[pair] for pair in u.buckets]
+        assert len(mine) > 1 or u.index == 0  # 20k-element buckets: a block takes two
+        assert {k.unit for k in mine} == {u.index}
+        assert u.numel == sum(k.numel for k in mine) >= u.numel_unpadded
+        assert u.numel_unpadded == sum(k.numel_unpadded for k in mine)
+        assert (u.param_nbytes, u.grad_nbytes) == (2 * u.numel, 4 * u.numel)  # bf16, fp32
+        assert [g.unit for g in info.plan.groups if g.group_id in u.group_ids] == [u.index]
+    data = inspection_to_dict(info)
+    assert [u["name"] for u in data["units"]] == ["", "blocks.0", "blocks.1"]  # type: ignore[index]
+    json.dumps(data)  # serialisable
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+def test_other_strategies_show_no_units(strategy: str) -> None:
+    cfg = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy)
+    info = inspect_model(_mlp_with_head(), cfg, 2)
+    assert info.units == () and all(g.unit is None for g in info.groups)
+    assert "shard units" not in format_inspection(info) and "unit 0" not in format_inspection(info)
+    assert inspection_to_dict(info)["units"] == []
+
+
+def test_cli_shows_units_from_set_and_reports_bad_units(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["inspect", "gpt_tiny", "--set", "data_parallel_sharding_strategy=optim_grads_params"]
+    assert main([*argv, "--set", "shard_units=_Block,pos_emb", "--json"]) == 0
+    units = json.loads(capsys.readouterr().out)["units"]
+    assert [u["name"] for u in units] == ["", "pos_emb", "blocks.0", "blocks.1"]
+    assert units[1]["params"] == ["pos_emb.weight"] and units[1]["parent"] == 0
+    assert main([*argv, "--set", "shard_units=Blok"]) == 2
+    assert "entry 'Blok' matches no module" in capsys.readouterr().err
+    assert main([*argv, "--set", "shard_units=lm_head"]) == 2
+    assert "splits shared param 'tok_emb.weight'" in capsys.readouterr().err
+
+
+def test_whole_model_one_unit_warns_in_inspect() -> None:
+    cfg = DistributedDataParallelConfig(**ZERO3, shard_units=("blocks",))
+    model = load_model("gpt_tiny")
+    for p in [*model.tok_emb.parameters(), *model.pos_emb.parameters(), *model.ln_f.parameters()]:
+        p.requires_grad_(False)
+    with pytest.warns(UserWarning, match="every trainable param in one shard unit"):
+        info = inspect_model(model, cfg, 2)
+    assert [len(u.param_names) for u in info.units] == [0, 22]

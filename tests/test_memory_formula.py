@@ -4,7 +4,6 @@ hand from a padded layout, the design notes' §2.6 table, CPU offload, transient
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -154,24 +153,30 @@ def test_optimizer_spec_of_torch_optimizers() -> None:
 def test_transient_bounds() -> None:
     plan = plan_for(TWO, "optim_grads", 2, grad_reduce_in_fp32=True, bucket_size=40)
     assert len(plan.groups) == 2  # b alone (50 -> 128 padded), then a (100 -> 128 padded)
-    assert transient_bounds(plan, "optim_grads") == {"grad_buckets": 4 * 256}
+    assert transient_bounds(plan, "optim_grads") == {
+        "grad_buckets": 4 * 256,
+        "grad_scratch": 4 * 256,
+    }
     assert transient_bounds(plan, "optim") == {}
-    # units stand-in (GroupPlan.unit arrives with the units work): group 0 is the root unit
+    # unit-aligned plan: units 0 (the root: a), 1 (b and c), 2 (d), each its own group
     four = [*TWO, ParamSpec("c", 300, BF16), ParamSpec("d", 20, BF16)]
-    sharded = plan_for(four, "optim_grads_params", 2, bucket_size=40)
-    groups = tuple(
-        SimpleNamespace(group_id=g.group_id, members=g.members, unit=g.group_id)
-        for g in sharded.groups
+    config = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params", bucket_size=40
     )
-    fake = Plan(sharded.bucket_size, sharded.buffers, groups, sharded.chains)  # type: ignore[arg-type]
-    sizes = [2 * sum(sharded.buffers[b].layout.buckets[k].numel for b, k in g.members)
-             for g in groups]  # fmt: skip
-    root, rest = sizes[0], sizes[1:]
-    assert (root, max(rest)) == (2 * 384, 2 * 128)  # group 0: d and c share a bucket
-    got = transient_bounds(fake, "optim_grads_params", prefetch_units=1)
-    assert got["unsharded_params"] == root + 2 * max(rest)
-    got = transient_bounds(fake, "optim_grads_params", reshard_after_forward=False)
-    assert got["unsharded_params"] == sum(sizes)
+    sharded = build_plan(
+        four, config, dp_size=2, expt_dp_size=2, expert_shares_dp_group=True,
+        unit_of_param=(0, 1, 1, 2),
+    )  # fmt: skip
+    sizes = {g.unit: 2 * sum(sharded.buffers[b].layout.buckets[k].numel for b, k in g.members)
+             for g in sharded.groups}  # fmt: skip
+    assert sizes == {0: 2 * 128, 1: 2 * (384 + 128), 2: 2 * 128}
+    got = transient_bounds(sharded, "optim_grads_params", prefetch_units=0)
+    assert got["unsharded_params"] == sizes[0] + sizes[1]  # root + the largest unit
+    got = transient_bounds(sharded, "optim_grads_params", prefetch_units=1)
+    assert got["unsharded_params"] == sizes[0] + sizes[1] + sizes[2]  # capped at every unit
+    got = transient_bounds(sharded, "optim_grads_params", reshard_after_forward=False)
+    assert got["unsharded_params"] == sum(sizes.values())
+    assert got["grad_buckets"] == got["grad_scratch"] == sum(sizes.values())  # bf16 grads
 
 
 def test_inspect_shows_memory_per_strategy(capsys: pytest.CaptureFixture[str]) -> None:

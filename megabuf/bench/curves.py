@@ -34,6 +34,7 @@ from megabuf.bench.hooks import (
     POWERSGD_START,
     TORCH_BASE,
     register_torch_hook,
+    torch_bucket_cap_mb,
     unavailable_reason,
 )
 from megabuf.bench.plot import matplotlib_available
@@ -86,7 +87,12 @@ def _engine(name: str, module: torch.nn.Module, pgs: megabuf.ProcessGroups) -> A
         return megabuf.DistributedDataParallel(module, cfg, process_groups=pgs)
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    model = TorchDDP(module, process_group=pgs.dp, gradient_as_bucket_view=True)
+    model = TorchDDP(
+        module,
+        process_group=pgs.dp,
+        gradient_as_bucket_view=True,
+        bucket_cap_mb=torch_bucket_cap_mb(variant.spec) if variant is not None else None,
+    )
     if variant is not None:
         register_torch_hook(model, variant.spec, pgs.dp)
     return model

@@ -142,6 +142,21 @@ def _bf16_compress_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.T
 _bf16_compress_hook.__annotations__ = {}  # torch checks them against its own classes, not strings
 
 
+ONE_BUCKET_MB = 1e6
+"""torch DDP's `bucket_cap_mb` for the PowerSGD rows: one bucket (see `torch_bucket_cap_mb`)."""
+
+
+def torch_bucket_cap_mb(spec: dict[str, Any]) -> float | None:
+    """torch DDP's bucket size for a torch hook row: its default, except one bucket for
+    powerSGD_hook. [Note: torch PowerSGD on gloo] torch's hook issues its second all-reduce
+    from the first one's Future callback, which gloo runs on its own thread, while autograd's
+    thread issues the next bucket's first all-reduce: the two ranks can enqueue them in
+    different orders. With several buckets the run aborts with gloo's "Received data size
+    doesn't match expected size" (seen on gpt_small, 2026-11-23). One bucket leaves nothing to
+    race, at the cost of torch's overlap; megabuf runs its stages without threads."""
+    return ONE_BUCKET_MB if spec.get("hook") == "powersgd" else None
+
+
 def register_torch_hook(ddp: Any, spec: dict[str, Any], group: Any) -> None:
     """Register torch's hook for `spec` on a torch DDP model."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
@@ -189,7 +204,7 @@ def build_hooked(name: str, module: nn.Module, pgs: Any, overrides: dict[str, An
             engine.theoretical_nbytes = sum(f or 0 for f in formulas)
         engine.notes.append(f"comm_hook {variant.spec}")
         return engine
-    engine = build_torch_ddp_gabv(module, pgs)
+    engine = build_torch_ddp_gabv(module, pgs, bucket_cap_mb=torch_bucket_cap_mb(variant.spec))
     register_torch_hook(engine.model, variant.spec, pgs.dp)
     engine.theoretical_nbytes = torch_hook_ring_nbytes(module, variant.spec, pgs.dp_size)
     engine.notes.append(f"torch hook {variant.spec}")

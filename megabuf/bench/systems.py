@@ -67,10 +67,17 @@ def build_no_comm(module: nn.Module, pgs: ProcessGroups) -> Engine:
     return Engine(module, module, opt, 0, opt.zero_grad)
 
 
-def _torch_ddp(module: nn.Module, pgs: ProcessGroups, bucket_view: bool) -> Engine:
+def _torch_ddp(
+    module: nn.Module, pgs: ProcessGroups, bucket_view: bool, bucket_cap_mb: float | None = None
+) -> Engine:
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    wrapped = TorchDDP(module, process_group=pgs.dp, gradient_as_bucket_view=bucket_view)
+    wrapped = TorchDDP(
+        module,
+        process_group=pgs.dp,
+        gradient_as_bucket_view=bucket_view,
+        bucket_cap_mb=bucket_cap_mb,  # None: torch's default
+    )
     opt = _adamw(wrapped.parameters())
     nbytes = _ring(param_nbytes(module), pgs.dp_size, 2)
     return Engine(wrapped, module, opt, nbytes, opt.zero_grad)
@@ -80,8 +87,10 @@ def build_torch_ddp(module: nn.Module, pgs: ProcessGroups) -> Engine:
     return _torch_ddp(module, pgs, bucket_view=False)
 
 
-def build_torch_ddp_gabv(module: nn.Module, pgs: ProcessGroups) -> Engine:
-    return _torch_ddp(module, pgs, bucket_view=True)
+def build_torch_ddp_gabv(
+    module: nn.Module, pgs: ProcessGroups, bucket_cap_mb: float | None = None
+) -> Engine:
+    return _torch_ddp(module, pgs, bucket_view=True, bucket_cap_mb=bucket_cap_mb)
 
 
 def _main_layers(module: nn.Module) -> list[nn.Module]:

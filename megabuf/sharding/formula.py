@@ -198,18 +198,21 @@ def transient_bounds(
 ) -> dict[str, int]:
     """Upper bounds of the transient categories' high-water marks (design notes §2.6):
     "grad_buckets" (optim_grads*): every group's full grad bucket may be alive at once (no
-    overlap: all accumulate until the end of backward), so the bound is their sum;
+    overlap: all accumulate until the end of backward), so the bound is their sum, and the same
+    for "grad_scratch" (gloo's reduce-scatter landing zones, released with their buckets);
     "unsharded_params" (optim_grads_params): the root unit's group, plus (1 + prefetch_units)
-    times the largest other group (the unit computing and those prefetched) when units reshard
-    after forward; every group otherwise. Groups of one unit nested in another (not the root)
-    are not covered by the first bound. Strategies that release nothing have no transients."""
+    times the largest other group (the unit computing and those prefetched), at most all other
+    groups, when units reshard after forward; every group otherwise. Units nested in another
+    unit (not the root) are not covered by the first bound. Strategies that release nothing
+    have no transients."""
     _check_strategy(strategy)
     out: dict[str, int] = {}
     if strategy in SHARDED_GRADS:
         out["grad_buckets"] = sum(group_nbytes(plan, g.group_id, grads=True) for g in plan.groups)
+        out["grad_scratch"] = out["grad_buckets"]  # gloo: one landing zone per bucket reducing
     if strategy == "optim_grads_params":
         sizes = {g.group_id: group_nbytes(plan, g.group_id, grads=False) for g in plan.groups}
-        root = [g.group_id for g in plan.groups if getattr(g, "unit", None) == 0]
+        root = [g.group_id for g in plan.groups if g.unit == 0]
         others = [size for gid, size in sizes.items() if gid not in root]
         if reshard_after_forward:
             largest = max(others, default=0)

@@ -74,15 +74,18 @@ def memory_per_strategy(
     expert_shares_dp_group: bool,
     disable_bucketing: bool = False,
     optimizer: OptimizerStateSpec = ADAM,
+    unit_of_param: Sequence[int] | None = None,
 ) -> tuple[StrategyMemory, ...]:
     """One row per strategy, least to most sharded (see the module docstring). Expert buffers
-    use expt_dp rank `dp_rank % expt_dp_size`."""
+    use expt_dp rank `dp_rank % expt_dp_size`. `unit_of_param` (the shard unit of each spec)
+    lays out the optim_grads_params row unit by unit, as the engine does."""
     numel = sum(s.numel for s in specs)
     rows = []
     for strategy in SHARDING_STRATEGIES:
         plan = build_plan(
             specs, _layout_config(config, strategy), dp_size=dp_size, expt_dp_size=expt_dp_size,
             expert_shares_dp_group=expert_shares_dp_group, disable_bucketing=disable_bucketing,
+            unit_of_param=unit_of_param if strategy == "optim_grads_params" else None,
         )  # fmt: skip
         per_rank = [
             persistent_bytes(plan, strategy, optimizer, dp_rank=r, expt_dp_rank=r % expt_dp_size)
