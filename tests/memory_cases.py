@@ -38,7 +38,9 @@ class Small(nn.Module):
         self.register_buffer("gain", torch.full((20,), 0.5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(torch.tanh(self.a(x.to(self.a.weight.dtype)))) * self.gain
+        # the dtype from the module buffer: under optim_grads_params the root may not read a
+        # unit's param outside that unit's forward
+        h = self.norm(torch.tanh(self.a(x.to(self.gain.dtype)))) * self.gain
         return self.b(h).float()
 
 

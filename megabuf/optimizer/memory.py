@@ -6,9 +6,9 @@ With Adam, bf16 params and fp32 grads, plain data parallelism holds 2 (param) + 
 
 [Note: memory report categories]
 `OptimizerMemoryReport.persistent` holds what one rank keeps for the whole run on the params'
-device, per category: "params" (the param buffers, or the params themselves; the param shard
-under optim_grads_params, from the engine's `MemoryLedger`), "grads" (the grad buffers; the
-grad shard under optim_grads*, from the ledger), "main_params" (fp32 copies),
+device, per category: "params" (the param buffers, or the params themselves; the param shards
+where the engine's `MemoryLedger` records "param_shard": optim_grads_params), "grads" (the grad
+buffers; the grad shards where it records "grad_shard": optim_grads*), "main_params" (fp32 copies),
 "optimizer_state" (elementwise state and per-tensor scalars), "comm_scratch" (reduce-scatter
 landing zones), "frozen_params" and "module_buffers". The first five equal `persistent_bytes`
 of megabuf/sharding/formula.py ([Note: memory formula]) category by category. `host` holds
@@ -95,7 +95,6 @@ PERSISTENT_CATEGORIES = (
     "module_buffers",
 )  # fmt: skip
 LEDGER_PERSISTENT = {"param_shard": "params", "grad_shard": "grads"}  # ledger -> category
-SHARDED_GRADS = ("optim_grads", "optim_grads_params")
 
 
 def _held(t: Tensor | None) -> int:
@@ -108,19 +107,19 @@ def _held(t: Tensor | None) -> int:
 def _chunk_categories(chunk: DistributedDataParallel, out: dict[str, dict[str, int]]) -> None:
     """Add one model chunk's params, grads, scratch, frozen params, module buffers, grad copies
     and ledger figures into `out` ({"persistent", "transient_now", "transient_peak"})."""
-    strategy = chunk.ddp_config.data_parallel_sharding_strategy
     persistent, now, peak = out["persistent"], out["transient_now"], out["transient_peak"]
     ledger = chunk.memory_ledger
     buffers = grad_buffers(chunk, False) + grad_buffers(chunk, True)
-    if strategy == "optim_grads_params":
-        persistent["params"] += ledger.now("param_shard")
+    recorded = ledger.current()  # the shards a sharded strategy allocated, if it did
+    if "param_shard" in recorded:
+        persistent["params"] += recorded["param_shard"]
     else:
         persistent["params"] += sum(
             _nbytes(b.param_data) if b.param_data is not None else sum(map(_nbytes, b.params))
             for b in buffers
         )
-    if strategy in SHARDED_GRADS:
-        persistent["grads"] += ledger.now("grad_shard")
+    if "grad_shard" in recorded:
+        persistent["grads"] += recorded["grad_shard"]
     else:
         persistent["grads"] += sum(_nbytes(b.grad_data) for b in buffers)
     persistent["comm_scratch"] += sum(_held(k.scratch) for b in buffers for k in b.buckets)
