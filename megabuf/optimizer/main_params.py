@@ -78,7 +78,11 @@ def write_back_all(main_params: Sequence[MainParam]) -> None:
             dst.append(mp.model_data)
             src.append(mp.main.view(mp.model_data.shape))
     for (device, _, src_device), (dst, src) in lists.items():
-        torch._foreach_copy_(dst, src, non_blocking=src_device != device)
+        if src_device == device:
+            torch._foreach_copy_(dst, src)
+            continue
+        for d, s in zip(dst, src, strict=True):  # pinned host -> device: asynchronous
+            d.copy_(s, non_blocking=True)
 
 
 def sharded_main_params(
