@@ -7,20 +7,20 @@ With Adam, bf16 params and fp32 grads, plain data parallelism holds 2 (param) + 
 [Note: memory report categories]
 `OptimizerMemoryReport.persistent` holds what one rank keeps for the whole run on the params'
 device, per category: "params" (the param buffers, or the params themselves; the param shards
-where the engine's `MemoryLedger` records "param_shard": optim_grads_params), "grads" (the grad
-buffers; the grad shards where it records "grad_shard": optim_grads*), "main_params" (fp32 copies),
-"optimizer_state" (elementwise state and per-tensor scalars), "comm_scratch" (reduce-scatter
-landing zones), "frozen_params" and "module_buffers". The first five equal `persistent_bytes`
-of megabuf/sharding/formula.py ([Note: memory formula]) category by category. `host` holds
-the optimizer's bytes on the CPU while the params are on an accelerator: with cpu_offload
-"main_params", "optimizer_state" and "grads" (pinned host copies of the grad shards);
-otherwise a CPU-side scalar such as a non-fused Adam's `step`. `transient_now` and
-`transient_peak` are the ledger's other categories ("grad_buckets", "unsharded_params":
-storages released and refilled during a step) now and at their high-water mark, plus
-"grad_copies": `.grad` copies in the param dtype exposed after a grad sync (bf16 params over
-fp32 grads without the distributed optimizer), dropped by the next backward.
-`persistent_nbytes + host_nbytes + transient_now_nbytes` equals an independent walk over unique
-storages (`megabuf.sharding.walk.storage_walk`, [Note: storage walk]).
+where the engine's `MemoryLedger` records "param_shard": optim_grads_params), "grads" (the
+grad buffers; the grad shards where it records "grad_shard": optim_grads*), "main_params"
+(fp32 copies), "optimizer_state" (elementwise state and per-tensor scalars), "comm_scratch"
+(reduce-scatter landing zones), "frozen_params" and "module_buffers". The first five equal
+`persistent_bytes` of megabuf/sharding/formula.py ([Note: memory formula]) category by
+category. `host` holds every optimizer tensor on the CPU while the params are on an
+accelerator, by category: with cpu_offload "main_params", "optimizer_state" and "grads"
+(pinned host copies of the grads). `transient_now` and `transient_peak` are the ledger's other
+categories ("grad_buckets", "unsharded_params": storages released and refilled during a step)
+now and at their high-water mark, plus "grad_copies": `.grad` copies in the param dtype
+exposed after a grad sync (bf16 params over fp32 grads without the distributed optimizer),
+dropped by the next backward. `persistent_nbytes + host_nbytes + transient_now_nbytes` equals
+an independent walk over unique storages (`megabuf.sharding.walk.storage_walk`, [Note:
+storage walk]).
 """
 
 from __future__ import annotations
