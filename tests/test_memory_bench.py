@@ -43,13 +43,17 @@ def test_memory_table_compares_measured_with_formula() -> None:
     rows = [
         {"model": "m", "system": "megabuf_distopt_sync", "status": "ok", "n_params": 100,
          "persistent_nbytes": 1000, "persistent_formula_nbytes": 1000},
-        {"model": "m", "system": "fsdp2_reshard", "status": "ok", "n_params": 100,
+        {"model": "m", "system": "megabuf_distopt_overlap", "status": "ok", "n_params": 100,
          "persistent_nbytes": 900, "persistent_formula_nbytes": 800},
+        {"model": "m", "system": "fsdp2_reshard", "status": "ok", "n_params": 100,
+         "persistent_nbytes": 900, "persistent_formula_nbytes": 800,
+         "persistent_formula_exact": False},
         {"model": "m", "system": "torch_ddp", "status": "n/a (not available)"},
     ]  # fmt: skip
     table = memory_table(rows)
     lines = table.splitlines()
-    assert len(lines) == 4  # header, rule, two ok rows
+    assert len(lines) == 5  # header, rule, three ok rows
     assert "| megabuf_distopt_sync" in lines[2] and "10.000" in lines[2] and "yes" in lines[2]
     assert "9.000" in lines[3] and "8.000" in lines[3] and "no (+100 B)" in lines[3]
-    assert memory_table([rows[2]]) == ""
+    assert "| fsdp2_reshard" in lines[4] and "textbook" in lines[4]
+    assert memory_table([rows[3]]) == ""

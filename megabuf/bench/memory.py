@@ -90,11 +90,18 @@ def measured_persistent_nbytes(engine: Any) -> int:
     return sum(walked.values()) - sum(buffers.values())
 
 
+def formula_is_exact(engine: Any) -> bool:
+    """True for systems `persistent_formula_nbytes` knows exactly: megabuf with its own
+    optimizer. The others get the textbook figure (no padding, no `step` scalars, buffers the
+    walk cannot reach)."""
+    return engine.ddp is not None and hasattr(engine.optimizer, "domains")
+
+
 def persistent_formula_nbytes(engine: Any, system: str, dp_size: int, n_params: int) -> int:
-    """The exact formula for a megabuf system ([Note: memory formula], busiest category set of
-    this rank), the textbook one times the params for the others."""
+    """This rank's model state by formula: exact for a megabuf system with megabuf's optimizer
+    ([Note: memory formula]), the textbook figure times the params for the others."""
     model = engine.ddp
-    if model is None or not hasattr(engine.optimizer, "domains"):
+    if model is None or not formula_is_exact(engine):
         return int(n_params * state_bytes_per_param(system, dp_size))
     pgs, device = model.process_groups, next(model.parameters()).device
     scratch = model.collectives.strategy(pgs.dp, device).reduce_scatter == "all_to_all"

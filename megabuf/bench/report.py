@@ -231,7 +231,7 @@ def cuda_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 MEMORY_HEADER = [
-    "model", "system", "persistent B/param", "formula B/param", "measured = formula",
+    "model", "system", "persistent B/param", "formula B/param", "measured = exact formula",
     "persistent MiB",
 ]  # fmt: skip
 
@@ -239,6 +239,8 @@ MEMORY_HEADER = [
 def _memory_cells(row: dict[str, Any]) -> list[str]:
     n, got, want = row["n_params"], row["persistent_nbytes"], row["persistent_formula_nbytes"]
     same = "yes" if got == want else f"no ({got - want:+d} B)"
+    if not row.get("persistent_formula_exact", True):
+        same = "textbook"  # the formula leaves out padding, scalars and unreachable buffers
     return [
         row["model"], row["system"], f"{got / n:.3f}", f"{want / n:.3f}", same,
         f"{got / MiB:.1f}",

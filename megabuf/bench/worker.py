@@ -28,6 +28,7 @@ from torch import Tensor
 import megabuf
 from megabuf.bench.hooks import HOOK_VARIANTS, build_hooked
 from megabuf.bench.memory import (
+    formula_is_exact,
     measured_persistent_nbytes,
     persistent_formula_nbytes,
     state_bytes_per_param,
@@ -201,6 +202,7 @@ def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, A
         "persistent_formula_nbytes": persistent_formula_nbytes(
             engine, job.system.partition("+")[0], job_dp_size(), _trainable_numel(engine)
         ),
+        "persistent_formula_exact": formula_is_exact(engine),
         "theoretical_bytes_per_step": engine.theoretical_nbytes,
         "bytes_per_step": None,
         "overlap": None,
