@@ -35,10 +35,14 @@ class BackwardEndSync:
         self.require_sync = True  # torch's require_backward_grad_sync
         self.defer_depth = 0  # deferred() nesting
         self.queued = False  # a callback is queued on the running backward
+        # also finish backwards run without grad sync (optim_grads with reduce_each_microbatch:
+        # `finish` then reduces one micro-batch into the grad shards)
+        self.every_backward = False
         self._finish = finish
 
     def wanted(self) -> bool:
-        return self.enabled and self.require_sync and not self.defer_depth
+        sync = self.require_sync or self.every_backward
+        return self.enabled and sync and not self.defer_depth
 
     @contextmanager
     def deferred(self) -> Iterator[None]:

@@ -45,6 +45,7 @@ from megabuf.collectives import Collectives
 from megabuf.comm_hooks.contract import GradBucket, HookWork, Waitable
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.nan_check import nonfinite_flags
+from megabuf.sharding.grads import REDUCING_GROUPS_LIMIT, GradBucketState, ShardedGrads
 from megabuf.timeline import Timeline  # re-exported: ddp.py and users import it from here
 
 
@@ -94,6 +95,17 @@ class DispatchChain:
         while self.next_index < len(self.groups) and self.groups[self.next_index].all_ready:
             self.groups[self.next_index].start_grad_sync()
             self.next_index += 1
+            if self.groups[0].sharded_grads is not None:
+                self._bound_reducing()
+
+    def _bound_reducing(self) -> None:
+        """optim_grads*: finish the oldest reductions in flight beyond REDUCING_GROUPS_LIMIT, so
+        their full buckets are released during backward ([Note: sharded grad lifecycle])."""
+        dispatched = [
+            g for g in self.groups[: self.next_index] if g.grad_state is GradSyncState.DISPATCHED
+        ]
+        for group in dispatched[: max(0, len(dispatched) - REDUCING_GROUPS_LIMIT)]:
+            group.finish_grad_sync()
 
     def dispatch_rest(self) -> None:
         """Dispatch every group not yet dispatched, in order, ready or not ([Note: grad
@@ -128,6 +140,7 @@ class BucketGroup:
         rank: int,
         param_to_name: Mapping[torch.nn.Parameter, str],
         chain: DispatchChain | None = None,
+        sharded_grads: ShardedGrads | None = None,
     ) -> None:
         self.buckets = list(buckets)
         self.ddp_config = ddp_config
@@ -139,6 +152,8 @@ class BucketGroup:
         self.rank = rank  # global rank, for messages
         self.param_to_name = param_to_name
         self.chain = chain
+        # optim_grads*: the buckets' grad storages ([Note: sharded grad lifecycle]); else None
+        self.sharded_grads = sharded_grads
         self.params_list = [p for b in self.buckets for p in b.params_list]
         self.params = set(self.params_list)
         self._index = {p: i for i, p in enumerate(self.params_list)}
@@ -208,7 +223,16 @@ class BucketGroup:
                 f"in flight (rank {self.rank}); call finish_grad_sync() (or, after an "
                 "exception, model.reset_iter_state()) first"
             )
+        if self.sharded_grads is not None:
+            self.sharded_grads.zero()
         self._clear_iteration()
+
+    def next_microbatch(self) -> None:
+        """reduce_each_microbatch: this micro-batch's reduction finished (SYNCED) and was added
+        into the grad shards; accept the next micro-batch's grads (IDLE). Unlike reset(), the
+        shards and the NaN flags are kept."""
+        self._expect(GradSyncState.SYNCED)
+        self._clear_readiness()
 
     def _clear_iteration(self) -> None:
         self._clear_readiness()
@@ -228,11 +252,23 @@ class BucketGroup:
 
     def mark_written(self, i: int) -> bool:
         """Record that param `i` got a grad; True if it is the first since zero_grad_buffer()
-        (the hook then overwrites main_grad instead of adding to it)."""
+        (the hook then overwrites main_grad instead of adding to it). Under optim_grads* the
+        group's first grad since its release refills its buckets first."""
+        sharded = self.sharded_grads
+        if sharded is not None and sharded.state is GradBucketState.RELEASED:
+            self._acquire_for_grad(i)
         first = self._unwritten[i]
         if first:
             self._unwritten[i] = 0
         return bool(first)
+
+    def _acquire_for_grad(self, i: int) -> None:
+        """A grad arrives for a released group: refill its buckets, unless it is a backward
+        after finish_grad_sync() without zero_grad_buffer() (which raises, naming param i)."""
+        if self.grad_state is GradSyncState.SYNCED:
+            self._on_grad_outside_idle(i, self.params_list[i])
+        if self.sharded_grads is not None:
+            self.sharded_grads.acquire()
 
     def mark_unwritten(self, i: int) -> None:
         """Param `i`'s main_grad no longer counts as written (its exposed `.grad` was set to
@@ -335,6 +371,8 @@ class BucketGroup:
         """Dispatch every bucket's reduction (async when overlapping), scaled by the bucket's
         gradient_scaling_factor: before an all-reduce, after a reduce-scatter (shard only)."""
         self._expect(GradSyncState.IDLE)
+        if self.sharded_grads is not None and self.sharded_grads.released:
+            self.sharded_grads.acquire()  # no grad since the release: all zero-filled below
         self.zero_unwritten_grads()
         if self.ddp_config.check_for_nan_in_grad:
             self._record_nonfinite()
@@ -347,6 +385,8 @@ class BucketGroup:
         """Every bucket's reduction, with as few collectives as the strategy allows ([Note: one
         collective per bucket group] in collectives.py)."""
         if self.comm_hook is not None:
+            if self.sharded_grads is not None:
+                self.sharded_grads.start(needs_scratch=False)
             return self._reduce_with_hook()
         cfg = self.ddp_config
         grads = [b.grad_data for b in self.buckets]
@@ -361,14 +401,23 @@ class BucketGroup:
             return self.collectives.all_reduce_many(
                 grads, group, average=average, async_op=async_op
             )
-        for bucket in self.buckets:
-            if bucket.scratch is None and self._needs_scratch(bucket.grad_data.device):
-                bucket.scratch = torch.empty_like(bucket.grad_data)
+        scratches = self._scratches()
         return self.collectives.reduce_scatter_many(
             [self.local_shard(g) for g in grads], grads, group, average=average,
-            async_op=async_op, scratches=[b.scratch for b in self.buckets],
+            async_op=async_op, scratches=scratches,
             scales=[1.0 if p else f for p, f in zip(pre, scales)],
         )  # fmt: skip
+
+    def _scratches(self) -> list[Tensor | None]:
+        """Each bucket's all-to-all landing zone when the reduce-scatter needs one: kept by the
+        bucket, or under optim_grads* refilled and released with the bucket."""
+        needs = self._needs_scratch(self.buckets[0].grad_data.device)
+        if self.sharded_grads is not None:
+            return self.sharded_grads.start(needs_scratch=needs)
+        for bucket in self.buckets:
+            if bucket.scratch is None and needs:
+                bucket.scratch = torch.empty_like(bucket.grad_data)
+        return [b.scratch for b in self.buckets]
 
     def _reduce_with_hook(self) -> list[HookWork]:
         """Pre-scale every bucket (both modes; not for a hook with `prescaled = False`), then
@@ -390,6 +439,9 @@ class BucketGroup:
             raise RuntimeError(f"megabuf: bucket group {self.group_id} has no grad sync work")
         self._grad_work.wait()
         self._grad_work = None
+        if self.sharded_grads is not None:
+            self.sharded_grads.finish()  # into the grad shards; the buckets are released
+            self._unwritten[:] = self._all_unwritten  # their contents are gone
         self.grad_state = GradSyncState.SYNCED
         if self.timeline is not None:
             self.timeline.record(self.group_id, "finish")
@@ -400,6 +452,8 @@ class BucketGroup:
         if self._grad_work is not None:
             self._grad_work.wait()
             self._grad_work = None
+        if self.sharded_grads is not None:
+            self.sharded_grads.abandon()
         self.grad_state = GradSyncState.IDLE
         self._clear_iteration()
 
@@ -408,7 +462,11 @@ class BucketGroup:
         grads are NaN/Inf before the reduction ([Note: NaN check] in nan_check.py)."""
         grads = [p.main_grad for p in self.params_list]  # type: ignore[attr-defined]
         # 1-D, float32, len(params_list) (bucket by bucket)
-        self._nonfinite_params = nonfinite_flags(grads, self.buckets[0].grad_data.device)
+        flags = nonfinite_flags(grads, self.buckets[0].grad_data.device)
+        if self.sharded_grads is not None and self._nonfinite_params is not None:
+            # reduce_each_microbatch: flagged if any micro-batch's grads were not finite
+            flags = torch.maximum(flags, self._nonfinite_params)
+        self._nonfinite_params = flags
 
     def bucket_nonfinite_flags(self) -> Tensor:
         """Per bucket, 1.0 if its grads were NaN/Inf when last dispatched (zeros if not checked

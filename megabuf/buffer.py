@@ -14,6 +14,7 @@ from torch.distributed import ProcessGroup
 
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.layout import BufferLayout, ParamSlot
+from megabuf.sharding.grads import allocate_bucket_grads, shards_grads
 
 
 class _ParamAndGradBucket:
@@ -33,6 +34,10 @@ class _ParamAndGradBucket:
         self.params = set(self.params_list)
         self.param_data = param_data  # 1-D view, param_dtype, padded bucket numel (or None)
         self.grad_data = grad_data  # 1-D view, grad_dtype, padded bucket numel
+        # optim_grads*: this rank's reduced grad, 1-D, grad_dtype, numel / dp (persistent); the
+        # full `grad_data` then has a storage of its own, released between reductions
+        # ([Note: sharded grad lifecycle] in megabuf/sharding/grads.py)
+        self.grad_shard: Tensor | None = None
         self.offset = offset  # start of this bucket inside the buffer, in elements
         self.numel_unpadded = numel_unpadded  # sum of param numels in the bucket
         self.gradient_scaling_factor = gradient_scaling_factor
@@ -85,7 +90,14 @@ class _ParamAndGradBuffer:
 
     def _allocate(self) -> None:
         device = self.params[0].device
-        self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)  # 1-D
+        self.shards_grads = shards_grads(self.ddp_config.data_parallel_sharding_strategy)
+        # 1-D, grad_dtype, padded numel; None when each bucket has its own storage (optim_grads*)
+        self._grad_data: Tensor | None = None
+        bucket_grads: list[Tensor] = []  # optim_grads*: 1-D per bucket, own storage, released
+        if self.shards_grads:
+            bucket_grads = allocate_bucket_grads(self.layout, self.grad_dtype, device, self.params)
+        else:
+            self._grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=device)
         self.param_data: Tensor | None = None  # 1-D, param_dtype, padded numel (sharded only)
         if self.ddp_config.use_distributed_optimizer:
             self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
@@ -95,26 +107,84 @@ class _ParamAndGradBuffer:
                 view = self.param_data[start:end].view(param.shape)
                 view.copy_(param.data)  # values preserved; then the param lives in the buffer
                 param.data = view
-            param.main_grad = self.grad_data[start:end].view(param.shape)  # type: ignore[attr-defined]
-        self.buckets = [self._make_bucket(slot.bucket_id) for slot in self.layout.buckets]
+            if self._grad_data is not None:
+                param.main_grad = self._grad_data[start:end].view(param.shape)  # type: ignore[attr-defined]
+        self.buckets = [
+            self._make_bucket(slot.bucket_id, bucket_grads) for slot in self.layout.buckets
+        ]
 
-    def _make_bucket(self, bucket_id: int) -> _ParamAndGradBucket:
+    def _make_bucket(self, bucket_id: int, bucket_grads: Sequence[Tensor]) -> _ParamAndGradBucket:
         slot = self.layout.buckets[bucket_id]
         param_data = None
         if self.param_data is not None:
             param_data = self.param_data[slot.start : slot.end]
-        return _ParamAndGradBucket(
+        if self._grad_data is not None:
+            grad_data = self._grad_data[slot.start : slot.end]
+        else:
+            grad_data = bucket_grads[bucket_id]
+        bucket = _ParamAndGradBucket(
             [self.params[i] for i in slot.param_ids],
             param_data,
-            self.grad_data[slot.start : slot.end],
+            grad_data,
             slot.start,
             slot.numel_unpadded,
             self.gradient_scaling_factor,
             bucket_id,
         )
+        if self.shards_grads:
+            numel = slot.numel // self.dp_size
+            bucket.grad_shard = torch.zeros(numel, dtype=self.grad_dtype, device=grad_data.device)
+        return bucket
+
+    @property
+    def grad_data(self) -> Tensor:
+        """The whole buffer's grads (1-D, grad_dtype, padded numel). Under optim_grads* there
+        is no such tensor: raises, naming what to read instead."""
+        if self._grad_data is None:
+            strategy = self.ddp_config.data_parallel_sharding_strategy
+            raise RuntimeError(
+                f"megabuf: {self.describe()} has no contiguous grad_data under "
+                f"data_parallel_sharding_strategy={strategy!r} (rank {self.dp_rank} of its dp "
+                "group): each bucket's full grad is released after its reduction ([Note: "
+                "sharded grad lifecycle]); read this rank's reduced grads with "
+                "buffer.reduced_grad(start, end) or bucket.grad_shard"
+            )
+        return self._grad_data
+
+    def reduced_grad(self, start: int, end: int) -> Tensor:
+        """After the grad sync: the reduced grads of buffer range [start, end), which must lie
+        in this rank's shard of one bucket (any range without sharded grads). A view."""
+        if self._grad_data is not None:
+            return self._grad_data[start:end]
+        for slot, bucket in zip(self.layout.buckets, self.buckets, strict=True):
+            lo, hi = slot.shard_range(self.dp_rank, self.dp_size)
+            if lo <= start <= end <= hi and bucket.grad_shard is not None:
+                return bucket.grad_shard[start - lo : end - lo]
+        raise ValueError(
+            f"megabuf: buffer range [{start}, {end}) is not inside this rank's (dp rank "
+            f"{self.dp_rank}) shard of one bucket of {self.describe()}; under "
+            f"{self.ddp_config.data_parallel_sharding_strategy!r} only that shard is kept"
+        )
+
+    @property
+    def grad_nbytes(self) -> int:
+        """Persistent grad bytes: the whole buffer, or under optim_grads* the grad shards."""
+        if self._grad_data is not None:
+            return self._grad_data.numel() * self._grad_data.element_size()
+        shards = [b.grad_shard for b in self.buckets if b.grad_shard is not None]
+        return sum(s.numel() * s.element_size() for s in shards)
 
     def scale_gradients(self, factor: float) -> None:
-        self.grad_data.mul_(factor)
+        """Multiply every grad held by `factor` (under optim_grads*: the reduced shards and
+        any full bucket currently holding grads)."""
+        if self._grad_data is not None:
+            self._grad_data.mul_(factor)
+            return
+        for bucket in self.buckets:
+            if bucket.grad_shard is not None:
+                bucket.grad_shard.mul_(factor)
+            if bucket.grad_data.untyped_storage().nbytes() > 0:
+                bucket.grad_data.mul_(factor)
 
     def shard_range(self, bucket_id: int) -> tuple[int, int]:
         """Buffer range [start, end) of this rank's shard of bucket `bucket_id`."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -53,6 +53,13 @@ from megabuf.replicas import (
     check_replicas_match,
     is_expert_parallel,
     param_specs,
+)
+from megabuf.sharding.grads import (
+    ShardedGrads,
+    bucket_padding_ranges,
+    check_error_feedback,
+    error_feedback_nbytes,
+    shards_grads,
 )
 from megabuf.sharding.ledger import MemoryLedger
 
@@ -110,12 +117,18 @@ class DistributedDataParallel(nn.Module):
         self.collectives = collectives if collectives is not None else Collectives()
         self.sync_buffers_in_forward = options.sync_buffers_in_forward
         self.rank = dist.get_rank()
-        # one per engine: every released/refilled storage is recorded here (memory_report())
-        self.memory_ledger = MemoryLedger()
         self._backward_seen = False  # register_comm_hook() must come before the first backward
         self._backward_sync = BackwardEndSync(
-            self.ddp_config.sync_grads_at_backward_end, self.finish_grad_sync
+            self.ddp_config.sync_grads_at_backward_end, self._finish_backward
         )
+        # optim_grads*, reduce_each_microbatch: every backward reduces into the grad shards
+        cfg = self.ddp_config
+        self._reduce_each = shards_grads(cfg.data_parallel_sharding_strategy) and (
+            cfg.sharded_grad_accumulation == "reduce_each_microbatch"
+        )
+        self._backward_sync.every_backward = self._reduce_each
+        self._microbatch_pending = False  # a no_sync forward whose reduction is not finished
+        self.memory_ledger = MemoryLedger()  # [Note: sharded grad lifecycle]
         self._build(options.init_sync)
         self._mode_hook: Deterministic | None = None  # deterministic_reduction's, replaceable
         if self.ddp_config.comm_hook is not None:
@@ -225,18 +238,34 @@ class DistributedDataParallel(nn.Module):
 
     def _make_group(self, planned: GroupPlan, chain: DispatchChain) -> BucketGroup:
         group = self.process_groups.expt_dp if planned.expert else self.process_groups.dp
+        dp_rank, dp_size = dist.get_rank(group), dist.get_world_size(group)
         return BucketGroup(
             [self._all_buffers[b].buckets[k] for b, k in planned.members],
             self.ddp_config,
             group,
             self.collectives,
             group_id=planned.group_id,
-            dp_rank=dist.get_rank(group),
-            dp_size=dist.get_world_size(group),
+            dp_rank=dp_rank,
+            dp_size=dp_size,
             rank=self.rank,
             param_to_name=self.param_to_name,
             chain=chain,
+            sharded_grads=self._sharded_grads(planned, dp_rank, dp_size),
         )
+
+    def _sharded_grads(self, planned: GroupPlan, dp_rank: int, dp_size: int) -> ShardedGrads | None:
+        """optim_grads*: the group's grad storages ([Note: sharded grad lifecycle])."""
+        if not shards_grads(self.ddp_config.data_parallel_sharding_strategy):
+            return None
+        members = [(self._all_buffers[b], k) for b, k in planned.members]
+        full = [buf.buckets[k].grad_data for buf, k in members]
+        shards = [s for buf, k in members if (s := buf.buckets[k].grad_shard) is not None]
+        sizes = [t.numel() // dp_size for t in full]
+        return ShardedGrads(
+            full, [(dp_rank * n, (dp_rank + 1) * n) for n in sizes], shards,
+            [bucket_padding_ranges(buf.layout, k) for buf, k in members],
+            self.memory_ledger, group_id=planned.group_id, rank=self.rank,
+        )  # fmt: skip
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -253,6 +282,10 @@ class DistributedDataParallel(nn.Module):
     def _before_forward(self, compiling: bool) -> None:
         """Runs eagerly even when this model is compiled (`compiling`: it is being traced)."""
         self._backward_sync.queued = False  # callbacks never run after a backward that raised
+        if self._microbatch_pending:
+            self.finish_microbatch()  # its backward ended without the callback (deferred)
+        if self._reduce_each and torch.is_grad_enabled() and not self._backward_sync.require_sync:
+            self._microbatch_pending = True
         if self.param_gather_hooks.enabled and (compiling or has_compiled(self.module)):
             self.param_gather_hooks.gather_at_root()  # [Note: compiled modules]
         if self.param_gather_hooks.at_root:
@@ -277,7 +310,7 @@ class DistributedDataParallel(nn.Module):
     def require_backward_grad_sync(self, value: bool) -> None:
         self._backward_sync.require_sync = bool(value)
         for group in self.all_bucket_groups:
-            group.is_last_microbatch = bool(value)
+            group.is_last_microbatch = bool(value) or self._reduce_each
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -316,11 +349,27 @@ class DistributedDataParallel(nn.Module):
         cfg = self.ddp_config
         if cfg.deterministic_reduction:  # [Note: deterministic reduction]
             require_deterministic(hook, self.rank)
-        install_comm_hook(
-            hook, self.all_bucket_groups, self.plan, expert_kinds=selected_kinds(buffers),
-            use_distributed_optimizer=bool(cfg.use_distributed_optimizer),
-            average=cfg.average_in_collective, rank=self.rank, replaceable=self._mode_hook,
-        )  # fmt: skip
+        strategy = cfg.data_parallel_sharding_strategy
+        sharded = shards_grads(strategy)
+        if sharded:
+            check_error_feedback(hook, strategy, self.rank)
+        with ExitStack() as stack:  # optim_grads*: views into the buckets need their storage
+            for group in self.all_bucket_groups:
+                if group.sharded_grads is not None:
+                    stack.enter_context(group.sharded_grads.materialized())
+            install_comm_hook(
+                hook, self.all_bucket_groups, self.plan, expert_kinds=selected_kinds(buffers),
+                use_distributed_optimizer=bool(cfg.use_distributed_optimizer),
+                average=cfg.average_in_collective, rank=self.rank, replaceable=self._mode_hook,
+            )  # fmt: skip
+        nbytes = error_feedback_nbytes(hook) if sharded else 0
+        if nbytes:
+            self.memory_ledger.alloc("comm_hook_error_feedback", nbytes)
+            logger.warning(
+                "megabuf: %s keeps full-size error feedback under %s: %d bytes on rank %d "
+                "(allow_full_size_error_feedback=True)", hook_name(hook), strategy, nbytes,
+                self.rank,
+            )  # fmt: skip
 
     def comm_hooks(self) -> dict[str, object]:
         """The registered comm hooks: "dense" / "expert" -> hook (a hook registered for "all"
@@ -378,6 +427,34 @@ class DistributedDataParallel(nn.Module):
         reset ([Note: hook wire bytes] in megabuf/comm_hooks/telemetry.py)."""
         return hook_report(self, reset=reset)
 
+    def _finish_backward(self) -> None:
+        """The end-of-backward callback ([Note: grad sync at backward end]): the grad sync, or
+        under reduce_each_microbatch inside no_sync() this micro-batch's reduction."""
+        if self._backward_sync.require_sync:
+            self.finish_grad_sync()
+        else:
+            self._microbatch_pending = True  # also when its forward ran with sync on
+            self.finish_microbatch()
+
+    def finish_microbatch(self) -> None:
+        """optim_grads* with reduce_each_microbatch, a micro-batch inside no_sync(): dispatch
+        what backward did not, wait, add every reduced shard into the grad shards and release
+        the full buckets ([Note: sharded grad lifecycle]). Runs at the end of such a backward
+        (or, when that backward's sync is deferred, at the next forward or finish_grad_sync);
+        a no-op otherwise. Collective: every dp rank runs the same forwards."""
+        if not self._microbatch_pending:
+            return
+        self._microbatch_pending = False
+        self.start_grad_sync()
+        for chain in self._chains:
+            for group in chain.groups:
+                group.finish_grad_sync()
+        for group in self.all_bucket_groups:
+            group.learn_arrivals()
+            group.next_microbatch()
+        for chain in self._chains:
+            chain.reset()
+
     def start_grad_sync(self) -> None:
         """Dispatch every reduction not yet dispatched, in chain order (e.g. from a pipeline's
         grad_sync_func). Collective: every dp rank must call it."""
@@ -389,6 +466,7 @@ class DistributedDataParallel(nn.Module):
         reduction, and hand out the grads: see [Note: grad contract]. Collective: every dp rank
         must call it once per iteration, unless backward already did (sync_grads_at_backward_end
         outside deferred_grad_sync()): it is a no-op while every group is synced."""
+        self._microbatch_pending = False  # its grads are reduced with this sync's
         groups = self.all_bucket_groups
         if groups and self.unsynced_group() is None:
             return
@@ -445,7 +523,7 @@ class DistributedDataParallel(nn.Module):
         for chain in self._chains:
             chain.reset()
         for group in self.all_bucket_groups:
-            group.is_last_microbatch = self._backward_sync.require_sync
+            group.is_last_microbatch = self._backward_sync.require_sync or self._reduce_each
         self._grads.clear()
         self._backward_sync.queued = False
 
@@ -466,6 +544,7 @@ class DistributedDataParallel(nn.Module):
             if group.param_state is ParamSyncState.DISPATCHED:
                 group.finish_param_sync(skip_next_bucket_dispatch=True)
         self._backward_sync.require_sync = True
+        self._microbatch_pending = False
         self.zero_grad_buffer()
 
     def scale_gradients(self, scaling_factor: float) -> None:
@@ -539,7 +618,7 @@ class DistributedDataParallel(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict)
 
 
-IMPLEMENTED_STRATEGIES = ("no_shard", "optim")
+IMPLEMENTED_STRATEGIES = ("no_shard", "optim", "optim_grads")
 
 
 def _refuse_unbuilt_strategy(cfg: DistributedDataParallelConfig) -> None:

@@ -136,7 +136,7 @@ def _embedding_grad_slice(chunk: DistributedDataParallel, param: nn.Parameter) -
                 "pipeline stage's. Keep `shared_embedding=True` set before wrapping"
             )
         lo, hi = buf.shard_range(bucket_id)
-        return buf.grad_data[max(lo, start) : max(min(hi, end), max(lo, start))]
+        return buf.reduced_grad(max(lo, start), max(min(hi, end), max(lo, start)))
     raise RuntimeError(
         f"megabuf: shared embedding {chunk.param_to_name[param]!r} is in no dense buffer on rank "
         f"{dist.get_rank()}; tied embeddings must not be marked expert-parallel"

@@ -152,8 +152,8 @@ def local_slice(t: torch.Tensor) -> torch.Tensor:
 
 def param_groups(model: nn.Module, lr: float) -> list[dict[str, Any]]:
     """Two groups with different lr and weight decay (they must survive sharding)."""
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
+    matrices = [p for p in model.parameters() if p.dim() >= 2 and p.requires_grad]
+    vectors = [p for p in model.parameters() if p.dim() < 2 and p.requires_grad]
     return [
         {"params": matrices, "weight_decay": 0.1},
         {"params": vectors, "lr": lr * 0.5, "weight_decay": 0.0},

@@ -58,7 +58,8 @@ SHIPPED = sorted(p.name for p in CONFIGS.glob("*.toml"))
 
 def test_every_example_config_is_shipped() -> None:
     assert SHIPPED == [
-        "ddp.toml", "ddp_overlap.toml", "distopt_overlap.toml", "moe.toml", "pipeline.toml"
+        "ddp.toml", "ddp_overlap.toml", "distopt_overlap.toml", "moe.toml", "pipeline.toml",
+        "zero2.toml",
     ]  # fmt: skip
 
 
@@ -80,6 +81,9 @@ def test_shipped_config_loads_every_table_value(name: str) -> None:
             if field == "data_parallel_sharding_strategy" and field not in tables[table]:
                 # derived from use_distributed_optimizer (its alias) when not written
                 want = "optim" if tables[table].get("use_distributed_optimizer") else "no_shard"
+            if field == "use_distributed_optimizer" and field not in tables[table]:
+                strategy = tables[table].get("data_parallel_sharding_strategy", "no_shard")
+                want = strategy != "no_shard"  # True under every sharded strategy
             assert getattr(cfg, field) == want, (name, table, field)
 
 

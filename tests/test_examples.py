@@ -33,6 +33,12 @@ EXAMPLES = {
         r"\[megabuf\] done: loss \S+ -> \S+ in 5 steps on 2 ranks",
         r"check: megabuf vs torch DDP, 5 steps, params and losses on every rank: bitwise equal",
     ),
+    "train_sharded_like_sharded_ddp": (
+        ["examples/train_sharded.py", "--like", "sharded_ddp", "--steps", "3", "--check"],
+        r"\[sharded_ddp -> optim_grads\] done: loss \S+ -> \S+ in 3 steps on 2 ranks",
+        r"params bitwise equal: True",
+        r"check vs 1 process: .* resumed bitwise: True -> OK",
+    ),
     "train_pipeline": (
         ["examples/train_pipeline.py", "--steps", "2", "--check"],
         r"(?m)^step +1 ",

@@ -28,6 +28,7 @@ SYSTEM_NAMES: tuple[str, ...] = (
     "megabuf_ar_sync",
     "megabuf_distopt_overlap",
     "megabuf_distopt_sync",
+    "megabuf_zero2",
 )
 BASELINE = "torch_ddp_gabv"  # ratios are to torch DDP with gradient_as_bucket_view=True
 FLOOR = "no_comm"

@@ -193,6 +193,11 @@ MEGABUF_CONFIGS: dict[str, dict[str, Any]] = {
         "overlap_param_gather": True,
     },
     "megabuf_distopt_sync": {"use_distributed_optimizer": True},
+    "megabuf_zero2": {  # ZeRO-2: the full grad buckets exist only while they reduce
+        "data_parallel_sharding_strategy": "optim_grads",
+        "overlap_grad_reduce": True,
+        "overlap_param_gather": True,
+    },
 }
 """DistributedDataParallelConfig fields of each megabuf system (the rest are defaults)."""
 

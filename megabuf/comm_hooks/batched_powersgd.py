@@ -108,15 +108,6 @@ class BatchedPowerSGD(LowRankHook):
         st.warm = self.warm_start
 
     # ---- skipped steps, loss scale, state -----------------------------------------------------
-    def _reset_memory(self) -> None:
-        for st in self._state.values():
-            st.warm = False
-            if st.error is not None:
-                st.error.zero_()
-
-    def _errors(self) -> list[Tensor]:
-        return [st.error for st in self._state.values() if st.error is not None]
-
     def _layout(self) -> dict[str, Any]:
         order = sorted(self._buckets)
         return {

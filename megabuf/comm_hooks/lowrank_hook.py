@@ -4,6 +4,7 @@ the seeded generator, skipped steps and loss-scale changes, the replicated state
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -21,6 +22,9 @@ class LowRankHook:
 
     name = "LowRankHook"
     modes = MODES
+    _state: Mapping[int, Any]  # bucket index -> the subclass's state (has `warm`, `error`)
+    # optim_grads*: set True to accept the full-size residuals ([Note: sharded grad lifecycle])
+    allow_full_size_error_feedback = False
 
     def __init__(
         self, rank: int, start_step: int, error_feedback: bool, warm_start: bool,
@@ -124,10 +128,15 @@ class LowRankHook:
             error.mul_(ratio)
 
     def _reset_memory(self) -> None:
-        raise NotImplementedError
+        """Drop warm-start Q and zero the residuals (each subclass's per-bucket state has
+        `warm` and `error`)."""
+        for st in self._state.values():
+            st.warm = False
+            if st.error is not None:
+                st.error.zero_()
 
     def _errors(self) -> list[Tensor]:
-        raise NotImplementedError
+        return [st.error for st in self._state.values() if st.error is not None]
 
     # ---- state ([hook state protocol]: replicated / per_rank / layout) ------------------------
     def _replicated(self) -> dict[str, Any]:

@@ -251,15 +251,6 @@ class PowerSGD(LowRankHook):
                     mats[i][first:last].copy_(rows)
 
     # ---- skipped steps, loss scale, state -----------------------------------------------------
-    def _reset_memory(self) -> None:
-        for st in self._state.values():
-            st.warm = False
-            if st.error is not None:
-                st.error.zero_()
-
-    def _errors(self) -> list[Tensor]:
-        return [st.error for st in self._state.values() if st.error is not None]
-
     def _params(self) -> dict[str, tuple[int, int, int]]:
         """Compressed param name -> (bucket index, unit position, member position)."""
         found = {}

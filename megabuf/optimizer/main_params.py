@@ -100,7 +100,7 @@ def sharded_main_params(
         param = buffer.params[piece.param_id]
         lo, hi = piece.buffer_start, piece.buffer_start + piece.numel
         param_view = buffer.param_data[lo:hi]  # 1-D, param_dtype
-        grad_view = buffer.grad_data[lo:hi]  # 1-D, grad_dtype
+        grad_view = buffer.reduced_grad(lo, hi)  # 1-D, grad_dtype (the grad shard: optim_grads*)
         if param_view.dtype == torch.float32:
             main, model_data = param_view, None
         else:
