@@ -101,3 +101,23 @@ def test_cpu_offload_matches_device_step_and_keeps_optimizer_on_host(
                 assert ((a - b).abs() <= BF16_ULP * a.abs()).all(), rank
             else:
                 torch.testing.assert_close(b, a, atol=OFFLOAD_ATOL, rtol=OFFLOAD_RTOL)
+
+
+def offload_with_loss_scaling_run() -> str:
+    pgs = megabuf.init_distributed(device="cuda")
+    module = nn.Linear(16, 16).cuda().half()
+    cfg = megabuf.DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim", cpu_offload=True
+    )
+    model = megabuf.DistributedDataParallel(module, cfg, process_groups=pgs)
+    try:
+        megabuf.build_optimizer(model, megabuf.OptimizerConfig(optimizer="adam", fp16=True))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_cpu_offload_refuses_loss_scaling() -> None:
+    """[Note: cpu offload]: fp16 loss scaling is not supported with offload: a named error."""
+    for message in spawn(offload_with_loss_scaling_run, WORLD, timeout_s=300):
+        assert "cpu_offload=True does not support loss scaling" in message, message
