@@ -99,13 +99,16 @@ class DispatchChain:
                 self._bound_reducing()
 
     def _bound_reducing(self) -> None:
-        """optim_grads*: finish the oldest reductions in flight beyond REDUCING_GROUPS_LIMIT, so
-        their full buckets are released during backward ([Note: sharded grad lifecycle])."""
+        """optim_grads*: finish the reductions in flight that already completed (no wait), and
+        the oldest beyond REDUCING_GROUPS_LIMIT (waiting), so their full buckets are released
+        during backward ([Note: sharded grad lifecycle])."""
         dispatched = [
             g for g in self.groups[: self.next_index] if g.grad_state is GradSyncState.DISPATCHED
         ]
-        for group in dispatched[: max(0, len(dispatched) - REDUCING_GROUPS_LIMIT)]:
-            group.finish_grad_sync()
+        excess = len(dispatched) - REDUCING_GROUPS_LIMIT
+        for i, group in enumerate(dispatched):
+            if i < excess or group.grad_sync_completed():
+                group.finish_grad_sync()
 
     def dispatch_rest(self) -> None:
         """Dispatch every group not yet dispatched, in order, ready or not ([Note: grad
@@ -446,6 +449,12 @@ class BucketGroup:
         if self.timeline is not None:
             self.timeline.record(self.group_id, "finish")
 
+    def grad_sync_completed(self) -> bool:
+        """The dispatched reduction has landed (finish_grad_sync would not wait); False when
+        unknown (a comm hook's work)."""
+        work = self._grad_work
+        return work is not None and all(_completed(w) for w in work.pending)
+
     def abandon_grad_sync(self) -> None:
         """After an exception mid-iteration: wait out an in-flight reduction (its result is
         dropped) and return to IDLE with nothing written."""
@@ -535,6 +544,14 @@ class BucketGroup:
     def name_of(self, param: torch.nn.Parameter) -> str:
         """`param`'s name in the wrapped module (for messages)."""
         return self.param_to_name.get(param, f"<param of shape {tuple(param.shape)}>")
+
+
+def _completed(work: Waitable) -> bool:
+    """A megabuf collective whose torch.distributed works all report completion."""
+    handles = getattr(work, "handles", None)
+    if handles is None:
+        return False
+    return all(hasattr(h, "is_completed") and h.is_completed() for h in handles)
 
 
 def _by_dtype(tensors: Sequence[Tensor]) -> list[list[Tensor]]:

@@ -468,3 +468,23 @@ def test_checkpoint_moves_between_optim_grads_and_optim(results: Any) -> None:
     optim_grads at dp 1/2/4: 2 more steps equal the uninterrupted run bit for bit."""
     for res in _one(results, "checkpoint", (1, 2, 4)):
         assert res == {"optim": True, "optim_grads": True}, res
+
+
+def test_reading_a_released_main_grad_never_returns_values() -> None:
+    """[Note: sharded grad lifecycle]: a read of a released bucket's view does not hand out
+    stale values; on CPU torch the process dies (so megabuf reads only the shards)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from megabuf.layout import compute_layout\n"
+        "from megabuf.sharding.grads import allocate_bucket_grads\n"
+        "p = torch.nn.Parameter(torch.ones(10))\n"
+        "layout = compute_layout([10], bucket_size=None, dp_size=2, sharded=True)\n"
+        "allocate_bucket_grads(layout, torch.float32, torch.device('cpu'), [p])\n"
+        "print('read', p.main_grad.sum().item(), flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "ImportError" not in proc.stderr, proc.stderr  # the read itself must be what failed
+    assert proc.returncode != 0 and "read" not in proc.stdout, (proc.returncode, proc.stdout)

@@ -4,7 +4,7 @@
 Under "optim_grads" and "optim_grads_params" every bucket's full grad tensor has a storage of its
 own (`allocate_bucket_grads`), so one bucket group's buckets can be released while the others
 accumulate. `param.main_grad` and the hooks' `GradBucket.data` are views of it, created once;
-releasing resizes the storage to 0 bytes (the views keep their shapes; reading one raises) and
+releasing resizes the storage to 0 bytes (the views keep their shapes; reading one: below) and
 acquiring resizes it back in place, so no view ever needs rebuilding. Each bucket also keeps a
 persistent reduced `grad_shard` (1-D, grad dtype, bucket numel / dp): the distributed optimizer
 reads it instead of a view into the full buffer.
@@ -31,6 +31,15 @@ full buckets alive at once are the groups accumulating plus at most REDUCING_GRO
 reducing. Without overlap every group is reduced at the end of backward, when all of them hold
 grads (the full grad buffer, as under "optim"); under `no_sync()` with accumulate_unsharded the
 buckets stay allocated through the accumulation window, also as under "optim".
+With sharded_grad_accumulation = "reduce_each_microbatch" the cycle runs on every backward: a
+backward inside `no_sync()` ends with `DistributedDataParallel.finish_microbatch()` (dispatch
+what is left, wait, add into the shards, release; groups back to IDLE) instead of the grad sync.
+With "accumulate_unsharded" a `no_sync()` backward only accumulates into the full buckets.
+A released storage has 0 bytes and its views keep their shapes: on CPU (torch 2.13) *reading*
+such a view crashes the process instead of raising, so `param.main_grad` and `bucket.grad_data`
+may only be read while their group holds grads (between its first grad and the end of its
+reduction); megabuf itself reads the reduced grads only through the shards
+(`buffer.reduced_grad`, `bucket.grad_shard`), and `buffer.grad_data` raises.
 Every refill and release is recorded in the engine's `MemoryLedger`: "grad_buckets" (transient:
 the groups accumulating or reducing at once, each its buckets' bytes), "grad_scratch" (transient,
 groups reducing, gloo's all-to-all reduce-scatter only) and "grad_shard" (persistent, recorded
@@ -218,7 +227,7 @@ class ShardedGrads:
         """REDUCING -> RELEASED: the reduction landed in `landing`; copy it into the shards
         (first reduction since zero()) or add it, then release the full storages."""
         self._expect(GradBucketState.REDUCING)
-        with torch.no_grad():
+        with torch.no_grad(), torch.profiler.record_function("megabuf::grad_shard_accumulate"):
             if self._fresh:
                 torch._foreach_copy_(self.shards, self.landing)
             else:
