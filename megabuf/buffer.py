@@ -220,17 +220,6 @@ class _ParamAndGradBuffer:
             f"{self.dp_rank}) param shard of one bucket of {self.describe()}"
         )
 
-    @property
-    def param_nbytes(self) -> int:
-        """Persistent param bytes: `param_data`, the param shards (optim_grads_params), or the
-        params themselves (no distributed optimizer)."""
-        if self.param_data is not None:
-            return self.param_data.numel() * self.param_data.element_size()
-        if self.bucket_params is not None:
-            shards = [b.param_shard for b in self.buckets if b.param_shard is not None]
-            return sum(s.numel() * s.element_size() for s in shards)
-        return sum(p.numel() * p.element_size() for p in self.params)
-
     def scale_gradients(self, factor: float) -> None:
         """Multiply every grad held by `factor` (under optim_grads*: the reduced shards and
         any full bucket currently holding grads)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -23,6 +24,7 @@ from megabuf.config import DistributedDataParallelConfig
 from megabuf.layout import BufferLayout
 from megabuf.plan import BufferPlan, ParamSpec, Plan, build_plan
 from megabuf.replicas import param_specs
+from megabuf.sharding.memory_table import StrategyMemory, format_memory_table, memory_per_strategy
 from megabuf.units import UnitPlan, plan_units
 
 MiB = 1 << 20
@@ -106,6 +108,7 @@ class Inspection:
     groups: tuple[GroupInfo, ...]  # one row per (bucket group, member bucket)
     plan: Plan  # what DistributedDataParallel allocates
     units: tuple[UnitInfo, ...] = ()  # optim_grads_params only, by unit index
+    memory: tuple[StrategyMemory, ...] = ()  # persistent bytes per sharding strategy (Adam)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -201,10 +204,28 @@ def inspect_model(
     buffers = tuple(_buffer_info(b, specs, plan.unit_of_spec) for b in plan.buffers)
     numel_total = sum(p.numel() for _, p in named)
     units = _unit_infos(unit_plan, plan, specs) if unit_plan else ()
+    memory = memory_per_strategy(
+        specs, config, dp_size=dp_size, expt_dp_size=dp_size // ep_size,
+        expert_shares_dp_group=ep_size == 1, disable_bucketing=disable_bucketing,
+        unit_of_param=_zero3_units(model, unit_plan, trainable),
+    )  # fmt: skip
     return Inspection(
         model_name, config, dp_size, plan.bucket_size, numel_total, buffers, _group_infos(plan),
-        plan, units,
+        plan, units, memory,
     )  # fmt: skip
+
+
+def _zero3_units(
+    model: nn.Module, unit_plan: UnitPlan | None, trainable: Sequence[tuple[str, nn.Parameter]]
+) -> tuple[int, ...]:
+    """The shard unit of each trainable param for the memory table's optim_grads_params row:
+    the configured units, else the default policy's (its one-unit warning is for runs, not for
+    a table row)."""
+    if unit_plan is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            unit_plan = plan_units(model, (), trainable)
+    return unit_plan.unit_ids([n for n, _ in trainable])
 
 
 def _unit_infos(units: UnitPlan, plan: Plan, specs: Sequence[ParamSpec]) -> tuple[UnitInfo, ...]:
@@ -289,6 +310,7 @@ def format_inspection(info: Inspection, *, show_params: bool = False) -> str:
     lines.extend(_format_units(info, show_params))
     lines.append(f"bucket groups ({len(info.plan.groups)}), in dispatch order:")
     lines.extend(_format_chains(info))
+    lines.extend(format_memory_table(info.memory, info.dp_size, "Adam"))
     return "\n".join(lines)
 
 
@@ -391,4 +413,15 @@ def inspection_to_dict(info: Inspection) -> dict[str, object]:
             }
             for u in info.units
         ],
+        "memory": [_memory_dict(m) for m in info.memory],
+    }
+
+
+def _memory_dict(m: StrategyMemory) -> dict[str, object]:
+    return {
+        "strategy": m.strategy,
+        "dp_rank": m.dp_rank,
+        "bytes_per_param": m.bytes_per_param,
+        "textbook_bytes_per_param": m.textbook_bytes_per_param,
+        "nbytes": dict(m.nbytes),
     }

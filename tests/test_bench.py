@@ -181,6 +181,9 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
         if name != "no_comm":
             assert rows[name]["check_max_abs_error"] <= 1e-5, rows[name]
     assert rows["torch_ddp_gabv"]["ratio_to_ddp"] == 1.0
+    # model state measured by a storage walk equals the exact formula ([Note: memory formula])
+    distopt = rows["megabuf_distopt_overlap"]
+    assert distopt["persistent_nbytes"] == distopt["persistent_formula_nbytes"] > 0
     for name in ("megabuf_ar_overlap", "megabuf_distopt_overlap"):
         by_op = rows[name]["bytes_by_op"]
         layout = rows[name]["theoretical_bytes_layout"]

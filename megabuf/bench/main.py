@@ -26,6 +26,7 @@ from megabuf.bench.report import (
     combine_ranks,
     cuda_table,
     hook_table,
+    memory_table,
     phase_table,
     results_table,
     write_jsonl,
@@ -165,6 +166,11 @@ def print_report(opts: BenchOptions, rows: list[dict[str, Any]], seconds: float)
             f"the params); the one-step check of lossy hooks is to {LOSSY_CHECK_ATOL:g} (2 lr):"
         )
         print(hooked)
+        print()
+    memory = memory_table(rows)
+    if memory:
+        print("Model state per param (busiest rank; measured vs formula; memory.py):")
+        print(memory)
         print()
     print("Where the time goes (median ms per phase, rank 0; grad sync = finish_grad_sync):")
     print(phase_table(rows))

@@ -52,6 +52,9 @@ def combine_ranks(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
     row["step_ms_per_rank"] = [r["step_ms"] for r in per_rank]
     for key in ("peak_rss_bytes", "optimizer_state_nbytes"):
         row[key] = max(r[key] for r in per_rank)
+    for key in ("persistent_nbytes", "persistent_formula_nbytes"):  # the busiest rank
+        if all(key in r for r in per_rank):
+            row[key] = max(r[key] for r in per_rank)
     if all("peak_cuda_bytes" in r for r in per_rank):
         row["peak_cuda_bytes"] = max(r["peak_cuda_bytes"] for r in per_rank)
     errors = [r["check_max_abs_error"] for r in per_rank if r["check_max_abs_error"] is not None]
@@ -225,6 +228,36 @@ def cuda_table(rows: Sequence[dict[str, Any]]) -> str:
     systems only); empty when no row ran on CUDA."""
     lines = [_cuda_cells(r) for r in rows if r.get("status") == "ok" and "peak_cuda_bytes" in r]
     return markdown_table(CUDA_HEADER, lines) if lines else ""
+
+
+MEMORY_HEADER = [
+    "model", "system", "persistent B/param", "formula B/param", "measured = exact formula",
+    "persistent MiB",
+]  # fmt: skip
+
+
+def _memory_cells(row: dict[str, Any]) -> list[str]:
+    n, got, want = row["n_params"], row["persistent_nbytes"], row["persistent_formula_nbytes"]
+    same = "yes" if got == want else f"no ({got - want:+d} B)"
+    if not row.get("persistent_formula_exact", True):
+        same = "textbook"  # the formula leaves out padding, scalars and unreachable buffers
+    return [
+        row["model"], row["system"], f"{got / n:.3f}", f"{want / n:.3f}", same,
+        f"{got / MiB:.1f}",
+    ]  # fmt: skip
+
+
+def memory_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Model state each system keeps per trainable param on its busiest rank, measured
+    ([Note: measured model state] in memory.py) next to the formula: exact for megabuf's
+    distributed-optimizer strategies ([Note: memory formula]), the textbook figure otherwise
+    ([Note: model-state formula]); empty when no row has the figures."""
+    lines = [
+        _memory_cells(r)
+        for r in rows
+        if r.get("status") == "ok" and "persistent_nbytes" in r and r.get("n_params")
+    ]
+    return markdown_table(MEMORY_HEADER, lines) if lines else ""
 
 
 def write_jsonl(path: str, header: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:

@@ -27,7 +27,12 @@ from torch import Tensor
 
 import megabuf
 from megabuf.bench.hooks import HOOK_VARIANTS, build_hooked
-from megabuf.bench.memory import state_bytes_per_param
+from megabuf.bench.memory import (
+    formula_is_exact,
+    measured_persistent_nbytes,
+    persistent_formula_nbytes,
+    state_bytes_per_param,
+)
 from megabuf.bench.reference import (
     Reference,
     bench_model,
@@ -192,6 +197,12 @@ def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, A
             n: 1e3 * statistics.median(p[i] for p in phases) for i, n in enumerate(PHASES)
         },
         "optimizer_state_nbytes": optimizer_state_nbytes(engine.optimizer),
+        # [Note: measured model state] and [Note: memory formula]
+        "persistent_nbytes": measured_persistent_nbytes(engine),
+        "persistent_formula_nbytes": persistent_formula_nbytes(
+            engine, job.system.partition("+")[0], job_dp_size(), _trainable_numel(engine)
+        ),
+        "persistent_formula_exact": formula_is_exact(engine),
         "theoretical_bytes_per_step": engine.theoretical_nbytes,
         "bytes_per_step": None,
         "overlap": None,
@@ -215,6 +226,10 @@ def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, A
         out["overlap"] = analyze(engine.ddp.timeline.events).to_dict()
         out["timeline_events"] = list(engine.ddp.timeline.events)
     return out
+
+
+def _trainable_numel(engine: Engine) -> int:
+    return sum(p.numel() for p in engine.inner.parameters() if p.requires_grad)
 
 
 def job_dp_size() -> int:

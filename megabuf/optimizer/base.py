@@ -150,6 +150,9 @@ class MegabufOptimizer(torch.optim.Optimizer):
     def _norm_groups(self, kind: DomainKind) -> tuple[ProcessGroup, ...]:
         raise NotImplementedError
 
+    def _before_step(self) -> None:
+        """Called once the grads are known to be reduced, before anything reads them."""
+
     def _before_update(self) -> None:
         """Called right before main params change (e.g. finish in-flight param gathers)."""
 
@@ -186,6 +189,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
             )
         with torch.profiler.record_function("megabuf::optimizer_step"):
             self._check_grads_synced()
+            self._before_step()
             self._versions.reload_edited()
             lazy = self._upcast_window_numel() is not None
             attach = [mp for mp in self.main_params if not (lazy and is_half_grad(mp))]

@@ -53,7 +53,10 @@ def build_optimizer(
     dtypes = {p.dtype for p in params}
     _check_precision(config, dtypes)
     device = params_device(params, None)  # [Note: allocation device]
-    optimizer_cls, kwargs = optimizer_class_and_kwargs(config, device)
+    # cpu_offload on an accelerator: the inner optimizer steps host tensors ([Note: cpu offload])
+    offload = flags == {True} and any(c.ddp_config.cpu_offload for c in chunks)
+    step_device = torch.device("cpu") if offload else device
+    optimizer_cls, kwargs = optimizer_class_and_kwargs(config, step_device)
     grad_scaler = make_grad_scaler(config, device)
     if flags == {True}:
         cls: type[MegabufOptimizer] = DistributedOptimizer

@@ -59,7 +59,8 @@ def _local_sq_sum(grads: Sequence[Tensor], device: torch.device) -> Tensor:
     # bf16/fp16 grads read in place: norm of the exact fp32 upcast, without making it
     half = any(g.dtype != torch.float32 for g in grads)
     norms = torch._foreach_norm(list(grads), 2, dtype=torch.float32 if half else None)
-    return torch.stack([n.float() for n in norms]).pow(2).sum().reshape(1)
+    # host grads (cpu offload) are summed on the host; the reduction runs on `device`
+    return torch.stack([n.float() for n in norms]).pow(2).sum().reshape(1).to(device)
 
 
 def global_grad_norm(

@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.main_params import MainParam, sharded_main_params
+from megabuf.optimizer.offload import CPUOffload
 from megabuf.optimizer.param_groups import grad_buffers
 from megabuf.optimizer.records import DomainKind
 
@@ -40,6 +41,8 @@ class DistributedOptimizer(MegabufOptimizer):
     """
 
     sharded = True
+    _offload: CPUOffload | None = None  # cpu_offload on CUDA params, see [Note: cpu offload]
+    _offload_checked = False
 
     def _check_chunks(self, chunks: Sequence[DistributedDataParallel]) -> None:
         for i, chunk in enumerate(chunks):
@@ -56,7 +59,20 @@ class DistributedOptimizer(MegabufOptimizer):
         ]
         if not buffers:
             return None
-        return [mp for buf in buffers for mp in sharded_main_params(buf, self.keys)]
+        mains = [mp for buf in buffers for mp in sharded_main_params(buf, self.keys)]
+        offload = self._cpu_offload()
+        return offload.offload(mains) if offload is not None else mains
+
+    def _cpu_offload(self) -> CPUOffload | None:
+        """cpu_offload's host copies, made once (before the first domain's main params)."""
+        if not self._offload_checked:
+            self._offload = CPUOffload.for_chunks(self.model_chunks, self.grad_scaler)
+            self._offload_checked = True
+        return self._offload
+
+    def _before_step(self) -> None:
+        if self._offload is not None:  # [Note: cpu offload]
+            self._offload.fetch_grads()
 
     def _norm_groups(self, kind: DomainKind) -> tuple[ProcessGroup, ...]:
         pgs = self.process_groups  # see [Note: global grad norm]

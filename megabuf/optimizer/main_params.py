@@ -66,16 +66,23 @@ class MainParam:
 
 def write_back_all(main_params: Sequence[MainParam]) -> None:
     """Copy the updated values of every main param that is a copy into the model's memory
-    (rounded to its dtype): one `_foreach_copy_` per (device, model dtype)."""
-    lists: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
+    (rounded to its dtype): one `_foreach_copy_` per (device, model dtype, main's device).
+    Host main params (cpu offload) are copied without blocking the host, ordered on the
+    device's current stream ([Note: cpu offload] in offload.py)."""
+    Key = tuple[torch.device, torch.dtype, torch.device]
+    lists: dict[Key, tuple[list[Tensor], list[Tensor]]] = {}
     for mp in main_params:
         if mp.model_data is not None:
-            key = (mp.model_data.device, mp.model_data.dtype)
+            key = (mp.model_data.device, mp.model_data.dtype, mp.main.device)
             dst, src = lists.setdefault(key, ([], []))
             dst.append(mp.model_data)
             src.append(mp.main.view(mp.model_data.shape))
-    for dst, src in lists.values():
-        torch._foreach_copy_(dst, src)
+    for (device, _, src_device), (dst, src) in lists.items():
+        if src_device == device:
+            torch._foreach_copy_(dst, src)
+            continue
+        for d, s in zip(dst, src, strict=True):  # pinned host -> device: asynchronous
+            d.copy_(s, non_blocking=True)
 
 
 def sharded_main_params(

@@ -1,0 +1,59 @@
+"""The benchmark's memory figures (megabuf/bench/memory.py, report.py): the textbook formula picks
+up the ZeRO-2/3 systems by name, the measured model state of a plain torch system, and the
+measured-vs-formula table. Pure: no process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from megabuf.bench.memory import measured_persistent_nbytes, state_bytes_per_param
+from megabuf.bench.report import memory_table
+from megabuf.bench.systems import Engine
+
+
+@pytest.mark.parametrize(
+    ("system", "dp", "want"),
+    [
+        ("megabuf_zero2", 4, 7.0),  # 4 param + (4 grad + 8 moments) / 4
+        ("megabuf_zero2_overlap", 2, 10.0),
+        ("megabuf_zero3", 4, 4.0),  # 16 / 4, as FSDP2
+        ("megabuf_zero3_noreshard", 2, 8.0),
+    ],
+)
+def test_state_formula_knows_the_sharded_megabuf_systems(system: str, dp: int, want: float) -> None:
+    assert state_bytes_per_param(system, dp) == want
+
+
+def test_measured_model_state_of_a_torch_system() -> None:
+    """fp32 params, their grads, AdamW's two moments and one 4-byte `step` per param; the
+    module buffer is left out."""
+    module = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5))
+    opt = torch.optim.AdamW(module.parameters(), foreach=True)
+    module(torch.randn(4, 6)).square().sum().backward()
+    opt.step()
+    engine = Engine(module, module, opt, 0, opt.zero_grad)
+    n = sum(p.numel() for p in module.parameters())
+    n_tensors = len(list(module.parameters()))
+    assert measured_persistent_nbytes(engine) == 16 * n + 4 * n_tensors
+
+
+def test_memory_table_compares_measured_with_formula() -> None:
+    rows = [
+        {"model": "m", "system": "megabuf_distopt_sync", "status": "ok", "n_params": 100,
+         "persistent_nbytes": 1000, "persistent_formula_nbytes": 1000},
+        {"model": "m", "system": "megabuf_distopt_overlap", "status": "ok", "n_params": 100,
+         "persistent_nbytes": 900, "persistent_formula_nbytes": 800},
+        {"model": "m", "system": "fsdp2_reshard", "status": "ok", "n_params": 100,
+         "persistent_nbytes": 900, "persistent_formula_nbytes": 800,
+         "persistent_formula_exact": False},
+        {"model": "m", "system": "torch_ddp", "status": "n/a (not available)"},
+    ]  # fmt: skip
+    table = memory_table(rows)
+    lines = table.splitlines()
+    assert len(lines) == 5  # header, rule, three ok rows
+    assert "| megabuf_distopt_sync" in lines[2] and "10.000" in lines[2] and "yes" in lines[2]
+    assert "9.000" in lines[3] and "8.000" in lines[3] and "no (+100 B)" in lines[3]
+    assert "| fsdp2_reshard" in lines[4] and "textbook" in lines[4]
+    assert memory_table([rows[3]]) == ""
