@@ -178,6 +178,10 @@ class DistributedDataParallel(nn.Module):
         self._grad_hook_handles = register_grad_hooks(
             params, self.param_to_bucket_group, set(self._grads.linked), self._on_grad
         )
+        for group in self.all_bucket_groups:  # the hooks hold the views: guard the attribute
+            if group.sharded_grads is not None:
+                names = [self.param_to_name[p] for p in group.params_list]
+                group.sharded_grads.guard_main_grads(group.params_list, names)
         self._module_buffers = list(self.module.buffers())
         self.param_gather_hooks = ParamGatherHooks(self.module, self.param_to_bucket_group)
         if self.ddp_config.overlap_param_gather:

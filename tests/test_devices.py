@@ -59,6 +59,10 @@ CPU_ALLOWLIST = {
     ("bench/options.py", "build_parser"): "--device's default: CPU models and gloo on any "
     "machine unless --device cuda is asked for",
     ("bench/worker.py", "_rank_device"): "the benchmark's own choice of device (--device)",
+    ("optimizer/offload.py", "*"): "cpu_offload: main params, optimizer state and grad copies "
+    "live on the host by definition ([Note: cpu offload])",
+    ("optimizer/builder.py", "build_optimizer"): "cpu_offload: the inner optimizer steps the "
+    "host copies, so its kernels are chosen for the CPU",
     ("process_groups.py", "init_distributed"): "device='cpu' default: gloo for CPU models "
     "even where CUDA is visible (the caller says which device its model is on)",
 }

@@ -296,6 +296,8 @@ WIRE: dict[str, dict[str, Any]] = {  # bf16 params, fp32 grads, M = 3
     },
 }
 MISUSE_MESSAGES = {
+    "main_grad_after_sync": r"RuntimeError: megabuf: \S+\.main_grad is not held: under "
+    r"data_parallel_sharding_strategy optim_grads",
     "illegal_transition": r"RuntimeError: megabuf: bucket group \d+ grad buckets are RELEASED, "
     r"expected REDUCING \(rank \d\)",
     "torch_optimizer": r"RuntimeError: megabuf: SGD steps \w+.*use_distributed_optimizer=True",
@@ -488,3 +490,30 @@ def test_reading_a_released_main_grad_never_returns_values() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "ImportError" not in proc.stderr, proc.stderr  # the read itself must be what failed
     assert proc.returncode != 0 and "read" not in proc.stdout, (proc.returncode, proc.stdout)
+
+
+def test_main_grad_is_a_loud_placeholder_while_released_and_the_view_while_held() -> None:
+    """[Note: sharded grad lifecycle]: a guarded param's `main_grad` raises naming the param on
+    any use while its group is released (a method, a torch function, truthiness), and is the
+    very view into the refilled bucket while the group holds grads."""
+    from megabuf.sharding.grads import ReleasedMainGrad
+
+    grads, params, _ = _lifecycle([100, 30], dp_size=2, dp_rank=0)
+    views = [p.main_grad for p in params]
+    grads.guard_main_grads(params, ["fc.weight", "fc.bias"])
+    for use in (
+        lambda g: g.sum(),
+        lambda g: torch.linalg.vector_norm(g),
+        lambda g: torch.add(1.0, g),
+        bool,
+    ):
+        with pytest.raises(RuntimeError, match=r"megabuf: fc\.weight\.main_grad is not held"):
+            use(params[0].main_grad)
+    assert isinstance(params[1].main_grad, ReleasedMainGrad)
+    grads.acquire()
+    assert all(p.main_grad is v for p, v in zip(params, views))
+    held = params[0].main_grad.untyped_storage()
+    assert held.data_ptr() == grads.full[0].untyped_storage().data_ptr() and held.nbytes() > 0
+    grads.start(needs_scratch=False)
+    grads.finish()
+    assert isinstance(params[0].main_grad, ReleasedMainGrad)

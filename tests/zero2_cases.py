@@ -314,7 +314,15 @@ def _reproducibility() -> None:
     _param_space_grads(_simple_model())
 
 
+def _main_grad_after_sync() -> None:
+    model = _simple_model()
+    _backward(model)
+    param = next(iter(model.param_to_name))
+    param.main_grad.sum()  # type: ignore[attr-defined]
+
+
 MISUSES = {
+    "main_grad_after_sync": _main_grad_after_sync,
     "illegal_transition": _illegal_transition,
     "torch_optimizer": _torch_optimizer,
     "backward_after_finish": _backward_after_finish,

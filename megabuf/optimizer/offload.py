@@ -35,6 +35,8 @@ from megabuf.ddp import DistributedDataParallel
 from megabuf.devices import params_device
 from megabuf.optimizer.main_params import MainParam
 
+HOST = torch.device("cpu")  # where cpu_offload keeps main params, state and grad copies
+
 
 class CPUOffload:
     """Host copies of main params and grads, and the copies between device and host."""
@@ -87,9 +89,11 @@ class CPUOffload:
         """Host versions of `main_params` (sharded, on this device); see [Note: cpu offload]."""
         out = []
         for mp in main_params:
-            main = torch.empty(mp.main.shape, dtype=torch.float32, pin_memory=True)
+            main = torch.empty(mp.main.shape, dtype=torch.float32, device=HOST, pin_memory=True)
             main.copy_(mp.main)  # fp32 already: the device copy (or the buffer view) is exact
-            grad = torch.empty(mp.model_grad.shape, dtype=mp.model_grad.dtype, pin_memory=True)
+            grad = torch.empty(
+                mp.model_grad.shape, dtype=mp.model_grad.dtype, device=HOST, pin_memory=True
+            )
             data = mp.model_data if mp.model_data is not None else mp.main.view(-1)
             self._device_grads.append(mp.model_grad)
             self._host_grads.append(grad)

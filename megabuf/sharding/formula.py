@@ -75,7 +75,7 @@ def optimizer_spec(optimizer: torch.optim.Optimizer) -> OptimizerStateSpec:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _check_strategy(strategy: str) -> None:

@@ -36,9 +36,10 @@ backward inside `no_sync()` ends with `DistributedDataParallel.finish_microbatch
 what is left, wait, add into the shards, release; groups back to IDLE) instead of the grad sync.
 With "accumulate_unsharded" a `no_sync()` backward only accumulates into the full buckets.
 A released storage has 0 bytes and its views keep their shapes: on CPU (torch 2.13) *reading*
-such a view crashes the process instead of raising, so `param.main_grad` and `bucket.grad_data`
-may only be read while their group holds grads (between its first grad and the end of its
-reduction); megabuf itself reads the reduced grads only through the shards
+such a view crashes the process instead of raising. So while a group is released each of its
+params' `main_grad` attribute is a `ReleasedMainGrad`, which raises a RuntimeError naming the
+param on any use, and the view comes back at acquire (the engine's grad hooks keep the view
+itself, never the attribute). megabuf reads the reduced grads only through the shards
 (`buffer.reduced_grad`, `bucket.grad_shard`), and `buffer.grad_data` raises.
 Every refill and release is recorded in the engine's `MemoryLedger`: "grad_buckets" (transient:
 the groups accumulating or reducing at once, each its buckets' bytes), "grad_scratch" (transient,
@@ -52,6 +53,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -121,6 +123,41 @@ def _resize(t: Tensor, nbytes: int) -> None:
         storage.resize_(nbytes)
 
 
+class ReleasedMainGrad:
+    """`param.main_grad` while its grad bucket is released ([Note: sharded grad lifecycle]):
+    any attribute, torch function or conversion raises a RuntimeError naming the param, where
+    the released view would crash the process."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def error(self) -> RuntimeError:
+        return RuntimeError(
+            f"megabuf: {self.name}.main_grad is not held: under data_parallel_sharding_strategy "
+            "optim_grads / optim_grads_params a param's full grad exists only while its bucket "
+            "group accumulates and reduces, and afterwards only this rank's reduced shard is "
+            "kept ([Note: sharded grad lifecycle]). Read reduced grads through the optimizer "
+            "(opt.step() returns the grad norm) or buffer.reduced_grad(start, end); use "
+            "strategy 'optim' to keep full grads"
+        )
+
+    def __getattr__(self, attr: str) -> Any:
+        raise self.error()
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        released = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls))
+        raise released.error()
+
+    def __bool__(self) -> bool:
+        raise self.error()
+
+    def __repr__(self) -> str:
+        return f"<megabuf: released main_grad of {self.name}>"
+
+
 class ShardedGrads:
     """The grad storages of one bucket group's buckets; see [Note: sharded grad lifecycle].
 
@@ -164,6 +201,21 @@ class ShardedGrads:
         self.state = GradBucketState.RELEASED
         self._fresh = True  # no reduction landed since zero(): the next one is copied
         ledger.alloc(GRAD_SHARD, self.shard_nbytes)
+        # (param, its main_grad view, a ReleasedMainGrad) once guard_main_grads() ran
+        self._guarded: list[tuple[Any, Tensor, ReleasedMainGrad]] = []
+
+    def guard_main_grads(self, params: Sequence[Any], names: Sequence[str]) -> None:
+        """From now on `param.main_grad` is its view only while this group holds grads, and a
+        `ReleasedMainGrad` otherwise. Call once the engine has taken the views it keeps."""
+        self._guarded = [
+            (p, p.main_grad, ReleasedMainGrad(n)) for p, n in zip(params, names, strict=True)
+        ]
+        if self.released:
+            self._swap_main_grads(held=False)
+
+    def _swap_main_grads(self, held: bool) -> None:
+        for param, view, released in self._guarded:
+            param.main_grad = view if held else released
 
     # ---- the guard --------------------------------------------------------------------------
     def _expect(self, *states: GradBucketState) -> None:
@@ -186,6 +238,7 @@ class ShardedGrads:
         for t in self.full:
             _resize(t, _nbytes(t))
         self.ledger.alloc(GRAD_BUCKETS, self.full_nbytes)
+        self._swap_main_grads(held=True)
         if not self.landing:  # first acquire: the views, made once
             self.landing = [f[lo:hi] for f, (lo, hi) in zip(self.full, self._shard_ranges)]
             pads = zip(self.full, self._padding_ranges)
@@ -262,6 +315,7 @@ class ShardedGrads:
                 _resize(s, 0)
             self.ledger.free(GRAD_SCRATCH, self.full_nbytes)
             self._scratch_held = False
+        self._swap_main_grads(held=False)
         for t in self.full:
             _resize(t, 0)
         self.ledger.free(GRAD_BUCKETS, self.full_nbytes)
