@@ -37,6 +37,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "eps": 1e-4,
         "ddp": {"use_distributed_optimizer": True, "grad_reduce_in_fp32": True, "bucket_size": 60},
     },
+    "zero3_adamw": {  # saved under ZeRO-3; resumed under ZeRO-1 at dp=2, no_shard at dp=1
+        "optimizer": "adamw",
+        "ddp": {"data_parallel_sharding_strategy": "optim_grads_params", "bucket_size": 100},
+        "resume_ddp": {37: {"use_distributed_optimizer": True}, None: {}},  # by bucket size
+    },
     "mixed_bf16_sgd": {  # non-distributed MixedPrecisionOptimizer: dp rank 0 writes whole params
         "optimizer": "sgd",
         "bf16": True,
@@ -46,8 +51,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def final_params(model: megabuf.DistributedDataParallel) -> dict[str, torch.Tensor]:
-    model.publish_params()
-    return {n: p.detach().float().clone() for n, p in model.module.named_parameters()}
+    """The params by name (collective under ZeRO-3, whose state_dict() gathers them)."""
+    names = [n for n, _ in model.module.named_parameters()]
+    state = model.state_dict()
+    return {n: state[n].detach().float().clone() for n in names}
 
 
 def _train(model: Any, opt: Any, steps: range) -> None:
@@ -101,7 +108,8 @@ def leftovers(root: str) -> list[str]:
 def resume(root: str, name: str, bucket_size: int | None) -> dict[str, torch.Tensor]:
     """At another dp size and bucket size: load and run the remaining steps."""
     case = VARIANTS[name]
-    case = {**case, "ddp": {**case["ddp"], "bucket_size": bucket_size}}
+    ddp = case.get("resume_ddp", {}).get(bucket_size, case["ddp"])
+    case = {**case, "ddp": {**ddp, "bucket_size": bucket_size}}
     model, opt = _fresh(case)
     megabuf.load_checkpoint(os.path.join(root, name), model, opt)
     _train(model, opt, range(SAVE_AFTER, TOTAL_STEPS))

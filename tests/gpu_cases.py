@@ -44,8 +44,10 @@ def env_probe(names: list[str]) -> dict[str, Any]:
 
 
 def _params_cpu(model: megabuf.DistributedDataParallel) -> dict[str, torch.Tensor]:
-    model.publish_params()
-    return {n: p.detach().float().cpu().clone() for n, p in model.module.named_parameters()}
+    """The params by name (collective under ZeRO-3, whose state_dict() gathers them)."""
+    names = [n for n, _ in model.module.named_parameters()]
+    state = model.state_dict()
+    return {n: state[n].detach().float().cpu().clone() for n in names}
 
 
 def _train(model: Any, opt: Any, steps: range, case: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """Checkpoints are in model space: saved at dp=4 (synchronously, and asynchronously for the bf16
 variant), they resume at dp=2 and dp=1 with other bucket sizes, and 5 more steps give the same
-params as the uninterrupted run. Pipeline (pp=2) and expert-parallel (ep=2) models, on the
+params as the uninterrupted run; the ZeRO-3 variant (optim_grads_params at dp=4) resumes under
+ZeRO-1 at dp=2 and under no_shard at dp=1. Pipeline (pp=2) and expert-parallel (ep=2) models, on the
 distributed optimizer and the all-reduce path, save and resume at the same sizes; their
 full_state_dict gathers every stage and ep rank."""
 

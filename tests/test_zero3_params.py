@@ -147,3 +147,21 @@ def test_default_units_never_pick_a_container_without_forward() -> None:
     many.blocks = torch.nn.ModuleDict({str(i): torch.nn.Linear(4, 4) for i in range(3)})
     plan = plan_units(many, (), list(many.named_parameters()))
     assert [u.name for u in plan.units] == ["", "blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_stray_read_guard_allows_metadata_reads_of_a_released_param() -> None:
+    """[Note: stray reads]: `.dtype`, `.shape`, `.size()` of a released param are metadata (a
+    released param keeps them), so another unit may read them; reading values raises by name."""
+    from types import SimpleNamespace
+
+    from megabuf.sharding.read_guard import StrayReadGuard
+
+    param = torch.nn.Parameter(torch.ones(3, 2))
+    released = SimpleNamespace(state=ParamShardState.SHARDED)
+    owners: Any = {param: ("tail.weight", "tail", released)}
+    guard = StrayReadGuard(owners, lambda: "", rank=0)
+    with guard:
+        assert param.dtype == torch.float32 and param.shape == (3, 2) and param.size(0) == 3
+        assert param.dim() == 2 and param.numel() == 6
+        with pytest.raises(RuntimeError, match=r"megabuf: tail\.weight \(shard unit tail\)"):
+            torch.ones(2).to(param)

@@ -9,10 +9,11 @@ storage: some kernels raise torch's "out of bounds for storage of size 0", other
 CPU kernels) dereference a null pointer and crash the process. So the first forward with grad
 on and the first without run under this TorchFunctionMode: before any torch function runs, a
 sharded param among its arguments whose unit is not gathered raises a RuntimeError naming the
-param, its unit and the unit running. Later forwards run unguarded (no per-op cost); a read
-that only a later forward makes, or a read outside forward (use `model.summon_full_params()`),
-is not caught. `verify_param_access=True` keeps released storage NaN-filled instead, so such
-reads give NaN rather than a crash.
+param, its unit and the unit running; reads of metadata only (`.dtype`, `.shape`, `.size()`,
+..., `METADATA_READS`) are allowed, a released param keeps them. Later forwards run unguarded
+(no per-op cost); a read that only a later forward makes, or a read outside forward (use
+`model.summon_full_params()`), is not caught. `verify_param_access=True` keeps released storage
+NaN-filled instead, so such reads give NaN rather than a crash.
 """
 
 from __future__ import annotations
@@ -20,11 +21,27 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from megabuf.sharding.params import ParamShardState, ShardedParams
+
+_METADATA_PROPERTIES = (
+    "dtype", "shape", "device", "requires_grad", "is_leaf", "ndim", "layout", "is_cuda",
+    "is_meta", "is_sparse", "is_quantized", "names", "grad_fn", "itemsize",
+)  # fmt: skip
+_METADATA_METHODS = (
+    "size", "dim", "numel", "element_size", "is_floating_point", "is_complex", "nelement",
+    "get_device", "is_contiguous", "stride",
+)  # fmt: skip
+METADATA_READS = frozenset(
+    [getattr(torch.Tensor, n).__get__ for n in _METADATA_PROPERTIES if hasattr(torch.Tensor, n)]
+    + [getattr(torch.Tensor, n) for n in _METADATA_METHODS]
+)
+"""Torch functions that read a tensor's metadata, never its storage: a released param keeps its
+shape, dtype and device, so `x.to(self.fc.weight.dtype)` in another unit is not a stray read."""
 
 
 class StrayReadGuard(TorchFunctionMode):
@@ -44,6 +61,8 @@ class StrayReadGuard(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in METADATA_READS:
+            return func(*args, **kwargs)
         flat, _ = tree_flatten((args, kwargs))
         for arg in flat:
             if isinstance(arg, nn.Parameter):
