@@ -478,15 +478,20 @@ class DistributedDataParallel(nn.Module):
         if not self._microbatch_pending:
             return
         self._microbatch_pending = False
+        self._reduce_and_wait()
+        for group in self.all_bucket_groups:
+            group.next_microbatch()
+        for chain in self._chains:
+            chain.reset()
+
+    def _reduce_and_wait(self) -> None:
+        """Dispatch what is left in chain order, wait for every group, learn arrival counts."""
         self.start_grad_sync()
         for chain in self._chains:
             for group in chain.groups:
                 group.finish_grad_sync()
         for group in self.all_bucket_groups:
             group.learn_arrivals()
-            group.next_microbatch()
-        for chain in self._chains:
-            chain.reset()
 
     def start_grad_sync(self) -> None:
         """Dispatch every reduction not yet dispatched, in chain order (e.g. from a pipeline's
@@ -506,12 +511,7 @@ class DistributedDataParallel(nn.Module):
         if self.timeline is not None:
             self.timeline.record(BACKWARD_END_GROUP_ID, "backward_end")
         self._structure.check(self.rank)
-        self.start_grad_sync()
-        for chain in self._chains:
-            for group in chain.groups:
-                group.finish_grad_sync()
-        for group in self.all_bucket_groups:
-            group.learn_arrivals()
+        self._reduce_and_wait()
         if self.ddp_config.check_for_nan_in_grad:
             pgs = self.process_groups
             raise_on_nonfinite_grads(
