@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -35,11 +35,8 @@ from megabuf.bucket_group import BucketGroup, DispatchChain, GradSyncState, Para
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.comm_hooks import build as build_comm_hook
-from megabuf.comm_hooks.contract import CommHookRegistrationError, hook_name
-from megabuf.comm_hooks.fixed_order import Deterministic, require_deterministic
-from megabuf.comm_hooks.registration import install as install_comm_hook
-from megabuf.comm_hooks.registration import selected_kinds
-from megabuf.comm_hooks.telemetry import HookReport, hook_report
+from megabuf.comm_hooks.engine_api import CommHookMethods
+from megabuf.comm_hooks.fixed_order import Deterministic
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.devices import params_device
 from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
@@ -57,8 +54,6 @@ from megabuf.replicas import (
 from megabuf.sharding.grads import (
     ShardedGrads,
     bucket_padding_ranges,
-    check_error_feedback,
-    error_feedback_nbytes,
     shards_grads,
 )
 from megabuf.sharding.ledger import MemoryLedger
@@ -71,7 +66,7 @@ logger = logging.getLogger(__name__)
 BACKWARD_END_GROUP_ID = -1  # group id of the timeline's "backward_end" marker
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(CommHookMethods, nn.Module):
     """Megatron-style data parallelism for any module: grads accumulate into contiguous
     buffers (`param.main_grad` views) and are reduced bucket group by bucket group.
 
@@ -112,7 +107,6 @@ class DistributedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         options = torch_compat.resolve(module, ddp_config, process_groups, torch_ddp_args)
-        _refuse_unbuilt_strategy(options.ddp_config)
         self.module = module
         self.ddp_config = options.ddp_config
         self.process_groups = options.process_groups or ProcessGroups.default()
@@ -331,10 +325,6 @@ class DistributedDataParallel(nn.Module):
 
     # ---- grad sync ----------------------------------------------------------------------------
     @property
-    def all_bucket_groups(self) -> list[BucketGroup]:
-        return self.bucket_groups + self.expert_parallel_bucket_groups
-
-    @property
     def require_backward_grad_sync(self) -> bool:
         """torch DDP's flag: False makes backward only accumulate (as inside `no_sync()`)."""
         return self._backward_sync.require_sync
@@ -368,97 +358,6 @@ class DistributedDataParallel(nn.Module):
         if self._grads.exposed:
             self._grads.begin_backward()
         self._backward_sync.on_grad()
-
-    def register_comm_hook(self, hook: object, *, buffers: str = "all") -> None:
-        """Reduce the `buffers` ("dense", "expert" or "all") buckets with `hook` instead of the
-        engine's collective: see [Note: comm hook contract] in megabuf/comm_hooks/contract.py
-        and the built-ins in `megabuf.comm_hooks`. Once per kind, before the first backward;
-        every rank must register the same hook."""
-        if self._backward_seen:
-            raise CommHookRegistrationError(
-                f"megabuf: register_comm_hook({hook_name(hook)}) after a backward (rank "
-                f"{self.rank}); register before the first backward, as torch DDP requires"
-            )
-        cfg = self.ddp_config
-        if cfg.deterministic_reduction:  # [Note: deterministic reduction]
-            require_deterministic(hook, self.rank)
-        strategy = cfg.data_parallel_sharding_strategy
-        sharded = shards_grads(strategy)
-        if sharded:
-            check_error_feedback(hook, strategy, self.rank)
-        with ExitStack() as stack:  # optim_grads*: views into the buckets need their storage
-            for group in self.all_bucket_groups:
-                if group.sharded_grads is not None:
-                    stack.enter_context(group.sharded_grads.materialized())
-            install_comm_hook(
-                hook, self.all_bucket_groups, self.plan, expert_kinds=selected_kinds(buffers),
-                use_distributed_optimizer=bool(cfg.use_distributed_optimizer),
-                average=cfg.average_in_collective, rank=self.rank, replaceable=self._mode_hook,
-            )  # fmt: skip
-        nbytes = error_feedback_nbytes(hook) if sharded else 0
-        if nbytes:
-            self.memory_ledger.alloc("comm_hook_error_feedback", nbytes)
-            logger.warning(
-                "megabuf: %s keeps full-size error feedback under %s: %d bytes on rank %d "
-                "(allow_full_size_error_feedback=True)", hook_name(hook), strategy, nbytes,
-                self.rank,
-            )  # fmt: skip
-
-    def comm_hooks(self) -> dict[str, object]:
-        """The registered comm hooks: "dense" / "expert" -> hook (a hook registered for "all"
-        appears under both; a kind without a hook or without buffers is absent).
-        `save_checkpoint` saves the state of those with `state_dict()`: [Note: comm hook state
-        in checkpoints] in megabuf/checkpoint/hook_state.py."""
-        hooks: dict[str, object] = {}
-        for kind, groups in (
-            ("dense", self.bucket_groups), ("expert", self.expert_parallel_bucket_groups)
-        ):  # fmt: skip
-            hook = next((g.comm_hook for g in groups if g.comm_hook is not None), None)
-            if hook is not None:
-                hooks[kind] = hook
-        return hooks
-
-    def _unique_comm_hooks(self) -> list[object]:
-        hooks: list[object] = []
-        for hook in self.comm_hooks().values():
-            if not any(hook is h for h in hooks):
-                hooks.append(hook)
-        return hooks
-
-    def notify_comm_hooks_step_skipped(self) -> None:
-        """Tell the registered comm hooks that the optimizer skipped the step whose grads they
-        just reduced (inf/NaN): each hook's optional `on_step_skipped()` runs (PowerSGD drops
-        its residuals and Q). megabuf's optimizers call it; with torch's GradScaler, call it on
-        every rank when `scaler.step(opt)` skipped (e.g. the scale went down)."""
-        for hook in self._unique_comm_hooks():
-            method = getattr(hook, "on_step_skipped", None)
-            if method is not None:
-                method()
-
-    def notify_comm_hooks_loss_scale_changed(self, ratio: float) -> None:
-        """Tell the registered comm hooks that the loss scale was multiplied by `ratio` (new /
-        old): each hook's optional `on_loss_scale_change(ratio)` runs (PowerSGD rescales its
-        residuals). megabuf's optimizers call it; with torch's GradScaler, call it on every
-        rank after `scaler.update()` changed `scaler.get_scale()`."""
-        for hook in self._unique_comm_hooks():
-            method = getattr(hook, "on_loss_scale_change", None)
-            if method is not None:
-                method(ratio)
-
-    def _install_deterministic(self) -> None:
-        """deterministic_reduction: `Deterministic` on each buffer kind that has no hook yet;
-        a deterministic hook registered later replaces it."""
-        expert_of = {g.group_id: g.expert for g in self.plan.groups}
-        free = {expert_of[g.group_id] for g in self.all_bucket_groups if g.comm_hook is None}
-        if free:
-            self._mode_hook = Deterministic()
-            buffers = "all" if len(free) == 2 else ("expert" if True in free else "dense")
-            self.register_comm_hook(self._mode_hook, buffers=buffers)
-
-    def comm_hook_report(self, *, reset: bool = False) -> HookReport:
-        """Wire bytes and calls each registered comm hook issued, per bucket, since the last
-        reset ([Note: hook wire bytes] in megabuf/comm_hooks/telemetry.py)."""
-        return hook_report(self, reset=reset)
 
     def _finish_backward(self) -> None:
         """The end-of-backward callback ([Note: grad sync at backward end]): the grad sync, or
@@ -694,18 +593,6 @@ class DistributedDataParallel(nn.Module):
             )
         with self.summon_full_params(writeback=True):
             return self.module.load_state_dict(state_dict, strict=strict)
-
-
-IMPLEMENTED_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-
-
-def _refuse_unbuilt_strategy(cfg: DistributedDataParallelConfig) -> None:
-    strategy = cfg.data_parallel_sharding_strategy
-    if strategy not in IMPLEMENTED_STRATEGIES:
-        raise NotImplementedError(
-            f"megabuf: data_parallel_sharding_strategy={strategy!r} is not implemented yet "
-            f"(implemented: {list(IMPLEMENTED_STRATEGIES)}); use 'optim' (ZeRO-1)"
-        )
 
 
 def as_model_chunks(

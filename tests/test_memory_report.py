@@ -3,8 +3,7 @@
 equals an independent walk over unique storages ([Note: storage walk]) in total; transient
 categories are empty between steps and their peaks stay within `transient_bounds`.
 
-Adding a strategy to the sweep is one line of STRATEGIES; strategies not yet implemented
-(`IMPLEMENTED_STRATEGIES` in megabuf/ddp.py) are skipped."""
+Adding a strategy to the sweep is one line of STRATEGIES."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import pytest
 from dist_pool import case_result, run_each
 from memory_cases import memory_case, offload_case
 
-from megabuf.ddp import IMPLEMENTED_STRATEGIES
 from megabuf.sharding.formula import DEVICE_CATEGORIES, HOST_CATEGORIES
 
 STRATEGIES = [
@@ -39,9 +37,6 @@ def results(request: Any, pools: Any) -> tuple[int, list[dict[str, Any]]]:
 
 
 def _per_rank(results: Any, name: str) -> list[dict[str, Any]]:
-    strategy = CASES[name]["strategy"]
-    if strategy not in IMPLEMENTED_STRATEGIES:
-        pytest.skip(f"{strategy} not on main yet")
     return case_result(results[1], name)
 
 
@@ -101,8 +96,6 @@ def test_cpu_offload_on_cpu_params_warns_once_and_changes_nothing(
     """[Note: cpu offload]: with CPU params cpu_offload=True is a no-op with one UserWarning
     (per optimizer), and three AdamW steps give bitwise the main params and state of
     cpu_offload=False; nothing is reported as host memory."""
-    if strategy not in IMPLEMENTED_STRATEGIES:
-        pytest.skip(f"{strategy} not on main yet")
     for rank, got in enumerate(case_result(offload_results, strategy)):
         assert got["cpu_offload"] is True, rank
         assert len(got["warnings"]) == 1, (rank, got["warnings"])

@@ -2,7 +2,7 @@
 
 `python -m megabuf.bench.memory [--model gpt_small] [--dp 1,2,4]` builds the model with bf16
 params, fp32 grads (`grad_reduce_in_fp32`) and AdamW on dp CPU ranks under each strategy in
-`IMPLEMENTED_STRATEGIES`, takes one step (so the optimizer state exists), and prints the
+`SHARDING_STRATEGIES`, takes one step (so the optimizer state exists), and prints the
 persistent bytes rank 0 holds per model parameter, from `memory_report` (allocated tensors,
 padding included), next to the exact formula from the padded layout ([Note: memory formula])
 and the textbook figures of the design notes: 18 (no_shard: 2 param + 4 grad + 4 fp32 main
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import megabuf
-from megabuf.ddp import IMPLEMENTED_STRATEGIES
+from megabuf.config import SHARDING_STRATEGIES
 from megabuf.sharding.formula import (
     DEVICE_CATEGORIES,
     optimizer_spec,
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
           "optimizer B/param | gloo RS scratch B/param | padding |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for dp in (int(d) for d in args.dp.split(",")):
-        for strategy in IMPLEMENTED_STRATEGIES:
+        for strategy in SHARDING_STRATEGIES:
             res = spawn(_measure, dp, args.model, strategy)[0]
             book = textbook(strategy, dp if strategy != "no_shard" else 1)
             print(
