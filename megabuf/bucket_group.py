@@ -504,8 +504,14 @@ class BucketGroup:
         self.param_state = ParamSyncState.STALE
 
     def start_param_sync(self, force_sync: bool = False) -> None:
-        """All-gather each bucket's param shards; async when overlap_param_gather. Nothing to do
-        when params are valid or the gather is already in flight."""
+        """All-gather each bucket's param shards; async when overlap_param_gather. Without
+        `force_sync` nothing is done when params are valid or their gather is in flight. With
+        `force_sync` the params hold the gathered values on return, from any state: a stale
+        group gathers synchronously and a gather in flight is waited for ([Note: who waits for
+        param gathers] in ddp.py)."""
+        if force_sync and self.param_state is ParamSyncState.DISPATCHED:
+            self.finish_param_sync(skip_next_bucket_dispatch=True)
+            return
         if self.param_state is not ParamSyncState.STALE:
             return
         async_op = self.ddp_config.overlap_param_gather and not force_sync

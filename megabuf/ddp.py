@@ -16,6 +16,17 @@ stepping such params raises, see grads.py); megabuf's optimizer reads the shard 
 When the grad sync finishes: with `sync_grads_at_backward_end` (default) at the end of every
 backward run with grad sync on, as torch DDP; otherwise at `finish_grad_sync()`. What a later
 backward does with grads the user cleared or changed: [Note: grads the user changed].
+
+[Note: who waits for param gathers]
+With `overlap_param_gather` the step leaves every bucket group's param all-gather in flight
+(DISPATCHED); a param is readable only once its group is waited for. Every way to read params
+waits, and none returns early on a state it did not expect: a forward pre-hook waits for its
+group; a forward with the pre-hooks disabled (`disable_forward_pre_hook`, or a compiled model)
+waits for every group before the module runs; `start_param_sync(force_sync=True)` and
+`disable_forward_pre_hook()` wait for what is in flight and gather what is stale, so on return
+every param holds the last step's values; `publish_params()`, `state_dict()`,
+`summon_full_params()`, `save_checkpoint` and `full_state_dict` wait before reading. A wait
+only completes work every rank issued at the step, so it is never a collective of its own.
 """
 
 from __future__ import annotations
@@ -315,8 +326,9 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
             self._microbatch_pending = True
         if self.param_gather_hooks.enabled and (compiling or has_compiled(self.module)):
             self.param_gather_hooks.gather_at_root()  # [Note: compiled modules]
-        if self.param_gather_hooks.at_root:
-            self.publish_params()
+        hooks = self.param_gather_hooks
+        if hooks.at_root or (self.ddp_config.overlap_param_gather and not hooks.enabled):
+            self.publish_params()  # [Note: who waits for param gathers]
         sync_on = self._backward_sync.require_sync
         if self.sync_buffers_in_forward and torch.is_grad_enabled() and sync_on:
             with torch.no_grad():
@@ -494,6 +506,7 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
             with self.summon_full_params(writeback=True):
                 self._broadcast_params()
             return
+        self.publish_params()  # no gather in flight may land on top of the broadcast values
         self._broadcast_params()
 
     def _broadcast_params(self) -> None:
@@ -510,14 +523,20 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
     def start_param_sync(
         self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False
     ) -> None:
-        """After an optimizer step: gather params now (no overlap, or force_sync), or dispatch
-        every group's gather, in the order the next forward reads them, and let the forward
-        pre-hooks wait for each just in time ([Note: publishing params] in
-        optimizer/distributed.py). `force_dispatch` is accepted for Megatron's callers; every
-        gather is dispatched anyway. While torch.profiler records, gathers are synchronous: an
-        async gloo collective started inside a profiled region and waited on after it crashes
-        the process at exit. Collective: every dp rank calls it (the step does). A no-op under
-        optim_grads_params: units gather lazily in forward ([Note: who gathers when])."""
+        """After an optimizer step (the step calls it): dispatch every group's param gather, in
+        the order the next forward reads them, for the forward pre-hooks to wait on just in time
+        ([Note: publishing params] in optimizer/distributed.py); without overlap_param_gather,
+        or while torch.profiler records, gather synchronously (an async gloo collective started
+        inside a profiled region and waited on after it crashes the process at exit).
+
+        `force_sync=True` (Megatron's idiom before evaluation or checkpointing): on return every
+        param on this rank holds the gathered values of the last step; gathers in flight are
+        waited for, stale ones gathered now ([Note: who waits for param gathers]). Positional
+        arguments (Megatron's schedules pass the chunk's params) and `force_dispatch` are
+        accepted and change nothing: every gather is dispatched anyway. Collective when a group
+        is stale (only inside the step); otherwise it only waits. Under optim_grads_params a
+        no-op: params are shards between forwards, and forward, `state_dict()` and
+        `summon_full_params()` gather them ([Note: who gathers when])."""
         del unused, force_dispatch
         if self.param_units is not None:
             return
@@ -558,9 +577,16 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
             yield
 
     def enable_forward_pre_hook(self) -> None:
+        """Megatron's: forwards wait for each param gather just before its first reader again
+        (overlap_param_gather)."""
         self.param_gather_hooks.enable()
 
     def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        """Megatron's, before evaluation or checkpointing: no per-module waits in forward. With
+        `param_sync=True` every param holds the last step's gathered values on return
+        (`start_param_sync(force_sync=True)`); with False params are left as they are, and
+        the next forward still waits for every gather in flight before running the module, so
+        it never reads a param mid-gather ([Note: who waits for param gathers])."""
         self.param_gather_hooks.disable()
         if param_sync:
             self.start_param_sync(force_sync=True)

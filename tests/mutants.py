@@ -208,6 +208,22 @@ MUTANTS = (
         "            for group in (self.process_groups.pp,):\n",
         ("tests/test_optimizer_distributed.py", "tests/test_optimizer_contract.py"),
     ),
+    Mutant(
+        "force-sync-returns-on-a-gather-in-flight",
+        "start_param_sync(force_sync=True) returns with every param gathered (issue 23)",
+        "megabuf/bucket_group.py",
+        "        if force_sync and self.param_state is ParamSyncState.DISPATCHED:\n",
+        "        if False:\n",
+        ("tests/test_param_sync.py",),
+    ),
+    Mutant(
+        "unhooked-forward-reads-mid-gather",
+        "a forward with the pre-hooks disabled waits for every param gather in flight",
+        "megabuf/ddp.py",
+        "        if hooks.at_root or (self.ddp_config.overlap_param_gather and not hooks.enabled)",
+        "        if hooks.at_root",
+        ("tests/test_param_sync.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")
