@@ -533,7 +533,9 @@ class BucketGroup:
         group's gather so it overlaps with this group's forward compute."""
         if self.param_state is ParamSyncState.STALE:
             self.start_param_sync()
-        if self.param_state is ParamSyncState.DISPATCHED and self._param_work is not None:
+        if self.param_state is ParamSyncState.DISPATCHED:
+            if self._param_work is None:
+                raise RuntimeError(f"megabuf: bucket group {self.group_id} has no gather work")
             self._param_work.wait()
             self._param_work = None
         self.param_state = ParamSyncState.VALID
