@@ -342,7 +342,7 @@ class BucketGroup:
                 "iterations needs overlap_grad_reduce=False"
             )
         # SYNCED: a new backward without zero_grad_buffer(): accumulate on top, as torch does.
-        if self.ddp_config.use_distributed_optimizer:
+        if self.ddp_config.sharding.shards_optimizer:
             raise RuntimeError(
                 f"megabuf: backward after finish_grad_sync() without zero_grad_buffer() (rank "
                 f"{self.rank}, {self.name_of(param)}); with use_distributed_optimizer only "
@@ -395,16 +395,13 @@ class BucketGroup:
             if self.sharded_grads is not None:
                 self.sharded_grads.start(needs_scratch=False)
             return self._reduce_with_hook()
-        cfg = self.ddp_config
+        cfg, strategy = self.ddp_config, self.ddp_config.sharding
         grads = [b.grad_data for b in self.buckets]
         scales = [b.gradient_scaling_factor for b in self.buckets]
-        # Pre-scale, as torch DDP does (all-reduce results match it bit for bit). fp16 is always
-        # pre-scaled: a sum of dp fp16 values can overflow where their mean cannot. The
-        # distributed optimizer otherwise scales after the reduce-scatter: 1/dp of the elements.
-        pre = [not cfg.use_distributed_optimizer or g.dtype == torch.float16 for g in grads]
+        pre = [strategy.prescales(g.dtype) for g in grads]
         _foreach_scale([g for g, p in zip(grads, pre) if p], [f for f, p in zip(scales, pre) if p])
         group, average = self.collective_group, cfg.average_in_collective
-        if not cfg.use_distributed_optimizer:
+        if strategy.reduction == "all_reduce":
             return self.collectives.all_reduce_many(
                 grads, group, average=average, async_op=async_op
             )
@@ -517,7 +514,10 @@ class BucketGroup:
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         params = [b.param_data for b in self.buckets]
         if any(p is None for p in params):
-            raise RuntimeError("megabuf: param sync needs use_distributed_optimizer=True")
+            raise RuntimeError(
+                f"megabuf: bucket group {self.group_id} has no param_data to gather into: param "
+                "sync needs a strategy that shards the optimizer (use_distributed_optimizer=True)"
+            )
         full = [p for p in params if p is not None]
         pending = self.collectives.all_gather_many(
             full, [self.local_shard(p) for p in full], self.collective_group,

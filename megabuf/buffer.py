@@ -14,7 +14,7 @@ from torch.distributed import ProcessGroup
 
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.layout import BufferLayout, ParamSlot
-from megabuf.sharding.grads import allocate_bucket_grads, shards_grads
+from megabuf.sharding.grads import allocate_bucket_grads
 
 
 class _ParamAndGradBucket:
@@ -94,7 +94,8 @@ class _ParamAndGradBuffer:
 
     def _allocate(self) -> None:
         device = self.params[0].device
-        self.shards_grads = shards_grads(self.ddp_config.data_parallel_sharding_strategy)
+        strategy = self.ddp_config.sharding
+        self.shards_grads = strategy.shards_grads
         # 1-D, grad_dtype, padded numel; None when each bucket has its own storage (optim_grads*)
         self._grad_data: Tensor | None = None
         bucket_grads: list[Tensor] = []  # optim_grads*: 1-D per bucket, own storage, released
@@ -105,12 +106,12 @@ class _ParamAndGradBuffer:
         self.param_data: Tensor | None = None  # 1-D, param_dtype, padded numel (sharded only)
         # optim_grads_params: one full param tensor per bucket, each with its own storage
         self.bucket_params: list[Tensor] | None = None
-        if self.ddp_config.data_parallel_sharding_strategy == "optim_grads_params":
+        if strategy.param_home == "bucket_params":
             self.bucket_params = [
                 torch.zeros(b.numel, dtype=self.param_dtype, device=device)
                 for b in self.layout.buckets
             ]
-        elif self.ddp_config.use_distributed_optimizer:
+        elif strategy.param_home == "param_data":
             self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
         for param, slot in self.param_index_map.items():
             start, end = slot.start, slot.end
@@ -168,7 +169,7 @@ class _ParamAndGradBuffer:
         """The whole buffer's grads (1-D, grad_dtype, padded numel). Under optim_grads* there
         is no such tensor: raises, naming what to read instead."""
         if self._grad_data is None:
-            strategy = self.ddp_config.data_parallel_sharding_strategy
+            strategy = self.ddp_config.sharding.name
             raise RuntimeError(
                 f"megabuf: {self.describe()} has no contiguous grad_data under "
                 f"data_parallel_sharding_strategy={strategy!r} (rank {self.dp_rank} of its dp "
@@ -190,7 +191,7 @@ class _ParamAndGradBuffer:
         raise ValueError(
             f"megabuf: buffer range [{start}, {end}) is not inside this rank's (dp rank "
             f"{self.dp_rank}) shard of one bucket of {self.describe()}; under "
-            f"{self.ddp_config.data_parallel_sharding_strategy!r} only that shard is kept"
+            f"{self.ddp_config.sharding.name!r} only that shard is kept"
         )
 
     @property

@@ -22,6 +22,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from megabuf.sharding_strategy import (
+    SHARDING_STRATEGIES,
+    STRATEGIES,
+    ShardingStrategy,
+    sharding_strategy,
+)
+
 T = TypeVar("T")
 
 
@@ -78,9 +85,6 @@ def _string_literal(node: ast.stmt) -> str | None:
         return value if isinstance(value, str) else None
     return None
 
-
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-"""`data_parallel_sharding_strategy` values, least to most sharded (Megatron's names)."""
 
 GRAD_ACCUMULATION_MODES = ("accumulate_unsharded", "reduce_each_microbatch")
 """`sharded_grad_accumulation` values."""
@@ -299,7 +303,11 @@ class DistributedDataParallelConfig:
                 "megabuf: DistributedDataParallelConfig.sharded_grad_accumulation="
                 f"{self.sharded_grad_accumulation!r} is not one of {list(GRAD_ACCUMULATION_MODES)}"
             )
-        zero3, zero23 = ("optim_grads_params",), ("optim_grads", "optim_grads_params")
+
+        def names(attribute: str) -> tuple[str, ...]:
+            return tuple(n for n, s in STRATEGIES.items() if getattr(s, attribute))
+
+        zero3, zero23 = names("shards_params"), names("shards_grads")
         applies = {
             "shard_units": (bool(self.shard_units), zero3),
             "reshard_after_forward": (self.reshard_after_forward is not True, zero3),
@@ -308,7 +316,7 @@ class DistributedDataParallelConfig:
             "sharded_grad_accumulation": (
                 self.sharded_grad_accumulation != "accumulate_unsharded", zero23
             ),
-            "cpu_offload": (bool(self.cpu_offload), ("optim", *zero23)),
+            "cpu_offload": (bool(self.cpu_offload), names("shards_optimizer")),
         }  # fmt: skip
         for name, (is_set, strategies) in applies.items():
             if is_set and strategy not in strategies:
@@ -317,7 +325,7 @@ class DistributedDataParallelConfig:
                     f"applies to data_parallel_sharding_strategy {' / '.join(strategies)}, not "
                     f"{strategy!r}; leave {name} at its default or change the strategy"
                 )
-        if strategy == "optim_grads_params" and (
+        if STRATEGIES[strategy].shards_params and (
             self.overlap_param_gather or self.align_param_gather
         ):
             raise ValueError(
@@ -350,6 +358,12 @@ class DistributedDataParallelConfig:
                 "megabuf: DistributedDataParallelConfig.comm_hook_timeout_s must be a positive "
                 f"number of seconds or None (no bound), got {timeout!r}"
             )
+
+    @property
+    def sharding(self) -> ShardingStrategy:
+        """`data_parallel_sharding_strategy` as an object, which the engine asks instead of
+        reading the flags ([Note: sharding strategy objects] in megabuf/sharding_strategy.py)."""
+        return sharding_strategy(str(self.data_parallel_sharding_strategy))
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DistributedDataParallelConfig:

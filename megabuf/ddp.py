@@ -62,13 +62,9 @@ from megabuf.replicas import (
     is_expert_parallel,
     param_specs,
 )
-from megabuf.sharding.grads import (
-    ShardedGrads,
-    bucket_padding_ranges,
-    shards_grads,
-)
+from megabuf.sharding.grads import ShardedGrads, bucket_padding_ranges
 from megabuf.sharding.ledger import MemoryLedger
-from megabuf.sharding.params import ShardedParams, shards_params
+from megabuf.sharding.params import ShardedParams
 from megabuf.sharding.zero3 import ParamUnits
 from megabuf.units import UnitPlan, plan_units
 
@@ -129,10 +125,10 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
         self._backward_sync = BackwardEndSync(
             self.ddp_config.sync_grads_at_backward_end, self._finish_backward
         )
+        self._sharding = self.ddp_config.sharding  # [Note: sharding strategy objects]
         # optim_grads*, reduce_each_microbatch: every backward reduces into the grad shards
-        cfg = self.ddp_config
-        self._reduce_each = shards_grads(cfg.data_parallel_sharding_strategy) and (
-            cfg.sharded_grad_accumulation == "reduce_each_microbatch"
+        self._reduce_each = self._sharding.shards_grads and (
+            self.ddp_config.sharded_grad_accumulation == "reduce_each_microbatch"
         )
         self._backward_sync.every_backward = self._reduce_each
         self._microbatch_pending = False  # a no_sync forward whose reduction is not finished
@@ -157,7 +153,7 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
         self.param_to_name = {p: n for n, p in trainable}
         params = [p for _, p in trainable]
         self.unit_plan: UnitPlan | None = None  # optim_grads_params: [Note: shard units]
-        if shards_params(self.ddp_config.data_parallel_sharding_strategy):
+        if self._sharding.shards_params:
             self.unit_plan = plan_units(self.module, self.ddp_config.shard_units, trainable)
         self.plan: Plan = build_plan(
             param_specs(trainable),
@@ -194,14 +190,14 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
         self._structure = ParamStructure(self.module)
         if init_sync:
             self.broadcast_params()
-        if shards_params(self.ddp_config.data_parallel_sharding_strategy):
+        if self._sharding.shards_params:
             self.param_units = ParamUnits.build(self)  # shards filled, full params released
         for buf in self._all_buffers:
             logger.debug("megabuf: %s", buf.describe())
 
     def _exposed_grads(self, params: Sequence[nn.Parameter]) -> ExposedGrads:
         """[Note: grad contract]: nothing is exposed with the distributed optimizer."""
-        if self.ddp_config.use_distributed_optimizer:
+        if not self._sharding.exposes_grads:
             refuse_foreign_optimizers(self.param_to_name)
             return ExposedGrads([], [], self.param_to_bucket_group)
         same = [p for p in params if p.main_grad.dtype == p.dtype]  # type: ignore[attr-defined]
@@ -277,7 +273,7 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
 
     def _sharded_grads(self, planned: GroupPlan, dp_rank: int, dp_size: int) -> ShardedGrads | None:
         """optim_grads*: the group's grad storages ([Note: sharded grad lifecycle])."""
-        if not shards_grads(self.ddp_config.data_parallel_sharding_strategy):
+        if not self._sharding.shards_grads:
             return None
         members = [(self._all_buffers[b], k) for b, k in planned.members]
         full = [buf.buckets[k].grad_data for buf, k in members]
@@ -292,7 +288,7 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
     def _sharded_params(self, planned: GroupPlan) -> ShardedParams | None:
         """optim_grads_params: the group's full params and shards ([Note: sharded param
         lifecycle] in megabuf/sharding/params.py)."""
-        if not shards_params(self.ddp_config.data_parallel_sharding_strategy):
+        if not self._sharding.shards_params:
             return None
         group = self.process_groups.expt_dp if planned.expert else self.process_groups.dp
         buckets = [self._all_buffers[b].buckets[k] for b, k in planned.members]

@@ -121,7 +121,7 @@ def allreduce_embedding_grads(chunks: Sequence[DistributedDataParallel]) -> None
 
 def _embedding_grad_slice(chunk: DistributedDataParallel, param: nn.Parameter) -> Tensor:
     """The part of `param`'s grad that is meaningful on this rank after finish_grad_sync."""
-    if not chunk.ddp_config.use_distributed_optimizer:
+    if not chunk.ddp_config.sharding.shards_optimizer:
         return param.main_grad  # type: ignore[attr-defined,no-any-return]
     for buf in _dense_buffers(chunk):
         if param not in buf.param_index_map:

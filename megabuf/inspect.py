@@ -194,7 +194,7 @@ def inspect_model(
     trainable = [(n, p) for n, p in named if p.requires_grad]
     specs = param_specs(trainable)
     unit_plan = None
-    if config.data_parallel_sharding_strategy == "optim_grads_params":
+    if config.sharding.shards_params:
         unit_plan = plan_units(model, config.shard_units, trainable)
     plan = build_plan(
         specs, config, dp_size=dp_size, expt_dp_size=dp_size // ep_size,
@@ -290,7 +290,7 @@ def format_inspection(info: Inspection, *, show_params: bool = False) -> str:
     lines = [
         f"model {info.model_name}: {info.numel_total:,} params, dp_size={info.dp_size}",
         f"config: overlap_grad_reduce={cfg.overlap_grad_reduce} "
-        f"use_distributed_optimizer={cfg.use_distributed_optimizer} "
+        f"use_distributed_optimizer={cfg.sharding.shards_optimizer} "
         f"overlap_param_gather={cfg.overlap_param_gather} "
         f"grad_reduce_in_fp32={cfg.grad_reduce_in_fp32}; bucket size: {size}",
     ]

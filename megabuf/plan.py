@@ -184,7 +184,7 @@ def _unit_of_spec(
                 f"param: got {len(unit_of_param)} for {len(specs)} params"
                 + (f", bad entries for {bad}" if bad else "")
             )
-    if config.data_parallel_sharding_strategy != "optim_grads_params":
+    if not config.sharding.shards_params:
         return None
     return tuple(unit_of_param) if unit_of_param is not None else (0,) * len(specs)
 
@@ -238,7 +238,7 @@ def _buffer_plan(
         [specs[i].numel for i in param_ids],
         bucket_size=bucket_size,
         dp_size=dp_size,
-        sharded=bool(config.use_distributed_optimizer),
+        sharded=config.sharding.shards_optimizer,
         high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
         own_bucket=[specs[i].own_bucket for i in param_ids],
         unit_ids=None if units is None else [units[i] for i in param_ids],

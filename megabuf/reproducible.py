@@ -152,14 +152,15 @@ def _cuda_devices() -> list[int]:
 def _param_space_grads(model: DistributedDataParallel) -> tuple[list[str], list[Tensor]]:
     """Every trainable param's reduced grad (copies), in the model's parameter order. Under the
     distributed optimizer each bucket's shards are all-gathered into the bucket first."""
-    strategy = model.ddp_config.data_parallel_sharding_strategy
-    if strategy not in ("no_shard", "optim"):
+    strategy = model.ddp_config.sharding
+    if strategy.shards_grads:
         raise RuntimeError(
             f"megabuf: the reproducibility check compares full reduced grads, which "
-            f"data_parallel_sharding_strategy={strategy!r} does not keep (rank {model.rank}); "
+            f"data_parallel_sharding_strategy={strategy.name!r} does not keep (rank "
+            f"{model.rank}); "
             "run it under 'optim' (bitwise equal to 'optim_grads' at one micro-batch)"
         )
-    if model.ddp_config.use_distributed_optimizer:
+    if strategy.reduction == "reduce_scatter":
         for group in model.all_bucket_groups:
             for bucket in group.buckets:
                 shard = group.local_shard(bucket.grad_data).clone()

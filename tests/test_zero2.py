@@ -25,7 +25,6 @@ from megabuf.sharding.grads import (
     bucket_padding_ranges,
     check_error_feedback,
     error_feedback_nbytes,
-    shards_grads,
 )
 from megabuf.sharding.ledger import MemoryLedger
 
@@ -171,15 +170,6 @@ def test_shards_must_match_the_buckets() -> None:
     full = allocate_bucket_grads(layout, torch.float32, torch.device("cpu"), _params([10]))
     with pytest.raises(ValueError, match=r"bucket group 4 .rank 1.: grad shards do not match"):
         ShardedGrads(full, [(0, 64)], [torch.zeros(3)], [()], MemoryLedger(), group_id=4, rank=1)
-
-
-def test_strategies_that_shard_grads() -> None:
-    assert [
-        s for s in ("no_shard", "optim", "optim_grads", "optim_grads_params") if shards_grads(s)
-    ] == [
-        "optim_grads",
-        "optim_grads_params",
-    ]
 
 
 def test_full_size_error_feedback_is_refused_unless_opted_in() -> None:

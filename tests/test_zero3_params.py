@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from megabuf.sharding.ledger import MemoryLedger
-from megabuf.sharding.params import ParamShardState, ShardedParams, shards_params
+from megabuf.sharding.params import ParamShardState, ShardedParams
 
 
 class _Done:
@@ -117,11 +117,6 @@ def test_verify_param_access_keeps_the_storage_filled_with_nan() -> None:
     assert ledger.now("verify_param_access") == 32 and ledger.now("unsharded_params") == 0
     params.ensure_gathered()
     assert full.tolist() == [0.0, 1.0, 2.0, 3.0, -1.0, -1.0, -1.0, -1.0]
-
-
-def test_only_optim_grads_params_shards_params() -> None:
-    assert shards_params("optim_grads_params")
-    assert not any(shards_params(s) for s in ("no_shard", "optim", "optim_grads", None))
 
 
 class _Containers(torch.nn.Module):

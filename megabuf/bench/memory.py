@@ -106,7 +106,7 @@ def persistent_formula_nbytes(engine: Any, system: str, dp_size: int, n_params: 
     pgs, device = model.process_groups, next(model.parameters()).device
     scratch = model.collectives.strategy(pgs.dp, device).reduce_scatter == "all_to_all"
     figures = persistent_bytes(
-        model.plan, str(model.ddp_config.data_parallel_sharding_strategy),
+        model.plan, model.ddp_config.sharding.name,
         optimizer_spec(engine.optimizer.domains[0].optimizer), dp_rank=pgs.dp_rank,
         expt_dp_rank=dist.get_rank(pgs.expt_dp), reduce_scatter_scratch=scratch,
         cpu_offload=bool(model.ddp_config.cpu_offload) and device.type != "cpu",

@@ -153,9 +153,9 @@ def _megabuf(
 ) -> Engine:
     model = DistributedDataParallel(module, config, process_groups=pgs)
     nbytes = _ring(param_nbytes(module), pgs.dp_size, 2)
-    if model.param_units is not None:
+    if config.sharding.shards_params:
         return _zero3(model, module, pgs.dp_size)
-    if config.use_distributed_optimizer:
+    if config.sharding.shards_optimizer:
         return _with_distributed_optimizer(model, module, nbytes)
     opt = _adamw(model.parameters())
     return Engine(

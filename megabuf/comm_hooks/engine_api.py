@@ -14,7 +14,7 @@ from megabuf.comm_hooks.fixed_order import Deterministic, require_deterministic
 from megabuf.comm_hooks.registration import install as install_comm_hook
 from megabuf.comm_hooks.registration import selected_kinds
 from megabuf.comm_hooks.telemetry import HookReport, hook_report
-from megabuf.sharding.grads import check_error_feedback, error_feedback_nbytes, shards_grads
+from megabuf.sharding.grads import check_error_feedback, error_feedback_nbytes
 
 if TYPE_CHECKING:
     from megabuf.bucket_group import BucketGroup
@@ -55,25 +55,24 @@ class CommHookMethods:
         cfg = self.ddp_config
         if cfg.deterministic_reduction:  # [Note: deterministic reduction]
             require_deterministic(hook, self.rank)
-        strategy = cfg.data_parallel_sharding_strategy
-        sharded = shards_grads(strategy)
-        if sharded:
-            check_error_feedback(hook, strategy, self.rank)
+        strategy = cfg.sharding
+        if strategy.shards_grads:
+            check_error_feedback(hook, strategy.name, self.rank)
         with ExitStack() as stack:  # optim_grads*: views into the buckets need their storage
             for group in self.all_bucket_groups:
                 if group.sharded_grads is not None:
                     stack.enter_context(group.sharded_grads.materialized())
             install_comm_hook(
                 hook, self.all_bucket_groups, self.plan, expert_kinds=selected_kinds(buffers),
-                use_distributed_optimizer=bool(cfg.use_distributed_optimizer),
+                mode=strategy.reduction, strategy_name=strategy.name,
                 average=cfg.average_in_collective, rank=self.rank, replaceable=self._mode_hook,
             )  # fmt: skip
-        nbytes = error_feedback_nbytes(hook) if sharded else 0
+        nbytes = error_feedback_nbytes(hook) if strategy.shards_grads else 0
         if nbytes:
             self.memory_ledger.alloc("comm_hook_error_feedback", nbytes)
             logger.warning(
                 "megabuf: %s keeps full-size error feedback under %s: %d bytes on rank %d "
-                "(allow_full_size_error_feedback=True)", hook_name(hook), strategy, nbytes,
+                "(allow_full_size_error_feedback=True)", hook_name(hook), strategy.name, nbytes,
                 self.rank,
             )  # fmt: skip
 

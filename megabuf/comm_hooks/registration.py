@@ -47,7 +47,8 @@ def install(
     plan: Plan,
     *,
     expert_kinds: tuple[bool, ...],
-    use_distributed_optimizer: bool,
+    mode: Mode,
+    strategy_name: str,
     average: bool,
     rank: int,
     replaceable: object | None = None,
@@ -56,8 +57,7 @@ def install(
     let the hook see them (`setup`, optional) and attach it. Nothing is attached if any check
     fails. A group's hook that is `replaceable` (the one deterministic_reduction installed) is
     replaced, not "registered twice". Returns the views."""
-    mode: Mode = "reduce_scatter" if use_distributed_optimizer else "all_reduce"
-    what = f"this model (use_distributed_optimizer={use_distributed_optimizer}, rank {rank})"
+    what = f"this model (data_parallel_sharding_strategy={strategy_name!r}, rank {rank})"
     check_modes(hook, mode, what)
     plans = {g.group_id: g for g in plan.groups}
     chosen = [g for g in groups if plans[g.group_id].expert in expert_kinds]

@@ -43,7 +43,7 @@ def build_optimizer(
     param must be in exactly one group; anything else raises a ValueError naming the group.
     """
     chunks = as_chunks(model_chunks)
-    flags = {c.ddp_config.use_distributed_optimizer for c in chunks}
+    flags = {c.ddp_config.sharding.shards_optimizer for c in chunks}
     if len(flags) > 1:
         raise ValueError(
             "megabuf: build_optimizer got model chunks with different "

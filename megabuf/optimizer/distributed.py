@@ -46,7 +46,7 @@ class DistributedOptimizer(MegabufOptimizer):
 
     def _check_chunks(self, chunks: Sequence[DistributedDataParallel]) -> None:
         for i, chunk in enumerate(chunks):
-            if not chunk.ddp_config.use_distributed_optimizer:
+            if not chunk.ddp_config.sharding.shards_optimizer:
                 raise ValueError(
                     f"megabuf: DistributedOptimizer got model chunk {i} built without "
                     "DistributedDataParallelConfig(use_distributed_optimizer=True); rebuild it "

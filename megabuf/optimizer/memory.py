@@ -215,7 +215,7 @@ def memory_report(parts: OptimizerParts) -> OptimizerMemoryReport:
         grad_buffer_nbytes=persistent["grads"],
         grad_copy_nbytes=copy,
         grad_copy_saved_nbytes=full_copy - copy,
-        strategy=str(parts.model_chunks[0].ddp_config.data_parallel_sharding_strategy),
+        strategy=parts.model_chunks[0].ddp_config.sharding.name,
         persistent=persistent,
         host=categories["host"],
         transient_now=categories["transient_now"],

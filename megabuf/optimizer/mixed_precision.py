@@ -22,7 +22,7 @@ class MixedPrecisionOptimizer(MegabufOptimizer):
 
     def _build_main_params(self, kind: DomainKind) -> list[MainParam] | None:
         for i, chunk in enumerate(self.model_chunks):
-            if chunk.ddp_config.use_distributed_optimizer:
+            if chunk.ddp_config.sharding.shards_optimizer:
                 raise ValueError(
                     f"megabuf: model chunk {i} uses use_distributed_optimizer=True, so only a "
                     "shard of each grad is reduced; use DistributedOptimizer (or "

@@ -35,14 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
-from megabuf.config import SHARDING_STRATEGIES
 from megabuf.layout import shard_pieces
 from megabuf.plan import BufferPlan, Plan
+from megabuf.sharding_strategy import sharding_strategy
 
 FP32_NBYTES = 4
 DEVICE_CATEGORIES = ("params", "grads", "main_params", "optimizer_state", "comm_scratch")
 HOST_CATEGORIES = ("host_main_params", "host_optimizer_state", "host_grads")
-SHARDED_GRADS = ("optim_grads", "optim_grads_params")
 
 
 @dataclass(frozen=True)
@@ -78,14 +77,6 @@ def itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-def _check_strategy(strategy: str) -> None:
-    if strategy not in SHARDING_STRATEGIES:
-        raise ValueError(
-            f"megabuf: data_parallel_sharding_strategy={strategy!r} is not one of "
-            f"{list(SHARDING_STRATEGIES)}"
-        )
-
-
 def buffer_bytes(
     buf: BufferPlan,
     strategy: str,
@@ -97,9 +88,9 @@ def buffer_bytes(
 ) -> dict[str, int]:
     """One buffer's persistent bytes on dp rank `dp_rank` of its group; see [Note: memory
     formula]."""
-    _check_strategy(strategy)
+    rules = sharding_strategy(strategy)  # [Note: sharding strategy objects]
     layout, d = buf.layout, buf.dp_size
-    sharded = strategy != "no_shard"
+    sharded = rules.shards_optimizer
     if sharded != layout.sharded:
         raise ValueError(
             f"megabuf: buffer {buf.index} was planned {'with' if layout.sharded else 'without'} "
@@ -116,11 +107,11 @@ def buffer_bytes(
     main = FP32_NBYTES * owned if copy else 0
     state = FP32_NBYTES * optimizer.elementwise * owned + optimizer.scalar_nbytes * tensors
     out = {
-        "params": n * p // d if strategy == "optim_grads_params" else n * p,
-        "grads": n * g // d if strategy in SHARDED_GRADS else n * g,
+        "params": rules.param_nbytes(n, p, d),
+        "grads": rules.grad_nbytes(n, g, d),
         "main_params": 0 if cpu_offload else main,
         "optimizer_state": 0 if cpu_offload else state,
-        "comm_scratch": n * g if strategy == "optim" and reduce_scatter_scratch else 0,
+        "comm_scratch": n * g if rules.keeps_scratch and reduce_scatter_scratch else 0,
         "host_main_params": main if cpu_offload else 0,
         "host_optimizer_state": state if cpu_offload else 0,
         "host_grads": owned * g if cpu_offload else 0,
@@ -170,17 +161,11 @@ def textbook(
     """Bytes per param without padding (the design notes' §2.6 table): bf16 params, fp32
     grads and Adam give 18, 6 + 12/d, 2 + 16/d, 18/d; fp32 params and Adam (no main copy)
     16, 8 + 8/d, 4 + 12/d, 16/d."""
-    _check_strategy(strategy)
+    rules = sharding_strategy(strategy)
     if dp_size < 1:
         raise ValueError(f"megabuf: dp_size must be >= 1, got {dp_size}")
     optim = FP32_NBYTES * (states + (1 if main_copy else 0))
-    d = dp_size
-    return {
-        "no_shard": param_nbytes + grad_nbytes + optim,
-        "optim": param_nbytes + grad_nbytes + optim / d,
-        "optim_grads": param_nbytes + (grad_nbytes + optim) / d,
-        "optim_grads_params": (param_nbytes + grad_nbytes + optim) / d,
-    }[strategy]
+    return rules.textbook(param_nbytes, grad_nbytes, optim, dp_size)
 
 
 def group_nbytes(plan: Plan, group_id: int, *, grads: bool) -> int:
@@ -205,12 +190,12 @@ def transient_bounds(
     groups, when units reshard after forward; every group otherwise. Units nested in another
     unit (not the root) are not covered by the first bound. Strategies that release nothing
     have no transients."""
-    _check_strategy(strategy)
+    rules = sharding_strategy(strategy)
     out: dict[str, int] = {}
-    if strategy in SHARDED_GRADS:
+    if rules.shards_grads:
         out["grad_buckets"] = sum(group_nbytes(plan, g.group_id, grads=True) for g in plan.groups)
         out["grad_scratch"] = out["grad_buckets"]  # gloo: one landing zone per bucket reducing
-    if strategy == "optim_grads_params":
+    if rules.shards_params:
         sizes = {g.group_id: group_nbytes(plan, g.group_id, grads=False) for g in plan.groups}
         root = [g.group_id for g in plan.groups if g.unit == 0]
         others = [size for gid, size in sizes.items() if gid not in root]

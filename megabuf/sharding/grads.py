@@ -61,7 +61,6 @@ from torch import Tensor
 from megabuf.layout import BufferLayout
 from megabuf.sharding.ledger import MemoryLedger
 
-SHARDED_GRAD_STRATEGIES = ("optim_grads", "optim_grads_params")
 REDUCING_GROUPS_LIMIT = 2  # reductions of one dispatch chain in flight during backward
 GRAD_BUCKETS = "grad_buckets"
 GRAD_SCRATCH = "grad_scratch"
@@ -72,11 +71,6 @@ class GradBucketState(enum.Enum):
     RELEASED = "released"
     ACCUMULATING = "accumulating"
     REDUCING = "reducing"
-
-
-def shards_grads(strategy: str | None) -> bool:
-    """True if `data_parallel_sharding_strategy` keeps only a shard of the reduced grads."""
-    return strategy in SHARDED_GRAD_STRATEGIES
 
 
 def bucket_padding_ranges(layout: BufferLayout, bucket_id: int) -> tuple[tuple[int, int], ...]:

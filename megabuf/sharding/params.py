@@ -45,11 +45,6 @@ UNSHARDED_PARAMS = "unsharded_params"
 POISONED_PARAMS = "verify_param_access"
 
 
-def shards_params(strategy: str | None) -> bool:
-    """The strategy keeps only a shard of each param bucket (optim_grads_params)."""
-    return strategy == "optim_grads_params"
-
-
 class ParamShardState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"
