@@ -44,7 +44,6 @@ from megabuf.buffer import _ParamAndGradBucket
 from megabuf.collectives import Collectives
 from megabuf.comm_hooks.contract import GradBucket, HookWork, Waitable
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.nan_check import nonfinite_flags
 from megabuf.sharding.grads import REDUCING_GROUPS_LIMIT, GradBucketState, ShardedGrads
 from megabuf.sharding.params import ShardedParams
 from megabuf.timeline import Timeline  # re-exported: ddp.py and users import it from here
@@ -589,3 +588,13 @@ def build_chain(groups: Sequence[BucketGroup], order_key: Callable[[BucketGroup]
     """Give the groups' shared chain its order (groups sorted by `order_key`)."""
     if groups and groups[0].chain is not None:
         groups[0].chain.set_order(sorted(groups, key=order_key))
+
+
+def nonfinite_flags(grads: Sequence[Tensor], device: torch.device) -> Tensor:
+    """1-D float32 on `device`, one per grad: 1.0 where it holds NaN or Inf. No host read
+    ([Note: NaN check] in nan_check.py)."""
+    if not grads:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    zero = torch.zeros(1, dtype=grads[0].dtype, device=device)  # stands in for empty grads
+    norms = torch._foreach_norm([g if g.numel() > 0 else zero for g in grads], float("inf"))
+    return torch.stack([n.float() for n in norms]).isfinite().logical_not().float()

@@ -46,13 +46,14 @@ from megabuf.bucket_group import BucketGroup, DispatchChain, GradSyncState, Para
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.comm_hooks import build as build_comm_hook
-from megabuf.comm_hooks.engine_api import CommHookMethods
-from megabuf.comm_hooks.fixed_order import Deterministic
+from megabuf.comm_hooks.telemetry import HookReport
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.devices import params_device
 from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
+from megabuf.hook_registry import CommHookRegistry
 from megabuf.hooks import ParamGatherHooks, has_compiled, profiler_recording, register_grad_hooks
 from megabuf.nan_check import raise_on_nonfinite_grads
+from megabuf.param_units import ParamUnits, unit_modules
 from megabuf.plan import GroupPlan, Plan, build_plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.replicas import (
@@ -65,7 +66,6 @@ from megabuf.replicas import (
 from megabuf.sharding.grads import ShardedGrads, bucket_padding_ranges
 from megabuf.sharding.ledger import MemoryLedger
 from megabuf.sharding.params import ShardedParams
-from megabuf.sharding.zero3 import ParamUnits
 from megabuf.units import UnitPlan, plan_units
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ logger = logging.getLogger(__name__)
 BACKWARD_END_GROUP_ID = -1  # group id of the timeline's "backward_end" marker
 
 
-class DistributedDataParallel(CommHookMethods, nn.Module):
+class DistributedDataParallel(nn.Module):
     """Megatron-style data parallelism for any module: grads accumulate into contiguous
     buffers (`param.main_grad` views) and are reduced bucket group by bucket group.
 
@@ -121,7 +121,6 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
         self.collectives = collectives if collectives is not None else Collectives()
         self.sync_buffers_in_forward = options.sync_buffers_in_forward
         self.rank = dist.get_rank()
-        self._backward_seen = False  # register_comm_hook() must come before the first backward
         self._backward_sync = BackwardEndSync(
             self.ddp_config.sync_grads_at_backward_end, self._finish_backward
         )
@@ -135,13 +134,20 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
         self.memory_ledger = MemoryLedger()  # [Note: sharded grad lifecycle]
         self.param_units: ParamUnits | None = None  # optim_grads_params: the unit runtime
         self._build(options.init_sync)
-        self._mode_hook: Deterministic | None = None  # deterministic_reduction's, replaceable
+        self._hooks = CommHookRegistry(
+            self.all_bucket_groups, self.plan, self.ddp_config, self.memory_ledger, self.rank
+        )
         if self.ddp_config.comm_hook is not None:
             spec = dict(self.ddp_config.comm_hook)
             buffers = spec.pop("buffers", "all")
             self.register_comm_hook(build_comm_hook(spec), buffers=buffers)
         if self.ddp_config.deterministic_reduction:
-            self._install_deterministic()
+            self._hooks.install_deterministic()
+
+    @property
+    def all_bucket_groups(self) -> list[BucketGroup]:
+        """Dense then expert bucket groups."""
+        return self.bucket_groups + self.expert_parallel_bucket_groups
 
     # ---- construction -------------------------------------------------------------------------
     def _build(self, init_sync: bool) -> None:
@@ -191,7 +197,10 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
         if init_sync:
             self.broadcast_params()
         if self._sharding.shards_params:
-            self.param_units = ParamUnits.build(self)  # shards filled, full params released
+            self.param_units = ParamUnits.build(  # shards filled, full params released
+                unit_modules(self.module, self.unit_plan), self.plan, self.all_bucket_groups,
+                self.param_to_name, self.ddp_config, self.memory_ledger, self.rank,
+            )  # fmt: skip
         for buf in self._all_buffers:
             logger.debug("megabuf: %s", buf.describe())
 
@@ -296,7 +305,8 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
             [b.param_data for b in buckets if b.param_data is not None],
             [b.param_shard for b in buckets if b.param_shard is not None],
             self.collectives, group, self.memory_ledger, group_id=planned.group_id,
-            unit_name=ParamUnits.unit_name_of(self, planned), rank=self.rank,
+            unit_name=ParamUnits.unit_name_of(unit_modules(self.module, self.unit_plan), planned),
+            rank=self.rank,
             dp_rank=dist.get_rank(group), dp_size=dist.get_world_size(group),
             poison=self.ddp_config.verify_param_access,
         )  # fmt: skip
@@ -362,7 +372,7 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
     def _on_grad(self) -> None:
         """Every param grad hook's first step: see [Note: grads the user changed] and [Note:
         grad sync at backward end]."""
-        self._backward_seen = True
+        self._hooks.backward_seen = True
         if self._grads.exposed:
             self._grads.begin_backward()
         self._backward_sync.on_grad()
@@ -615,6 +625,38 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
             )
         with self.summon_full_params(writeback=True):
             return self.module.load_state_dict(state_dict, strict=strict)
+
+    # ---- communication hooks ([Note: comm hook contract] in comm_hooks/contract.py) -----------
+    def register_comm_hook(self, hook: object, *, buffers: str = "all") -> None:
+        """Reduce the `buffers` ("dense", "expert" or "all") buckets with `hook` instead of the
+        engine's collective (the built-ins: `megabuf.comm_hooks`). Once per kind, before the
+        first backward; every rank must register the same hook."""
+        self._hooks.register_comm_hook(hook, buffers=buffers)
+
+    def comm_hooks(self) -> dict[str, object]:
+        """The registered comm hooks: "dense" / "expert" -> hook (a hook registered for "all"
+        appears under both; a kind without a hook or without buffers is absent).
+        `save_checkpoint` saves the state of those with `state_dict()`."""
+        return self._hooks.comm_hooks()
+
+    def notify_comm_hooks_step_skipped(self) -> None:
+        """The optimizer skipped the step whose grads the hooks just reduced (inf/NaN): each
+        hook's optional `on_step_skipped()` runs (PowerSGD drops its residuals and Q). megabuf's
+        optimizers call it; with torch's GradScaler, call it on every rank when
+        `scaler.step(opt)` skipped."""
+        self._hooks.notify_comm_hooks_step_skipped()
+
+    def notify_comm_hooks_loss_scale_changed(self, ratio: float) -> None:
+        """The loss scale was multiplied by `ratio` (new / old): each hook's optional
+        `on_loss_scale_change(ratio)` runs (PowerSGD rescales its residuals). megabuf's
+        optimizers call it; with torch's GradScaler, call it on every rank after
+        `scaler.update()` changed `scaler.get_scale()`."""
+        self._hooks.notify_comm_hooks_loss_scale_changed(ratio)
+
+    def comm_hook_report(self, *, reset: bool = False) -> HookReport:
+        """Wire bytes and calls each registered comm hook issued, per bucket, since the last
+        reset ([Note: hook wire bytes] in megabuf/comm_hooks/telemetry.py)."""
+        return self._hooks.comm_hook_report(reset=reset)
 
 
 def as_model_chunks(

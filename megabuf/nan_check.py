@@ -23,22 +23,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megabuf.collectives import Collectives
 
 if TYPE_CHECKING:
     from megabuf.bucket_group import BucketGroup
-
-
-def nonfinite_flags(grads: Sequence[Tensor], device: torch.device) -> Tensor:
-    """1-D float32 on `device`, one per grad: 1.0 where it holds NaN or Inf. No host read."""
-    if not grads:
-        return torch.zeros(0, dtype=torch.float32, device=device)
-    zero = torch.zeros(1, dtype=grads[0].dtype, device=device)  # stands in for empty grads
-    norms = torch._foreach_norm([g if g.numel() > 0 else zero for g in grads], float("inf"))
-    return torch.stack([n.float() for n in norms]).isfinite().logical_not().float()
 
 
 def raise_on_nonfinite_grads(

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megabuf.bench.options import OPTIMIZER_KWARGS
+from megabuf.bench.settings import OPTIMIZER_KWARGS
 from megabuf.comm_hooks.telemetry import powersgd_factor_numels
 
 # PowerSGD compresses from this step on (torch: start_powerSGD_iter, which must be > 1 with

@@ -17,7 +17,7 @@ from megabuf.bench.hooks import (
     hook_check_atol,
     unavailable_reason,
 )
-from megabuf.bench.options import CHECK_ATOL, FLOOR, OPTIMIZER_KWARGS, BenchOptions, parse_options
+from megabuf.bench.options import CHECK_ATOL, FLOOR, BenchOptions, parse_options
 from megabuf.bench.plot import matplotlib_available, plot_timeline
 from megabuf.bench.reference import Reference, compute_reference
 from megabuf.bench.report import (
@@ -31,6 +31,7 @@ from megabuf.bench.report import (
     results_table,
     write_jsonl,
 )
+from megabuf.bench.settings import OPTIMIZER_KWARGS
 from megabuf.bench.worker import Job, run_jobs
 from megabuf.process_groups import DEFAULT_BACKENDS
 from megabuf.strategy import choose_strategy

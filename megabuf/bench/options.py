@@ -7,10 +7,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# Every system trains with torch AdamW (or its sharded equivalent) with these settings. eps is
-# 1e-6 rather than 1e-8 so that the one-step check is not dominated by elements whose grad is at
-# rounding level (Adam's first step is lr * g / (|g| + eps), i.e. +-lr for any |g| >> eps).
-OPTIMIZER_KWARGS: dict[str, float] = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}
 CHECK_ATOL = 1e-5  # params after one step vs the single-process step (each moved by <= lr)
 
 # model preset -> samples per rank per step (sized so a full run stays under 10 minutes here)

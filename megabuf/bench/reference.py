@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megabuf.bench.options import OPTIMIZER_KWARGS
+from megabuf.bench.settings import OPTIMIZER_KWARGS
 from megabuf.testing.models import (
     PRESETS,
     GPTConfig,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megabuf.bench.options import OPTIMIZER_KWARGS
+from megabuf.bench.settings import OPTIMIZER_KWARGS
 from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.ddp import DistributedDataParallel

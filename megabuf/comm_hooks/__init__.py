@@ -11,7 +11,7 @@ telemetry.py).
 """
 
 from megabuf.comm_hooks.batched_powersgd import BatchedPowerSGD
-from megabuf.comm_hooks.builtin import Compress, CompressDtypeError, Noop, Reduce, build
+from megabuf.comm_hooks.builtin import Compress, CompressDtypeError, Noop, Reduce
 from megabuf.comm_hooks.contract import (
     CommHook,
     CommHookError,
@@ -23,6 +23,7 @@ from megabuf.comm_hooks.contract import (
     HookTally,
     HookWork,
 )
+from megabuf.comm_hooks.factory import build
 from megabuf.comm_hooks.fixed_order import (
     Deterministic,
     DeterministicReductionError,

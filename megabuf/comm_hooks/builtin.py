@@ -23,9 +23,7 @@ from torch import Tensor
 
 from megabuf.collectives import PendingCollective
 from megabuf.comm_hooks.contract import MODES, GradBucket
-from megabuf.comm_hooks.fixed_order import Deterministic, fixed_order_sum
-from megabuf.comm_hooks.local_sgd import LocalSGD
-from megabuf.comm_hooks.quantize import Quantize
+from megabuf.comm_hooks.fixed_order import fixed_order_sum
 
 
 class CompressDtypeError(ValueError):
@@ -142,38 +140,3 @@ def _then_copy(
     """Wait for `pending`, then copy (and cast) `source` into `dest`."""
     yield pending
     dest.copy_(source)
-
-
-def build(spec: dict[str, Any]) -> Any:
-    """A built-in hook from a config table: {"name": "reduce"|"noop"|"compress"|
-    "compress_wrapper"|"deterministic"|"quantize"|"local_sgd"|"powersgd"|"batched_powersgd",
-    options...};
-    `dtype` and `factor_dtype` may be strings ("bfloat16"); compress_wrapper's `inner` is a hook
-    name ("reduce") or a table of its own."""
-    from megabuf.comm_hooks.batched_powersgd import BatchedPowerSGD  # imports this module
-    from megabuf.comm_hooks.powersgd import PowerSGD
-    from megabuf.comm_hooks.wrappers import CompressWrapper  # wrappers imports this module
-
-    options = dict(spec)
-    name = str(options.pop("name", "")).lower()
-    factories: dict[str, Any] = {"reduce": Reduce, "noop": Noop, "compress": Compress}
-    factories |= {"deterministic": Deterministic}
-    factories |= {"compress_wrapper": CompressWrapper, "quantize": Quantize, "local_sgd": LocalSGD}
-    factories |= {"powersgd": PowerSGD, "batched_powersgd": BatchedPowerSGD}
-    if name == "compress_wrapper" and "inner" in options:
-        inner = options["inner"]
-        options["inner"] = build({"name": inner} if isinstance(inner, str) else dict(inner))
-    if name not in factories:
-        raise ValueError(
-            f"megabuf: unknown comm_hook name {name!r}; built-ins: {sorted(factories)}"
-        )
-    for key in ("dtype", "factor_dtype"):
-        if isinstance(options.get(key), str):
-            dtype = getattr(torch, options[key].removeprefix("torch."), None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"megabuf: comm_hook {key} {options[key]!r} is not a torch dtype")
-            options[key] = dtype
-    try:
-        return factories[name](**options)
-    except TypeError as exc:
-        raise ValueError(f"megabuf: bad options for comm_hook {name!r}: {exc}") from exc

@@ -1,10 +1,10 @@
 """`ParamUnits`: what `DistributedDataParallel` holds under optim_grads_params (ZeRO-3).
 
 It ties the planned shard units (megabuf/units.py) to the bucket groups' `ShardedParams`,
-installs the unit runtime's hooks ([Note: who gathers when] in units_runtime.py), and does what
-needs every unit's params at once outside forward: `summon_full_params`, `state_dict` (unit by
-unit) and `load_state_dict`. Frozen params are not in the buffers and stay replicated: every
-rank keeps them whole, as without sharding.
+installs the unit runtime's hooks ([Note: who gathers when] in sharding/units_runtime.py), and
+does what needs every unit's params at once outside forward: `summon_full_params`, `state_dict`
+(unit by unit) and `load_state_dict`. Frozen params are not in the buffers and stay replicated:
+every rank keeps them whole, as without sharding.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from megabuf.sharding.units_runtime import RuntimeUnit, UnitRuntime
 
 if TYPE_CHECKING:
     from megabuf.bucket_group import BucketGroup
-    from megabuf.ddp import DistributedDataParallel
+    from megabuf.config import DistributedDataParallelConfig
+    from megabuf.plan import Plan
+    from megabuf.sharding.ledger import MemoryLedger
+    from megabuf.units import UnitPlan
 
 
 def _unit_of(planned: GroupPlan) -> int:
@@ -30,11 +33,10 @@ def _unit_of(planned: GroupPlan) -> int:
     return 0 if unit is None else int(unit)
 
 
-def _unit_modules(model: DistributedDataParallel) -> list[tuple[str, nn.Module]]:
-    """(name, module) per unit, the root first: the model's unit plan, or the root alone."""
-    unit_plan = getattr(model, "unit_plan", None)
+def unit_modules(root: nn.Module, unit_plan: UnitPlan | None) -> list[tuple[str, nn.Module]]:
+    """(name, module) per unit, the root first: the unit plan's, or the root alone."""
     if unit_plan is None:
-        return [("", model.module)]
+        return [("", root)]
     return [(u.name, u.module) for u in unit_plan.units]
 
 
@@ -46,40 +48,48 @@ class ParamUnits:
         self.groups = groups  # every bucket group, by group id
 
     @staticmethod
-    def unit_name_of(model: DistributedDataParallel, planned: GroupPlan) -> str:
-        return _unit_modules(model)[_unit_of(planned)][0]
+    def unit_name_of(modules: list[tuple[str, nn.Module]], planned: GroupPlan) -> str:
+        return modules[_unit_of(planned)][0]
 
     @classmethod
-    def build(cls, model: DistributedDataParallel) -> ParamUnits:
-        """Fill the shards from the (broadcast) full params, release them, install the hooks."""
-        modules = _unit_modules(model)
+    def build(
+        cls,
+        modules: list[tuple[str, nn.Module]],
+        plan: Plan,
+        groups: list[BucketGroup],
+        param_to_name: dict[nn.Parameter, str],
+        config: DistributedDataParallelConfig,
+        ledger: MemoryLedger,
+        rank: int,
+    ) -> ParamUnits:
+        """Fill the shards from the (broadcast) full params, release them, install the hooks.
+        `modules`: `unit_modules(...)`; `groups`: every bucket group of the plan."""
         units = [RuntimeUnit(i, name, module) for i, (name, module) in enumerate(modules)]
-        by_id = {g.group_id: g for g in model.all_bucket_groups}
-        groups = [by_id[planned.group_id] for planned in model.plan.groups]
-        for planned, group in zip(model.plan.groups, groups, strict=True):
+        by_id = {g.group_id: g for g in groups}
+        groups = [by_id[planned.group_id] for planned in plan.groups]
+        for planned, group in zip(plan.groups, groups, strict=True):
             if group.sharded_params is None:
                 raise RuntimeError(
                     f"megabuf: bucket group {group.group_id} has no sharded params under "
-                    f"optim_grads_params (rank {model.rank}); this is a megabuf bug"
+                    f"optim_grads_params (rank {rank}); this is a megabuf bug"
                 )
             units[_unit_of(planned)].params.append(group.sharded_params)
             group.sharded_params.release_params(writeback=True)
-        cfg = model.ddp_config
         owners = {
-            p: (model.param_to_name[p], units[_unit_of(planned)].name, group.sharded_params)
-            for planned, group in zip(model.plan.groups, groups, strict=True)
+            p: (param_to_name[p], units[_unit_of(planned)].name, group.sharded_params)
+            for planned, group in zip(plan.groups, groups, strict=True)
             if group.sharded_params is not None
             for p in group.params_list
         }
         runtime = UnitRuntime(
             units,
-            reshard_after_forward=cfg.reshard_after_forward,
-            prefetch_units=cfg.prefetch_units,
-            rank=model.rank,
+            reshard_after_forward=config.reshard_after_forward,
+            prefetch_units=config.prefetch_units,
+            rank=rank,
             owners=owners,
         )
         runtime.install()
-        model.memory_ledger.reset_peaks()  # the wrapped full copy is gone: peaks start here
+        ledger.reset_peaks()  # the wrapped full copy is gone: peaks start here
         return cls(runtime, groups)
 
     @contextmanager
