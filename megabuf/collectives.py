@@ -216,6 +216,16 @@ class Collectives:
         device_type = torch.device(device).type
         return choose_strategy(dist.get_backend_config(group), device_type, self.strategies)
 
+    @staticmethod
+    def rank(group: Group = None) -> int:
+        """This rank's rank in `group` (None: the default group)."""
+        return dist.get_rank(group)
+
+    @staticmethod
+    def size(group: Group = None) -> int:
+        """The number of ranks of `group` (None: the default group)."""
+        return dist.get_world_size(group)
+
     def global_rank(self, group: Group, group_rank: int) -> int:
         """The global rank of `group_rank` in `group` (None: the default group)."""
         return dist.get_global_rank(group, group_rank) if group is not None else group_rank

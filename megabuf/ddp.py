@@ -37,7 +37,6 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megabuf import torch_compat
@@ -120,7 +119,7 @@ class DistributedDataParallel(nn.Module):
         self.disable_bucketing = disable_bucketing
         self.collectives = collectives if collectives is not None else Collectives()
         self.sync_buffers_in_forward = options.sync_buffers_in_forward
-        self.rank = dist.get_rank()
+        self.rank = self.process_groups.topology.rank
         self._backward_sync = BackwardEndSync(
             self.ddp_config.sync_grads_at_backward_end, self._finish_backward
         )
@@ -165,7 +164,7 @@ class DistributedDataParallel(nn.Module):
             param_specs(trainable),
             self.ddp_config,
             dp_size=pgs.dp_size,
-            expt_dp_size=dist.get_world_size(pgs.expt_dp),
+            expt_dp_size=pgs.topology.expt_dp_size,
             expert_shares_dp_group=pgs.expt_dp is pgs.dp,
             disable_bucketing=self.disable_bucketing,
             unit_of_param=self.unit_plan.unit_ids([n for n, _ in trainable])
@@ -219,7 +218,7 @@ class DistributedDataParallel(nn.Module):
         and summed over expt_dp (dp_size = ep_size * expt_dp_size)."""
         dp_size = self.process_groups.dp_size
         if self.ddp_config.average_in_collective:
-            return 1.0, dist.get_world_size(self.process_groups.expt_dp) / dp_size
+            return 1.0, self.process_groups.topology.expt_dp_size / dp_size
         return 1.0 / dp_size, 1.0 / dp_size
 
     def _make_buffers(self, params: Sequence[nn.Parameter]) -> list[_ParamAndGradBuffer]:
@@ -241,7 +240,7 @@ class DistributedDataParallel(nn.Module):
                     self.param_to_name,
                     expert_scale if planned.expert else dense_scale,
                     dp_size=planned.dp_size,
-                    dp_rank=dist.get_rank(group),
+                    dp_rank=pgs.topology.data_parallel(planned.expert)[0],
                 )
             )
         return buffers
@@ -264,7 +263,7 @@ class DistributedDataParallel(nn.Module):
 
     def _make_group(self, planned: GroupPlan, chain: DispatchChain) -> BucketGroup:
         group = self.process_groups.expt_dp if planned.expert else self.process_groups.dp
-        dp_rank, dp_size = dist.get_rank(group), dist.get_world_size(group)
+        dp_rank, dp_size = self.process_groups.topology.data_parallel(planned.expert)
         return BucketGroup(
             [self._all_buffers[b].buckets[k] for b, k in planned.members],
             self.ddp_config,
@@ -300,15 +299,15 @@ class DistributedDataParallel(nn.Module):
         if not self._sharding.shards_params:
             return None
         group = self.process_groups.expt_dp if planned.expert else self.process_groups.dp
+        dp_rank, dp_size = self.process_groups.topology.data_parallel(planned.expert)
         buckets = [self._all_buffers[b].buckets[k] for b, k in planned.members]
         return ShardedParams(
             [b.param_data for b in buckets if b.param_data is not None],
             [b.param_shard for b in buckets if b.param_shard is not None],
             self.collectives, group, self.memory_ledger, group_id=planned.group_id,
             unit_name=ParamUnits.unit_name_of(unit_modules(self.module, self.unit_plan), planned),
-            rank=self.rank,
-            dp_rank=dist.get_rank(group), dp_size=dist.get_world_size(group),
-            poison=self.ddp_config.verify_param_access,
+            rank=self.rank, poison=self.ddp_config.verify_param_access,
+            dp_rank=dp_rank, dp_size=dp_size,
         )  # fmt: skip
 
     # ---- forward ------------------------------------------------------------------------------

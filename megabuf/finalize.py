@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from typing import cast
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from megabuf.buffer import _ParamAndGradBuffer
@@ -62,12 +61,11 @@ def check_scaling_invariant(model: DistributedDataParallel) -> None:
     see [Note: gradient scaling]."""
     pgs = model.process_groups
     dp_size = pgs.dp_size
-    ep_size = dist.get_world_size(pgs.ep)
-    expt_dp_size = dist.get_world_size(pgs.expt_dp)
+    ep_size, expt_dp_size = pgs.topology.ep_size, pgs.topology.expt_dp_size
     if model.expert_parallel_buffers and ep_size * expt_dp_size != dp_size:
         raise RuntimeError(
             f"megabuf: ep_size {ep_size} x expt_dp size {expt_dp_size} != dp_size {dp_size} on "
-            f"rank {dist.get_rank()}; build the groups with ProcessGroups.build(ep_size=...)"
+            f"rank {model.rank}; build the groups with ProcessGroups.build(ep_size=...)"
         )
     average = model.ddp_config.average_in_collective
     for buf in _dense_buffers(model) + model.expert_parallel_buffers:
@@ -75,7 +73,7 @@ def check_scaling_invariant(model: DistributedDataParallel) -> None:
         factors = {b.gradient_scaling_factor for b in buf.buckets} | {buf.gradient_scaling_factor}
         if len(factors) != 1 or not math.isclose(effective, 1.0 / dp_size, rel_tol=1e-12):
             raise RuntimeError(
-                f"megabuf: {buf.describe()} on rank {dist.get_rank()} scales grads by "
+                f"megabuf: {buf.describe()} on rank {model.rank} scales grads by "
                 f"{sorted(factors)} (average_in_collective={average}, reduced over "
                 f"{buf.dp_size} ranks): effective {effective:.6g} != 1/dp_size = "
                 f"{1.0 / dp_size:.6g}; see [Note: gradient scaling] in megabuf/finalize.py"
@@ -108,7 +106,7 @@ def allreduce_embedding_grads(chunks: Sequence[DistributedDataParallel]) -> None
     size and padding and dp rank d's shard covers the same elements of the param on both.
     """
     pgs = chunks[0].process_groups
-    if pgs.embd is None or dist.get_world_size(pgs.embd) == 1:
+    if pgs.embd is None or pgs.topology.embd_size == 1:
         return
     collectives = chunks[0].collectives
     with torch.profiler.record_function("megabuf::embedding_grad_all_reduce"):
@@ -132,14 +130,14 @@ def _embedding_grad_slice(chunk: DistributedDataParallel, param: nn.Parameter) -
         if bucket.start != start or len(bucket.param_ids) != 1:
             raise RuntimeError(
                 f"megabuf: shared embedding {chunk.param_to_name[param]!r} does not own its "
-                f"bucket on rank {dist.get_rank()}; its shard would not line up with the other "
+                f"bucket on rank {chunk.rank}; its shard would not line up with the other "
                 "pipeline stage's. Keep `shared_embedding=True` set before wrapping"
             )
         lo, hi = buf.shard_range(bucket_id)
         return buf.reduced_grad(max(lo, start), max(min(hi, end), max(lo, start)))
     raise RuntimeError(
         f"megabuf: shared embedding {chunk.param_to_name[param]!r} is in no dense buffer on rank "
-        f"{dist.get_rank()}; tied embeddings must not be marked expert-parallel"
+        f"{chunk.rank}; tied embeddings must not be marked expert-parallel"
     )
 
 
@@ -160,7 +158,7 @@ def scale_by_num_tokens(chunks: Sequence[DistributedDataParallel], num_tokens: T
     if count <= 0:
         raise ValueError(
             f"megabuf: finalize_model_grads() got {count} tokens in total over dp on rank "
-            f"{dist.get_rank()}; a per-token loss needs at least one token"
+            f"{pgs.topology.rank}; a per-token loss needs at least one token"
         )
     for chunk in chunks:
         chunk.scale_gradients(pgs.dp_size / count)

@@ -17,6 +17,7 @@ expt_dp [0,2] [1,3] [4,6] [5,7]; pp [0,4] [1,5] [2,6] [3,7].
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,31 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from megabuf.strategy import backend_for_device
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank's place in every group the engine uses, resolved once from `ProcessGroups`
+    ([Note: rank order]); nothing else in the engine asks torch.distributed for ranks or sizes
+    (arbitrary groups: `Collectives.rank` / `Collectives.size`)."""
+
+    rank: int  # global
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    expt_dp_rank: int
+    expt_dp_size: int
+    ep_rank: int
+    ep_size: int
+    pp_rank: int
+    pp_size: int
+    embd_size: int  # 0 without an embedding group
+
+    def data_parallel(self, expert: bool) -> tuple[int, int]:
+        """(rank, size) in the group a buffer's grads reduce over: expt_dp or dp."""
+        if expert:
+            return self.expt_dp_rank, self.expt_dp_size
+        return self.dp_rank, self.dp_size
 
 
 @dataclass(frozen=True)
@@ -46,21 +72,34 @@ class ProcessGroups:
     pp_ranks: tuple[int, ...] = (0,)
     """Global ranks of this rank's pipeline, in stage order (for point-to-point send/recv)."""
 
+    @functools.cached_property
+    def topology(self) -> Topology:
+        """Every rank and size of these groups, asked of torch.distributed once."""
+        return Topology(
+            rank=dist.get_rank(), world_size=dist.get_world_size(),
+            dp_rank=dist.get_rank(self.dp), dp_size=dist.get_world_size(self.dp),
+            expt_dp_rank=dist.get_rank(self.expt_dp),
+            expt_dp_size=dist.get_world_size(self.expt_dp),
+            ep_rank=dist.get_rank(self.ep), ep_size=dist.get_world_size(self.ep),
+            pp_rank=dist.get_rank(self.pp), pp_size=dist.get_world_size(self.pp),
+            embd_size=0 if self.embd is None else dist.get_world_size(self.embd),
+        )  # fmt: skip
+
     @property
     def dp_size(self) -> int:
-        return dist.get_world_size(self.dp)
+        return self.topology.dp_size
 
     @property
     def dp_rank(self) -> int:
-        return dist.get_rank(self.dp)
+        return self.topology.dp_rank
 
     @property
     def pp_size(self) -> int:
-        return dist.get_world_size(self.pp)
+        return self.topology.pp_size
 
     @property
     def pp_rank(self) -> int:
-        return dist.get_rank(self.pp)
+        return self.topology.pp_rank
 
     @classmethod
     def default(cls) -> ProcessGroups:

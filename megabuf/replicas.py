@@ -7,7 +7,6 @@ import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -73,10 +72,10 @@ def check_replicas_match(
     for group_rank, theirs in enumerate(everyone[1:], start=1):
         problem = first_difference(reference, theirs)
         if problem is not None:
-            global_rank = dist.get_global_rank(group, group_rank) if group else group_rank
+            global_rank = collectives.global_rank(group, group_rank)
             raise ValueError(
                 f"megabuf: data-parallel ranks hold different models (seen on rank "
-                f"{dist.get_rank()}): rank {global_rank} differs from dp rank 0: {problem}. "
+                f"{collectives.rank()}): rank {global_rank} differs from dp rank 0: {problem}. "
                 "Build the same model on every rank before wrapping it"
             )
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.ddp import DistributedDataParallel
 from megabuf.process_groups import ProcessGroups
@@ -136,7 +137,7 @@ def verify_reproducible(
     results = []
     for name, changes in chosen.items():
         _, grads = run(config.replace(**changes))
-        results.append(_agree(name, dict(changes), _compare(names, base, grads)))
+        results.append(_agree(name, dict(changes), _compare(names, base, grads), Collectives()))
     report = ReproducibilityReport(config, steps, tuple(results))
     if raise_on_difference and not report.identical:
         raise ReproducibilityError(f"megabuf: gradients are not reproducible:\n{report}")
@@ -182,12 +183,13 @@ def _compare(names: list[str], base: list[Tensor], other: list[Tensor]) -> tuple
     return first, worst
 
 
-def _agree(name: str, changes: dict[str, Any], mine: tuple[str | None, float]) -> VariantResult:
+def _agree(
+    name: str, changes: dict[str, Any], mine: tuple[str | None, float], collectives: Collectives
+) -> VariantResult:
     """Every rank's (first differing param, largest difference) -> one result on every rank."""
     every = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        every = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(every, mine)
+    if dist.is_initialized() and collectives.size() > 1:
+        every = collectives.all_gather_object(mine, None)
     differing = [(rank, param) for rank, (param, _) in enumerate(every) if param is not None]
     worst = max(diff for _, diff in every)
     if not differing:

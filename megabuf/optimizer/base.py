@@ -34,7 +34,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -135,7 +134,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
         pipeline stage without expert params, or the stages that have them wait forever."""
         mine = {d.kind for d in self.domains}
         flags = torch.tensor([float(k in mine) for k in DOMAIN_KINDS], device=self.device)
-        if dist.get_world_size() > 1:
+        if self.process_groups.topology.world_size > 1:
             self.collectives.all_reduce_max(flags, None)
         return tuple(k for k, f in zip(DOMAIN_KINDS, flags.tolist(), strict=True) if f > 0)
 
@@ -245,7 +244,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
         self._release_grads()
         for chunk in self.model_chunks:
             chunk.notify_comm_hooks_step_skipped()
-        if grad_norm is not None and dist.get_rank() == 0:  # scaler skips are routine
+        if grad_norm is not None and self.process_groups.topology.rank == 0:  # routine skips
             logger.warning("megabuf: step skipped on every rank: global grad norm is %s", grad_norm)
         return StepResult(False, grad_norm, None)
 
@@ -256,7 +255,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
             if group is not None:
                 names = [group.param_to_name.get(p, "?") for p in group.params_list[:3]]
                 raise RuntimeError(
-                    f"megabuf: optimizer step() on rank {dist.get_rank()}: model chunk {i}, "
+                    f"megabuf: optimizer step() on rank {chunk.rank}: model chunk {i}, "
                     f"bucket group {group.group_id} (params {', '.join(names)}, ...) has grad "
                     f"sync {group.grad_state.name}, not SYNCED: {_UNSYNCED[group.grad_state]}. "
                     "Run backward, then model.finish_grad_sync() (or "
@@ -308,7 +307,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
                     grads, found_inf, scaler.inv_scale.to(self.device)
                 )
             for group in (self.process_groups.dp, self.process_groups.pp):
-                if dist.get_world_size(group) > 1:
+                if self.collectives.size(group) > 1:
                     self.collectives.all_reduce_max(found_inf, group)
             return bool(found_inf.item() > 0)
 

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -39,7 +38,7 @@ class NormPart:
 
 def _sum_over(value: Tensor, groups: Sequence[ProcessGroup], collectives: Collectives) -> None:
     for group in groups:
-        if dist.get_world_size(group) > 1:
+        if collectives.size(group) > 1:
             collectives.all_reduce(value, group, async_op=False)
 
 

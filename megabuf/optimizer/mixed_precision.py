@@ -8,7 +8,6 @@ directly); `FP32Optimizer` is the same for models whose params are all fp32.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from megabuf.optimizer.base import MegabufOptimizer
@@ -32,9 +31,9 @@ class MixedPrecisionOptimizer(MegabufOptimizer):
         if not params:
             return None
         pgs = self.process_groups
-        replica_group = pgs.dp if kind == "dense" else pgs.expt_dp
-        # Replicas hold identical state: only the first writes it into checkpoints.
-        owner = dist.get_rank(replica_group) == 0
+        # Replicas hold identical state: only the first (dp or expt_dp rank 0) writes it into
+        # checkpoints.
+        owner = pgs.topology.data_parallel(kind == "expert")[0] == 0
         return whole_main_params(params, self.keys, owner)
 
     def _norm_groups(self, kind: DomainKind) -> tuple[ProcessGroup, ...]:

@@ -13,7 +13,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megabuf.buffer import _ParamAndGradBuffer
@@ -52,8 +51,8 @@ def scope_prefix(chunk: DistributedDataParallel, index: int, n_chunks: int, expe
     prefix = f"stage{pgs.pp_rank}/" if pgs.pp_size > 1 else ""
     if n_chunks > 1:
         prefix += f"chunk{index}/"
-    if expert and dist.get_world_size(pgs.ep) > 1:
-        prefix += f"ep{dist.get_rank(pgs.ep)}/"
+    if expert and pgs.topology.ep_size > 1:
+        prefix += f"ep{pgs.topology.ep_rank}/"
     return prefix
 
 

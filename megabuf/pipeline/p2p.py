@@ -32,7 +32,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from megabuf.collectives import Collectives, P2PMessage, PendingCollective
@@ -158,7 +157,7 @@ class PipelineP2P:
             raise RuntimeError(
                 f"megabuf: pipeline stage {self.pp_rank} ended its schedule with unsent "
                 f"{sorted(self._outbox)} and unused received {sorted(self._inbox)} "
-                f"((phase, chunk, micro-batch); rank {dist.get_rank()}); the steps and the "
+                f"((phase, chunk, micro-batch); rank {self.collectives.rank()}); the steps and the "
                 "compute disagree, a megabuf bug"
             )
 
@@ -166,7 +165,7 @@ class PipelineP2P:
         if key not in box:
             raise RuntimeError(
                 f"megabuf: pipeline stage {self.pp_rank} has no {what} for (phase, chunk, "
-                f"micro-batch) {key} (rank {dist.get_rank()}); the steps and the compute "
+                f"micro-batch) {key} (rank {self.collectives.rank()}); the steps and the compute "
                 "disagree, a megabuf bug"
             )
         return box.pop(key)
@@ -176,5 +175,6 @@ class PipelineP2P:
             raise ValueError(
                 f"megabuf: pipeline stage {self.pp_rank} chunk {chunk} micro-batch {microbatch}: "
                 f"{what} has shape {tuple(t.shape)} {t.dtype}, but the schedule was given "
-                f"tensor_shape={self.tensor_shape} dtype={self.dtype} (rank {dist.get_rank()})"
+                f"tensor_shape={self.tensor_shape} dtype={self.dtype} "
+                f"(rank {self.collectives.rank()})"
             )
