@@ -32,7 +32,7 @@ only completes work every rank issued at the step, so it is never a collective o
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -40,14 +40,14 @@ import torch
 from torch import nn
 
 from megabuf import torch_compat
-from megabuf.backward_sync import BackwardEndSync
-from megabuf.bucket_group import BucketGroup, DispatchChain, GradSyncState, ParamSyncState, Timeline
+from megabuf.bucket_group import BucketGroup, DispatchChain, ParamSyncState, Timeline
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.comm_hooks import build as build_comm_hook
 from megabuf.comm_hooks.telemetry import HookReport
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.devices import params_device
+from megabuf.grad_sync import GradSync
 from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
 from megabuf.hook_registry import CommHookRegistry
 from megabuf.hooks import ParamGatherHooks, has_compiled, profiler_recording, register_grad_hooks
@@ -68,8 +68,6 @@ from megabuf.sharding.params import ShardedParams
 from megabuf.units import UnitPlan, plan_units
 
 logger = logging.getLogger(__name__)
-
-BACKWARD_END_GROUP_ID = -1  # group id of the timeline's "backward_end" marker
 
 
 class DistributedDataParallel(nn.Module):
@@ -120,16 +118,7 @@ class DistributedDataParallel(nn.Module):
         self.collectives = collectives if collectives is not None else Collectives()
         self.sync_buffers_in_forward = options.sync_buffers_in_forward
         self.rank = self.process_groups.topology.rank
-        self._backward_sync = BackwardEndSync(
-            self.ddp_config.sync_grads_at_backward_end, self._finish_backward
-        )
         self._sharding = self.ddp_config.sharding  # [Note: sharding strategy objects]
-        # optim_grads*, reduce_each_microbatch: every backward reduces into the grad shards
-        self._reduce_each = self._sharding.shards_grads and (
-            self.ddp_config.sharded_grad_accumulation == "reduce_each_microbatch"
-        )
-        self._backward_sync.every_backward = self._reduce_each
-        self._microbatch_pending = False  # a no_sync forward whose reduction is not finished
         self.memory_ledger = MemoryLedger()  # [Note: sharded grad lifecycle]
         self.param_units: ParamUnits | None = None  # optim_grads_params: the unit runtime
         self._build(options.init_sync)
@@ -179,10 +168,15 @@ class DistributedDataParallel(nn.Module):
             [b for b, e in zip(self._all_buffers, expert) if not e], self
         )
         self.expert_parallel_buffers = [b for b, e in zip(self._all_buffers, expert) if e]
-        self._wire_groups()
-        self._grads = self._exposed_grads(params)
+        chains = self._wire_groups()
+        grads = self._exposed_grads(params)
+        structure = ParamStructure(self.module)
+        self._sync = GradSync(
+            self.all_bucket_groups, chains, self.ddp_config, grads,
+            before_sync=lambda: structure.check(self.rank), checks=self._sync_checks(),
+        )  # fmt: skip
         self._grad_hook_handles = register_grad_hooks(
-            params, self.param_to_bucket_group, set(self._grads.linked), self._on_grad
+            params, self.param_to_bucket_group, set(grads.linked), self._on_grad
         )
         for group in self.all_bucket_groups:  # the hooks hold the views: guard the attribute
             if group.sharded_grads is not None:
@@ -192,7 +186,6 @@ class DistributedDataParallel(nn.Module):
         self.param_gather_hooks = ParamGatherHooks(self.module, self.param_to_bucket_group)
         if self.ddp_config.overlap_param_gather:
             self.param_gather_hooks.enable()
-        self._structure = ParamStructure(self.module)
         if init_sync:
             self.broadcast_params()
         if self._sharding.shards_params:
@@ -245,7 +238,7 @@ class DistributedDataParallel(nn.Module):
             )
         return buffers
 
-    def _wire_groups(self) -> None:
+    def _wire_groups(self) -> list[DispatchChain]:
         """The planned bucket groups and dispatch chains ([Note: one chain per communicator])."""
         chains = [DispatchChain() for _ in self.plan.chains]
         groups = [
@@ -253,13 +246,28 @@ class DistributedDataParallel(nn.Module):
         ]
         for chain, group_ids in zip(chains, self.plan.chains, strict=True):
             chain.set_order([groups[i] for i in group_ids])
-        self._chains: list[DispatchChain] = chains
         self.bucket_groups = [g for g, p in zip(groups, self.plan.groups) if not p.expert]
         self.expert_parallel_bucket_groups = [
             g for g, p in zip(groups, self.plan.groups) if p.expert
         ]
-        self.timeline: Timeline | None = None
         self.param_to_bucket_group = {p: g for g in groups for p in g.params_list}
+        return chains
+
+    def _sync_checks(self) -> list[Callable[[], None]]:
+        """What the grad sync checks once every reduction landed (each raises on every rank)."""
+        checks: list[Callable[[], None]] = []
+        if self.ddp_config.check_for_nan_in_grad:
+            checks.append(self._raise_on_nonfinite_grads)
+        if self.ddp_config.error_on_unused_params:
+            checks.append(self._raise_on_unused_params)
+        return checks
+
+    def _raise_on_nonfinite_grads(self) -> None:
+        pgs = self.process_groups
+        raise_on_nonfinite_grads(
+            self.all_bucket_groups, self.collectives, pgs.dp,
+            dp_rank=pgs.dp_rank, dp_size=pgs.dp_size, rank=self.rank,
+        )  # fmt: skip
 
     def _make_group(self, planned: GroupPlan, chain: DispatchChain) -> BucketGroup:
         group = self.process_groups.expt_dp if planned.expert else self.process_groups.dp
@@ -317,73 +325,49 @@ class DistributedDataParallel(nn.Module):
         and its outputs arm the end-of-backward grad sync."""
         self._before_forward(torch.compiler.is_compiling())
         output = self.module(*args, **kwargs)
-        if torch.is_grad_enabled() and self._backward_sync.wanted():
-            self._backward_sync.watch(output)
+        if torch.is_grad_enabled():
+            self._sync.watch(output)
         return output
 
     @torch.compiler.disable
     def _before_forward(self, compiling: bool) -> None:
         """Runs eagerly even when this model is compiled (`compiling`: it is being traced)."""
-        self._backward_sync.queued = False  # callbacks never run after a backward that raised
-        if self._microbatch_pending:
-            self.finish_microbatch()  # its backward ended without the callback (deferred)
-        if self._reduce_each and torch.is_grad_enabled() and not self._backward_sync.require_sync:
-            self._microbatch_pending = True
+        self._sync.before_forward(torch.is_grad_enabled())
         if self.param_gather_hooks.enabled and (compiling or has_compiled(self.module)):
             self.param_gather_hooks.gather_at_root()  # [Note: compiled modules]
         hooks = self.param_gather_hooks
         if hooks.at_root or (self.ddp_config.overlap_param_gather and not hooks.enabled):
             self.publish_params()  # [Note: who waits for param gathers]
-        sync_on = self._backward_sync.require_sync
+        sync_on = self._sync.require_sync
         if self.sync_buffers_in_forward and torch.is_grad_enabled() and sync_on:
             with torch.no_grad():
                 for tensor in self._module_buffers:
                     self.collectives.broadcast(tensor, 0, self.process_groups.dp)
 
-    # ---- grad sync ----------------------------------------------------------------------------
+    # ---- grad sync: thin calls into GradSync ([Note: step phase] in grad_sync.py) ------------
     @property
     def require_backward_grad_sync(self) -> bool:
         """torch DDP's flag: False makes backward only accumulate (as inside `no_sync()`)."""
-        return self._backward_sync.require_sync
+        return self._sync.require_sync
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        self._backward_sync.require_sync = bool(value)
-        for group in self.all_bucket_groups:
-            group.is_last_microbatch = bool(value) or self._reduce_each
+        self._sync.require_sync = value
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Accumulate grads without reducing (all micro-batches but the last)."""
-        before = self._backward_sync.require_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = before
+        return self._sync.no_sync()
 
     def deferred_grad_sync(self) -> AbstractContextManager[None]:
         """Backwards ending inside this block leave the grad sync to `finish_grad_sync()` (the
         last buckets' reductions overlap whatever runs before it; pipeline schedules use it).
         See [Note: grad sync at backward end]."""
-        return self._backward_sync.deferred()
+        return self._sync.deferred()
 
     def _on_grad(self) -> None:
-        """Every param grad hook's first step: see [Note: grads the user changed] and [Note:
-        grad sync at backward end]."""
+        """Every param grad hook's first step (hot path)."""
         self._hooks.backward_seen = True
-        if self._grads.exposed:
-            self._grads.begin_backward()
-        self._backward_sync.on_grad()
-
-    def _finish_backward(self) -> None:
-        """The end-of-backward callback ([Note: grad sync at backward end]): the grad sync, or
-        under reduce_each_microbatch inside no_sync() this micro-batch's reduction."""
-        if self._backward_sync.require_sync:
-            self.finish_grad_sync()
-        else:
-            self._microbatch_pending = True  # also when its forward ran with sync on
-            self.finish_microbatch()
+        self._sync.on_grad()
 
     def finish_microbatch(self) -> None:
         """optim_grads* with reduce_each_microbatch, a micro-batch inside no_sync(): dispatch
@@ -391,59 +375,24 @@ class DistributedDataParallel(nn.Module):
         the full buckets ([Note: sharded grad lifecycle]). Runs at the end of such a backward
         (or, when that backward's sync is deferred, at the next forward or finish_grad_sync);
         a no-op otherwise. Collective: every dp rank runs the same forwards."""
-        if not self._microbatch_pending:
-            return
-        self._microbatch_pending = False
-        self._reduce_and_wait()
-        for group in self.all_bucket_groups:
-            group.next_microbatch()
-        for chain in self._chains:
-            chain.reset()
-
-    def _reduce_and_wait(self) -> None:
-        """Dispatch what is left in chain order, wait for every group, learn arrival counts."""
-        self.start_grad_sync()
-        for chain in self._chains:
-            for group in chain.groups:
-                group.finish_grad_sync()
-        for group in self.all_bucket_groups:
-            group.learn_arrivals()
+        self._sync.finish_microbatch()
 
     def start_grad_sync(self) -> None:
         """Dispatch every reduction not yet dispatched, in chain order (e.g. from a pipeline's
         grad_sync_func). Collective: every dp rank must call it."""
-        for chain in self._chains:
-            chain.dispatch_rest()
+        self._sync.start()
 
     def finish_grad_sync(self) -> None:
         """Dispatch what backward did not (unused params are zero-filled), wait for every
         reduction, and hand out the grads: see [Note: grad contract]. Collective: every dp rank
         must call it once per iteration, unless backward already did (sync_grads_at_backward_end
         outside deferred_grad_sync()): it is a no-op while every group is synced."""
-        self._microbatch_pending = False  # its grads are reduced with this sync's
-        groups = self.all_bucket_groups
-        if groups and self.unsynced_group() is None:
-            return
-        if self.timeline is not None:
-            self.timeline.record(BACKWARD_END_GROUP_ID, "backward_end")
-        self._structure.check(self.rank)
-        self._reduce_and_wait()
-        if self.ddp_config.check_for_nan_in_grad:
-            pgs = self.process_groups
-            raise_on_nonfinite_grads(
-                self.all_bucket_groups, self.collectives, pgs.dp,
-                dp_rank=pgs.dp_rank, dp_size=pgs.dp_size, rank=self.rank,
-            )  # fmt: skip
-        if self.ddp_config.error_on_unused_params:
-            self._raise_on_unused_params()
-        self._grads.expose()
+        self._sync.finish()
 
     def unsynced_group(self) -> BucketGroup | None:
         """A bucket group whose grads are not this iteration's reduced grads (its sync is not
         SYNCED: no finish_grad_sync() since zero_grad_buffer() or since a backward), or None."""
-        return next(
-            (g for g in self.all_bucket_groups if g.grad_state is not GradSyncState.SYNCED), None
-        )
+        return self._sync.unsynced_group()
 
     def _raise_on_unused_params(self) -> None:
         device = params_device(self.param_to_name, self.process_groups.dp)
@@ -452,6 +401,11 @@ class DistributedDataParallel(nn.Module):
             device, self.rank,
         )  # fmt: skip
 
+    @property
+    def timeline(self) -> Timeline | None:
+        """The timeline `enable_timeline()` made, or None."""
+        return self._sync.timeline
+
     def enable_timeline(self) -> Timeline:
         """Record when every bucket group became ready, was dispatched and finished, and a
         "backward_end" marker (group id -1) at the start of each finish_grad_sync(), into one
@@ -459,22 +413,13 @@ class DistributedDataParallel(nn.Module):
         On CUDA params the events are timed CUDA events, resolved when `timeline.events` is
         read: see [Note: timeline on CUDA] in timeline.py."""
         timeline = Timeline(params_device(self.param_to_name, self.process_groups.dp))
-        self.timeline = timeline
-        for group in self.all_bucket_groups:
-            group.set_timeline(timeline)
+        self._sync.enable_timeline(timeline)
         return timeline
 
     def zero_grad_buffer(self) -> None:
         """Start a new iteration's grads: lazily, see [Note: grad accumulation into main_grad]
         (no pass over the buffer; each param's first grad overwrites its main_grad)."""
-        for group in self.all_bucket_groups:
-            group.reset()
-        for chain in self._chains:
-            chain.reset()
-        for group in self.all_bucket_groups:
-            group.is_last_microbatch = self._backward_sync.require_sync or self._reduce_each
-        self._grads.clear()
-        self._backward_sync.queued = False
+        self._sync.zero()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Same as zero_grad_buffer(): grads live in the buffers, see [Note: grad accumulation
@@ -489,14 +434,11 @@ class DistributedDataParallel(nn.Module):
         zeroed and no_sync is left. Every dp rank must call it at the same point, like any
         other step of the loop, so the collectives already issued pair up."""
         for group in self.all_bucket_groups:
-            group.abandon_grad_sync()
             if group.param_state is ParamSyncState.DISPATCHED:
                 group.finish_param_sync(skip_next_bucket_dispatch=True)
         if self.param_units is not None:
             self.param_units.runtime.reset()
-        self._backward_sync.require_sync = True
-        self._microbatch_pending = False
-        self.zero_grad_buffer()
+        self._sync.abandon()
 
     def scale_gradients(self, scaling_factor: float) -> None:
         for buf in self._all_buffers:

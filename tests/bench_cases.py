@@ -113,7 +113,7 @@ def ddp_layouts(model_name: str, configs: dict[str, dict[str, Any]]) -> dict[str
                 names_in = [names[p] for p in b.params_list]
                 buckets.append((b.offset, b.offset + b.numel, names_in))
             buffers.append((buf.numel, buckets))
-        order = [bucket_of[id(g.buckets[0])] for chain in model._chains for g in chain.groups]
+        order = [bucket_of[id(g.buckets[0])] for chain in model._sync.chains for g in chain.groups]
         out[name] = {"buffers": buffers, "order": order}
     return out
 

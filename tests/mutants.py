@@ -99,8 +99,8 @@ MUTANTS = (
     Mutant(
         "require-backward-grad-sync-ignored",
         "require_backward_grad_sync=False makes backward only accumulate",
-        "megabuf/ddp.py",
-        "        self._backward_sync.require_sync = bool(value)\n",
+        "megabuf/grad_sync.py",
+        "        self.backward_end.require_sync = bool(value)\n",
         "        pass\n",
         ("tests/test_drop_in.py",),
     ),

@@ -50,8 +50,8 @@ def describe_ddp(model: megabuf.DistributedDataParallel) -> dict[str, Any]:
         (g.group_id, id(g) in expert_groups, [list(where[id(k)]) for k in g.buckets])
         for g in model.all_bucket_groups
     ]
-    chains = [[g.group_id for g in chain.groups] for chain in model._chains]
-    for chain in model._chains:
+    chains = [[g.group_id for g in chain.groups] for chain in model._sync.chains]
+    for chain in model._sync.chains:
         if any(g.chain is not chain for g in chain.groups):
             raise AssertionError("a bucket group does not point at the chain that holds it")
     return {

@@ -11,8 +11,8 @@ Lowest first; a module may import its own layer and those below:
                 collectives only, never the engine
     storage     buffers and the sharded grad / param storages and the unit runtime
     group       the bucket group (both lifecycles)
-    engine      what the wrapper is made of: hooks, grads contract, backward-end sync, NaN
-                check, the comm-hook registry, the ZeRO-3 param units
+    engine      what the wrapper is made of: hooks, grads contract, backward-end sync, the
+                grad sync object, NaN check, the comm-hook registry, the ZeRO-3 param units
     wrapper     ddp.py
     above       what takes wrapped models: finalize, optimizers, checkpoints, pipelines
     tools       benchmarks, test models, `megabuf inspect` and the CLI, the package root
@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("group", ("megabuf.bucket_group",)),
     ("engine", (
         "megabuf.nan_check", "megabuf.hooks", "megabuf.grads", "megabuf.backward_sync",
-        "megabuf.hook_registry", "megabuf.param_units",
+        "megabuf.hook_registry", "megabuf.param_units", "megabuf.grad_sync",
     )),
     ("wrapper", ("megabuf.ddp",)),
     ("above", (

@@ -1,0 +1,202 @@
+"""`GradSync`: one engine's gradient synchronisation, as one object with one phase.
+
+It owns the bucket groups (dense then expert), their dispatch chains ([Note: dispatch order] in
+bucket_group.py), the end-of-backward trigger ([Note: grad sync at backward end] in
+backward_sync.py) and the grads the sync hands out ([Note: grad contract] in ddp.py); the
+wrapper's grad-sync methods (`finish_grad_sync`, `no_sync`, `zero_grad_buffer`, ...) are thin
+calls into it. It never asks torch.distributed anything itself, so it runs under a recording
+fake of the collectives in tests (tests/test_grad_sync.py).
+
+[Note: step phase]
+What the engine owes the optimizer, one enum behind one guard (as `BucketGroup`'s lifecycles):
+
+    ACCUMULATING --finish_grad_sync()--> SYNCED --zero_grad_buffer()--> ACCUMULATING
+    ACCUMULATING --a no_sync() forward under reduce_each_microbatch--> MICROBATCH_OWED
+    MICROBATCH_OWED --finish_microbatch() (its backward's end, or the next forward)--> ACCUMULATING
+    MICROBATCH_OWED --finish_grad_sync() (the owed grads reduce with the sync's)--> SYNCED
+    any --reset_iter_state()--> ACCUMULATING
+
+ACCUMULATING: grads accumulate into the buffers (micro-batches, or a backward in progress);
+MICROBATCH_OWED: optim_grads* with reduce_each_microbatch, a micro-batch run inside `no_sync()`
+whose reduction into the grad shards has not finished yet; SYNCED: the last `finish_grad_sync()`
+handed out this iteration's reduced grads (a later backward accumulates on top, as in torch; the
+groups' own states say whether their grads are still this iteration's: `unsynced_group()`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+from megabuf.backward_sync import BackwardEndSync
+from megabuf.bucket_group import BucketGroup, DispatchChain, GradSyncState
+from megabuf.config import DistributedDataParallelConfig
+from megabuf.grads import ExposedGrads
+from megabuf.timeline import Timeline
+
+BACKWARD_END_GROUP_ID = -1  # group id of the timeline's "backward_end" marker
+
+
+class SyncPhase(enum.Enum):
+    ACCUMULATING = "accumulating"
+    MICROBATCH_OWED = "microbatch_owed"
+    SYNCED = "synced"
+
+
+class GradSync:
+    """See [Note: step phase]. `checks` run after every reduction of a grad sync has landed and
+    before the grads are handed out (the NaN check, unused params): each raises on every rank."""
+
+    def __init__(
+        self,
+        groups: Sequence[BucketGroup],
+        chains: Sequence[DispatchChain],
+        config: DistributedDataParallelConfig,
+        grads: ExposedGrads,
+        *,
+        before_sync: Callable[[], None] = lambda: None,
+        checks: Sequence[Callable[[], None]] = (),
+    ) -> None:
+        self.groups = list(groups)  # dense then expert
+        self.chains = list(chains)
+        self.grads = grads
+        self.reduce_each = config.sharding.shards_grads and (
+            config.sharded_grad_accumulation == "reduce_each_microbatch"
+        )
+        self.backward_end = BackwardEndSync(config.sync_grads_at_backward_end, self._backward_ended)
+        self.backward_end.every_backward = self.reduce_each
+        self.phase = SyncPhase.ACCUMULATING
+        self.timeline: Timeline | None = None
+        self._before_sync = before_sync
+        self._checks = tuple(checks)
+
+    # ---- no_sync ------------------------------------------------------------------------------
+    @property
+    def require_sync(self) -> bool:
+        """torch DDP's `require_backward_grad_sync`: False makes backward only accumulate."""
+        return self.backward_end.require_sync
+
+    @require_sync.setter
+    def require_sync(self, value: bool) -> None:
+        self.backward_end.require_sync = bool(value)
+        for group in self.groups:
+            group.is_last_microbatch = bool(value) or self.reduce_each
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        before = self.require_sync
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = before
+
+    def deferred(self) -> AbstractContextManager[None]:
+        return self.backward_end.deferred()
+
+    # ---- forward and backward -----------------------------------------------------------------
+    def before_forward(self, grad_enabled: bool) -> None:
+        """A forward starts: a backward that raised never ran its callbacks; a micro-batch
+        whose reduction is still owed (its backward's sync was deferred) finishes now."""
+        self.backward_end.queued = False
+        if self.phase is SyncPhase.MICROBATCH_OWED:
+            self.finish_microbatch()
+        if self.reduce_each and grad_enabled and not self.require_sync:
+            self.phase = SyncPhase.MICROBATCH_OWED
+
+    def watch(self, output: Any) -> None:
+        """A training forward's outputs arm the end-of-backward sync."""
+        if self.backward_end.wanted():
+            self.backward_end.watch(output)
+
+    def on_grad(self) -> None:
+        """Every param grad hook's first step (hot path): see [Note: grads the user changed]
+        in grads.py and [Note: grad sync at backward end]."""
+        if self.grads.exposed:
+            self.grads.begin_backward()
+        self.backward_end.on_grad()
+
+    def _backward_ended(self) -> None:
+        """The end-of-backward callback: the grad sync, or under reduce_each_microbatch inside
+        no_sync() this micro-batch's reduction."""
+        if self.require_sync:
+            self.finish()
+        else:
+            self.phase = SyncPhase.MICROBATCH_OWED  # also when its forward ran with sync on
+            self.finish_microbatch()
+
+    # ---- the sync -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Dispatch every reduction not yet dispatched, in chain order. Collective."""
+        for chain in self.chains:
+            chain.dispatch_rest()
+
+    def finish_microbatch(self) -> None:
+        """MICROBATCH_OWED: dispatch what backward did not, wait, add every reduced shard into
+        the grad shards and release the full buckets; a no-op in any other phase."""
+        if self.phase is not SyncPhase.MICROBATCH_OWED:
+            return
+        self.phase = SyncPhase.ACCUMULATING
+        self._reduce_and_wait()
+        for group in self.groups:
+            group.next_microbatch()
+        for chain in self.chains:
+            chain.reset()
+
+    def finish(self) -> None:
+        """Dispatch what backward did not, wait for every reduction, run the checks and hand
+        out the grads. A no-op while every group is synced (backward already finished it)."""
+        if self.groups and self.unsynced_group() is None:
+            self.phase = SyncPhase.SYNCED
+            return
+        if self.timeline is not None:
+            self.timeline.record(BACKWARD_END_GROUP_ID, "backward_end")
+        self._before_sync()
+        self.phase = SyncPhase.ACCUMULATING  # an owed micro-batch reduces with this sync
+        self._reduce_and_wait()
+        for check in self._checks:
+            check()
+        self.grads.expose()
+        self.phase = SyncPhase.SYNCED
+
+    def _reduce_and_wait(self) -> None:
+        """Dispatch what is left in chain order, wait for every group, learn arrival counts."""
+        self.start()
+        for chain in self.chains:
+            for group in chain.groups:
+                group.finish_grad_sync()
+        for group in self.groups:
+            group.learn_arrivals()
+
+    def unsynced_group(self) -> BucketGroup | None:
+        """A bucket group whose grads are not this iteration's reduced grads, or None."""
+        return next((g for g in self.groups if g.grad_state is not GradSyncState.SYNCED), None)
+
+    # ---- a new iteration ----------------------------------------------------------------------
+    def zero(self) -> None:
+        """Start a new iteration's grads (lazily: [Note: grad accumulation into main_grad])."""
+        for group in self.groups:
+            group.reset()
+        for chain in self.chains:
+            chain.reset()
+        for group in self.groups:
+            group.is_last_microbatch = self.require_sync or self.reduce_each
+        self.grads.clear()
+        self.backward_end.queued = False
+        self.phase = SyncPhase.ACCUMULATING
+
+    def abandon(self) -> None:
+        """After an exception mid-iteration: wait out every reduction in flight (its grads are
+        dropped), leave no_sync and start a new iteration."""
+        for group in self.groups:
+            group.abandon_grad_sync()
+        self.require_sync = True
+        self.phase = SyncPhase.ACCUMULATING
+        self.zero()
+
+    def enable_timeline(self, timeline: Timeline) -> None:
+        self.timeline = timeline
+        for group in self.groups:
+            group.set_timeline(timeline)
