@@ -10,7 +10,7 @@ fake of the collectives in tests (tests/test_grad_sync.py).
 [Note: step phase]
 What the engine owes the optimizer, one enum behind one guard (as `BucketGroup`'s lifecycles):
 
-    ACCUMULATING --finish_grad_sync()--> SYNCED --zero_grad_buffer()--> ACCUMULATING
+    ACCUMULATING --finish_grad_sync()--> SYNCED --zero_grad_buffer() or a grad--> ACCUMULATING
     ACCUMULATING --a no_sync() forward under reduce_each_microbatch--> MICROBATCH_OWED
     MICROBATCH_OWED --finish_microbatch() (its backward's end, or the next forward)--> ACCUMULATING
     MICROBATCH_OWED --finish_grad_sync() (the owed grads reduce with the sync's)--> SYNCED
@@ -19,8 +19,9 @@ What the engine owes the optimizer, one enum behind one guard (as `BucketGroup`'
 ACCUMULATING: grads accumulate into the buffers (micro-batches, or a backward in progress);
 MICROBATCH_OWED: optim_grads* with reduce_each_microbatch, a micro-batch run inside `no_sync()`
 whose reduction into the grad shards has not finished yet; SYNCED: the last `finish_grad_sync()`
-handed out this iteration's reduced grads (a later backward accumulates on top, as in torch; the
-groups' own states say whether their grads are still this iteration's: `unsynced_group()`).
+handed out this iteration's reduced grads and ran the checks; `finish_grad_sync()` is then a
+no-op (a later backward accumulates on top, as in torch, and owes the sync again). The groups'
+own states say whether their grads are still this iteration's: `unsynced_group()`.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ class GradSync:
     def on_grad(self) -> None:
         """Every param grad hook's first step (hot path): see [Note: grads the user changed]
         in grads.py and [Note: grad sync at backward end]."""
+        if self.phase is SyncPhase.SYNCED:
+            self.phase = SyncPhase.ACCUMULATING  # accumulates on top: the sync is owed again
         if self.grads.exposed:
             self.grads.begin_backward()
         self.backward_end.on_grad()
@@ -147,9 +150,11 @@ class GradSync:
 
     def finish(self) -> None:
         """Dispatch what backward did not, wait for every reduction, run the checks and hand
-        out the grads. A no-op while every group is synced (backward already finished it)."""
-        if self.groups and self.unsynced_group() is None:
-            self.phase = SyncPhase.SYNCED
+        out the grads. A no-op once it ran and no grad arrived since (SYNCED), e.g. when
+        backward's end already ran it. Every group SYNCED is not enough: under optim_grads*
+        backward itself finishes the groups whose reduction already landed, and the checks
+        are collectives every dp rank runs once per iteration."""
+        if self.groups and self.phase is SyncPhase.SYNCED and self.unsynced_group() is None:
             return
         if self.timeline is not None:
             self.timeline.record(BACKWARD_END_GROUP_ID, "backward_end")

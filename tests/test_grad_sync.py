@@ -131,3 +131,18 @@ def test_abandon_waits_out_reductions_leaves_no_sync_and_zeroes() -> None:
     assert all(c.pending is not None and c.pending.waits >= 1 for c in coll.calls)
     assert sync.require_sync and sync.phase is ACC
     assert {g.grad_state for g in groups} == {GradSyncState.IDLE}
+
+
+def test_groups_that_backward_finished_on_its_own_still_get_the_checks() -> None:
+    """optim_grads* finishes landed reductions during backward: every group may be SYNCED
+    before finish() on one rank and not on another; the checks (collectives) must run anyway."""
+    sync, groups, _, seen = make_sync(checks=1)
+    backward(groups)
+    sync.start()
+    for g in groups:
+        g.finish_grad_sync()  # as a released bucket's reduction finishes inside backward
+    sync.finish()
+    assert seen == ["before", "check0"] and sync.phase is SYNCED
+    with sync.deferred():  # (outside a real backward: queue no end-of-backward callback)
+        sync.on_grad()  # a later backward owes the sync again
+    assert sync.phase is ACC
