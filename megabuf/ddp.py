@@ -16,17 +16,8 @@ stepping such params raises, see grads.py); megabuf's optimizer reads the shard 
 When the grad sync finishes: with `sync_grads_at_backward_end` (default) at the end of every
 backward run with grad sync on, as torch DDP; otherwise at `finish_grad_sync()`. What a later
 backward does with grads the user cleared or changed: [Note: grads the user changed].
-
-[Note: who waits for param gathers]
-With `overlap_param_gather` the step leaves every bucket group's param all-gather in flight
-(DISPATCHED); a param is readable only once its group is waited for. Every way to read params
-waits, and none returns early on a state it did not expect: a forward pre-hook waits for its
-group; a forward with the pre-hooks disabled (`disable_forward_pre_hook`, or a compiled model)
-waits for every group before the module runs; `start_param_sync(force_sync=True)` and
-`disable_forward_pre_hook()` wait for what is in flight and gather what is stale, so on return
-every param holds the last step's values; `publish_params()`, `state_dict()`,
-`summon_full_params()`, `save_checkpoint` and `full_state_dict` wait before reading. A wait
-only completes work every rank issued at the step, so it is never a collective of its own.
+Params after a step, and who waits for their gathers: [Note: who waits for param gathers] in
+param_sync.py.
 """
 
 from __future__ import annotations
@@ -40,7 +31,7 @@ import torch
 from torch import nn
 
 from megabuf import torch_compat
-from megabuf.bucket_group import BucketGroup, DispatchChain, ParamSyncState, Timeline
+from megabuf.bucket_group import BucketGroup, DispatchChain, Timeline
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.comm_hooks import build as build_comm_hook
@@ -50,8 +41,9 @@ from megabuf.devices import params_device
 from megabuf.grad_sync import GradSync
 from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
 from megabuf.hook_registry import CommHookRegistry
-from megabuf.hooks import ParamGatherHooks, has_compiled, profiler_recording, register_grad_hooks
+from megabuf.hooks import ParamGatherHooks, register_grad_hooks
 from megabuf.nan_check import raise_on_nonfinite_grads
+from megabuf.param_sync import GatheredParams, UnitParams
 from megabuf.param_units import ParamUnits, unit_modules
 from megabuf.plan import GroupPlan, Plan, build_plan
 from megabuf.process_groups import ProcessGroups
@@ -186,6 +178,10 @@ class DistributedDataParallel(nn.Module):
         self.param_gather_hooks = ParamGatherHooks(self.module, self.param_to_bucket_group)
         if self.ddp_config.overlap_param_gather:
             self.param_gather_hooks.enable()
+        groups, hooks, cfg = self.all_bucket_groups, self.param_gather_hooks, self.ddp_config
+        # the param side (megabuf/param_sync.py): what the optimizer tells before and after a
+        # step (`before_step()`, `stepped()`) and what the param methods below call
+        self.param_side: GatheredParams = GatheredParams(groups, hooks, cfg)
         if init_sync:
             self.broadcast_params()
         if self._sharding.shards_params:
@@ -193,6 +189,7 @@ class DistributedDataParallel(nn.Module):
                 unit_modules(self.module, self.unit_plan), self.plan, self.all_bucket_groups,
                 self.param_to_name, self.ddp_config, self.memory_ledger, self.rank,
             )  # fmt: skip
+            self.param_side = UnitParams(groups, hooks, cfg, self.param_units)
         for buf in self._all_buffers:
             logger.debug("megabuf: %s", buf.describe())
 
@@ -333,11 +330,7 @@ class DistributedDataParallel(nn.Module):
     def _before_forward(self, compiling: bool) -> None:
         """Runs eagerly even when this model is compiled (`compiling`: it is being traced)."""
         self._sync.before_forward(torch.is_grad_enabled())
-        if self.param_gather_hooks.enabled and (compiling or has_compiled(self.module)):
-            self.param_gather_hooks.gather_at_root()  # [Note: compiled modules]
-        hooks = self.param_gather_hooks
-        if hooks.at_root or (self.ddp_config.overlap_param_gather and not hooks.enabled):
-            self.publish_params()  # [Note: who waits for param gathers]
+        self.param_side.before_forward(self.module, compiling)
         sync_on = self._sync.require_sync
         if self.sync_buffers_in_forward and torch.is_grad_enabled() and sync_on:
             with torch.no_grad():
@@ -433,11 +426,7 @@ class DistributedDataParallel(nn.Module):
         grad reductions and param gathers are waited for (their grads are dropped), grads are
         zeroed and no_sync is left. Every dp rank must call it at the same point, like any
         other step of the loop, so the collectives already issued pair up."""
-        for group in self.all_bucket_groups:
-            if group.param_state is ParamSyncState.DISPATCHED:
-                group.finish_param_sync(skip_next_bucket_dispatch=True)
-        if self.param_units is not None:
-            self.param_units.runtime.reset()
+        self.param_side.reset()
         self._sync.abandon()
 
     def scale_gradients(self, scaling_factor: float) -> None:
@@ -449,12 +438,8 @@ class DistributedDataParallel(nn.Module):
         """Copy dp-rank-0's params (expert params: expt_dp-rank-0's) and buffers to all ranks.
         Collective: every rank must call it. Under optim_grads_params the params are gathered,
         broadcast and written back into the shards."""
-        if self.param_units is not None:
-            with self.summon_full_params(writeback=True):
-                self._broadcast_params()
-            return
-        self.publish_params()  # no gather in flight may land on top of the broadcast values
-        self._broadcast_params()
+        with self.summon_full_params(writeback=True):  # waits for gathers in flight
+            self._broadcast_params()
 
     def _broadcast_params(self) -> None:
         pgs = self.process_groups
@@ -485,29 +470,20 @@ class DistributedDataParallel(nn.Module):
         no-op: params are shards between forwards, and forward, `state_dict()` and
         `summon_full_params()` gather them ([Note: who gathers when])."""
         del unused, force_dispatch
-        if self.param_units is not None:
-            return
-        if force_sync or not self.ddp_config.overlap_param_gather or profiler_recording():
-            for group in self.all_bucket_groups:
-                group.start_param_sync(force_sync=True)
-            return
-        for group in self.param_gather_hooks.forward_order or self.all_bucket_groups:
-            group.start_param_sync()
+        self.param_side.start(force_sync)
 
     def publish_params(self) -> None:
         """Wait for every param gather in flight: call before reading params outside forward
         (evaluation code that bypasses forward, checkpoint saving); state_dict() calls it.
         Not collective: the step dispatched every gather on every rank, so one rank may call
         it alone (evaluation or saving on rank 0 only)."""
-        for group in self.all_bucket_groups:
-            group.finish_param_sync(skip_next_bucket_dispatch=True)
+        self.param_side.publish()
 
     def reshard_params(self) -> None:
         """optim_grads_params: finish every gather in flight and release every unit's full
         params (the optimizer does it before writing the shards). Not collective; a no-op under
         the other strategies."""
-        if self.param_units is not None:
-            self.param_units.runtime.release_all()
+        self.param_side.reshard()
 
     @contextmanager
     def summon_full_params(self, *, writeback: bool = False) -> Iterator[None]:
@@ -516,11 +492,7 @@ class DistributedDataParallel(nn.Module):
         Read or edit params outside forward inside it: a released param has a 0-byte storage
         and reading it fails (a RuntimeError, or a crash of the process for some CPU kernels).
         Collective under optim_grads_params; elsewhere it publishes params (not collective)."""
-        if self.param_units is None:
-            self.publish_params()
-            yield
-            return
-        with self.param_units.summon_full_params(writeback=writeback):
+        with self.param_side.summon(writeback=writeback):
             yield
 
     def enable_forward_pre_hook(self) -> None:
@@ -543,15 +515,7 @@ class DistributedDataParallel(nn.Module):
         params (not collective: rank 0 may call it alone, see publish_params). Under
         optim_grads_params the params are gathered unit by unit and copied out: collective
         (every dp rank calls it), keyword arguments only."""
-        if self.param_units is not None:
-            if args:
-                raise ValueError(
-                    "megabuf: state_dict() under optim_grads_params takes keyword arguments "
-                    "only (destination=, prefix=)"
-                )
-            return self.param_units.state_dict(self.module, **kwargs)
-        self.publish_params()
-        return self.module.state_dict(*args, **kwargs)
+        return self.param_side.state_dict(self.module, args, kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Copy values into the wrapped module's params and buffers (its keys). megabuf's

@@ -80,18 +80,13 @@ class DistributedOptimizer(MegabufOptimizer):
 
     def _before_update(self) -> None:
         for chunk in self.model_chunks:
-            chunk.publish_params()  # no gather may be in flight while we write param_data
-            chunk.reshard_params()  # optim_grads_params: no full copy may outlive the step
+            chunk.param_side.before_step()
 
     def _after_update(self) -> None:
         """See [Note: publishing params]."""
         with torch.profiler.record_function("megabuf::publish_params"):
             for chunk in self.model_chunks:
-                if chunk.param_units is not None:
-                    continue  # optim_grads_params: the shards are the params; gathered lazily
-                for group in chunk.all_bucket_groups:
-                    group.mark_params_stale()
-                chunk.start_param_sync()
+                chunk.param_side.stepped()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero grad buffers; with overlap_param_gather, dispatch the first param gather."""
