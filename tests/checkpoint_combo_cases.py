@@ -40,7 +40,8 @@ from megabuf.testing.stages import split_gpt, stage_index
 SAVE_AFTER = 3
 TOTAL_STEPS = 6
 Chunks = list[megabuf.DistributedDataParallel]
-SHAPES = {"ep2": (1, 2), "pp2": (2, 1), "pp2_ep2": (2, 2)}  # name -> (pp_size, ep_size)
+# name -> (pp_size, ep_size)
+SHAPES = {"dp": (1, 1), "ep2": (1, 2), "pp2": (2, 1), "pp2_ep2": (2, 2)}
 STRATEGIES: dict[str, dict[str, Any]] = {
     "no_shard": {"data_parallel_sharding_strategy": "no_shard"},
     "optim": {"data_parallel_sharding_strategy": "optim"},
@@ -206,6 +207,21 @@ def megabuf_round_trip(root: str, shape: str, strategy: str) -> dict[str, Any]:
     return _round_trip(os.path.join(root, f"{strategy}_{shape}"), build, _moe_step)
 
 
+def torch_optimizer_refusals() -> dict[str, str]:
+    """A plain torch optimizer over a model whose strategy shards the optimizer state, at
+    every shape: its first step's error (it never steps, so it has nothing to save)."""
+    out = {}
+    for shape in SHAPES:
+        for strategy in ("optim", "optim_grads", "optim_grads_rem", "optim_grads_params"):
+            chunks, opt = _with(_stage_moe(shape, STRATEGIES[strategy]), _adamw)
+            try:
+                _moe_step(chunks, opt, 0)
+                out[f"{strategy}_{shape}"] = "no error"
+            except RuntimeError as exc:
+                out[f"{strategy}_{shape}"] = str(exc)
+    return out
+
+
 # ---- faulty checkpoints: refused by name, or loaded with strict_optimizer=False ----------------
 def _edit(src: str, dst: str, change: Callable[[dict[str, Any]], None]) -> None:
     """Rank 0: copy the checkpoint and change its index (with a valid checksum again)."""
@@ -273,7 +289,13 @@ FP16 = {
 
 
 def _scaler_state(opt: Any) -> dict[str, Any]:
-    return dict(opt.grad_scaler.state_dict())
+    """The scaler's fields as it holds them (not its state_dict: a field it forgets to save
+    must show up as a difference after the load)."""
+    s = opt.grad_scaler
+    return {
+        "scale": float(s.scale.item()), "growth_tracker": s.growth_tracker,
+        "hysteresis_tracker": s.hysteresis_tracker,
+    }  # fmt: skip
 
 
 def _fp16_engine() -> tuple[Any, Any, PowerSGD]:
@@ -337,11 +359,11 @@ def local_sgd_round_trip(root: str) -> dict[str, Any]:
     model, opt, hook, averager = _local_engine()
     averaged = _local_steps(model, opt, averager, range(SAVE_AFTER))
     megabuf.save_checkpoint(path, model, opt)
-    at_save = hook.state_dict()["replicated"]
+    at_save = {"step": hook.step, "averaged_at": hook.averaged_at}
     averaged += _local_steps(model, opt, averager, range(SAVE_AFTER, TOTAL_STEPS + 1))
     fresh, fresh_opt, fresh_hook, fresh_averager = _local_engine()
     megabuf.load_checkpoint(path, fresh, fresh_opt)
-    loaded = fresh_hook.state_dict()["replicated"]
+    loaded = {"step": fresh_hook.step, "averaged_at": fresh_hook.averaged_at}
     _local_steps(fresh, fresh_opt, fresh_averager, range(SAVE_AFTER, TOTAL_STEPS + 1))
     return {
         "averaged": averaged, "at_save": at_save, "loaded": loaded,
