@@ -22,8 +22,10 @@ same class ([Note: optimizer state layout]): torch's fused, foreach and for-loop
 each other's checkpoints. A rank whose coordinate has no common file (a checkpoint saved before
 every coordinate was kept held rank 0's only), or whose keys_with_state lack their pieces, is
 refused naming the coordinate, the params and the rank, unless the load passes
-`strict_optimizer=False`: then a warning names them and those params start with fresh state
-and the hyperparameters the optimizer was built with.
+`strict_optimizer=False`: then a warning names them; without its coordinate's common file a
+rank keeps the hyperparameters its optimizer was built with and loads the pieces that are
+there (every stage's were saved even when only rank 0's common was), and params whose pieces
+are missing start with fresh state.
 """
 
 from __future__ import annotations
