@@ -4,7 +4,7 @@
     python examples/train_sharded.py --like fsdp --check          # ZeRO-3 / FSDP
     torchrun --nproc-per-node 2 examples/train_sharded.py --like fsdp
 
-megabuf grew from fairscale's two sharded engines (README "Sharding strategies"; seeds 000 and
+megabuf grew from fairscale's two sharded engines (docs/sharding.md; seeds 000 and
 001). Their users' loop, line for line:
 
     fairscale ShardedDDP + OSS                  megabuf (--like sharded_ddp)

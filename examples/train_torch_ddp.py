@@ -10,7 +10,7 @@ The loop is the usual minimal-GPT one: gradient accumulation by toggling
 `optimizer.zero_grad(set_to_none=True)`, evaluation on rank 0 only and a rank-0 checkpoint of
 `model.module.state_dict()`. There is no `finish_grad_sync()` and no `zero_grad_buffer()`:
 megabuf finishes the grad sync at the end of backward, as torch DDP does, and the optimizer's
-`zero_grad` starts the next accumulation fresh (README "Porting from torch DDP").
+`zero_grad` starts the next accumulation fresh (docs/porting-from-torch-ddp.md).
 """
 
 from __future__ import annotations

@@ -68,10 +68,10 @@ class DistributedDataParallel(nn.Module):
 
     Per step: `zero_grad_buffer()` (or the optimizer's `zero_grad()`); forward; backward,
     which finishes the grad sync (`sync_grads_at_backward_end`; otherwise call
-    `finish_grad_sync()`); optimizer step (README "Using it", "The gradient contract" and
-    "Porting from torch DDP"). Construction is collective: every rank of the process groups must
-    wrap the same model (checked; raises naming the first difference), and dp-rank 0's params
-    and buffers are broadcast to the others.
+    `finish_grad_sync()`); optimizer step (README "Quickstart", docs/gradient-contract.md and
+    docs/porting-from-torch-ddp.md). Construction is collective: every rank of the process groups
+    must wrap the same model (checked; raises naming the first difference), and dp-rank 0's
+    params and buffers are broadcast to the others.
 
     Args:
         module: the model, all params on one device. Params are bound at wrapping: replacing,
@@ -88,7 +88,7 @@ class DistributedDataParallel(nn.Module):
             (`device_ids`, `output_device`, `broadcast_buffers`, `process_group`,
             `bucket_cap_mb`, `find_unused_parameters`, `static_graph`, ...): honoured, accepted
             where megabuf already behaves so, or rejected naming the megabuf way; see
-            [Note: torch DDP arguments] in torch_compat.py and README "Porting from torch DDP".
+            [Note: torch DDP arguments] in torch_compat.py and docs/porting-from-torch-ddp.md.
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""torch DDP's constructor arguments, mapped onto megabuf's (README "Porting from torch DDP").
+"""torch DDP's constructor arguments, mapped onto megabuf's (docs/porting-from-torch-ddp.md).
 
 [Note: torch DDP arguments]
 A torch-DDP script should run with only the import changed, so `DistributedDataParallel`

@@ -224,6 +224,72 @@ MUTANTS = (
         "        if hooks.at_root",
         ("tests/test_param_sync.py",),
     ),
+    # issue 29: checkpoints where features meet (tests/test_checkpoint_combos.py)
+    Mutant(
+        "torch-optim-common-rank0-only",
+        "checkpoint: a plain torch optimizer's param groups are saved for every stage / ep rank",
+        "megabuf/checkpoint/torch_optim.py",
+        "    if dist.get_rank(chunks[0].process_groups.expt_dp) != 0:\n",
+        "    if dist.get_rank() != 0:\n",
+        ("tests/test_checkpoint_combos.py",),
+    ),
+    Mutant(
+        "torch-optim-common-per-dp-not-expt-dp",
+        "checkpoint: the torch optimizer's param groups of each ep rank are written (expt_dp rank"
+        " 0, not dp rank 0: only one ep rank's ranks hold its experts)",
+        "megabuf/checkpoint/torch_optim.py",
+        "    if dist.get_rank(chunks[0].process_groups.expt_dp) != 0:\n",
+        "    if dist.get_rank(chunks[0].process_groups.dp) != 0:\n",
+        ("tests/test_checkpoint_combos.py",),
+    ),
+    Mutant(
+        "torch-optim-expert-state-by-dp-rank-0",
+        "checkpoint: a torch optimizer's expert-param state is written by expt_dp rank 0",
+        "megabuf/checkpoint/torch_optim.py",
+        "    return dist.get_rank(pgs.expt_dp if is_expert_parallel(param) else pgs.dp) == 0\n",
+        "    return dist.get_rank(pgs.dp) == 0\n",
+        ("tests/test_checkpoint_combos.py",),
+    ),
+    Mutant(
+        "torch-optim-lost-state-loads-fresh",
+        "checkpoint: a param whose torch optimizer state was saved but is missing is refused",
+        "megabuf/checkpoint/torch_optim.py",
+        "    lost = [w[0] for w in wanted if w[0] in stateful and w[0] not in saved]\n",
+        "    lost: list[str] = []\n",
+        ("tests/test_checkpoint_combos.py",),
+    ),
+    Mutant(
+        "expert-model-entries-by-dp-rank-0",
+        "checkpoint: expert params are written by expt_dp rank 0 of each ep rank",
+        "megabuf/checkpoint/model_state.py",
+        "dist.get_rank(pgs.dp) == 0, dist.get_rank(pgs.expt_dp) == 0\n",
+        "dist.get_rank(pgs.dp) == 0, dist.get_rank(pgs.dp) == 0\n",
+        ("tests/test_checkpoint_combos.py",),
+    ),
+    Mutant(
+        "scaler-growth-tracker-not-saved",
+        "checkpoint: the dynamic loss scaler's growth tracker is saved",
+        "megabuf/optimizer/grad_scaler.py",
+        '            "growth_tracker": self.growth_tracker,\n',
+        "",
+        ("tests/test_checkpoint_combos.py",),
+    ),
+    Mutant(
+        "scaler-hysteresis-not-saved",
+        "checkpoint: the dynamic loss scaler's hysteresis tracker is saved",
+        "megabuf/optimizer/grad_scaler.py",
+        '            "hysteresis_tracker": self.hysteresis_tracker,\n',
+        "",
+        ("tests/test_checkpoint_combos.py",),
+    ),
+    Mutant(
+        "local-sgd-averaged-at-not-saved",
+        "checkpoint: LocalSGD's averaging step is saved with its step counter",
+        "megabuf/comm_hooks/local_sgd.py",
+        '            replicated["averaged_at"] = self.averaged_at\n',
+        "            pass\n",
+        ("tests/test_checkpoint_combos.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")

@@ -1,7 +1,8 @@
 """Layout checked against an independent reference written here, element by element.
 
 `reference_cells` lays a buffer out one element at a time from the rules as documented
-([Note: buffer layout] in megabuf/layout.py, README "Layout"), sharing no code with megabuf:
+([Note: buffer layout] in megabuf/layout.py, docs/configuration.md "Layout"), sharing no code
+with megabuf:
 - params in reverse registration order, never split across buckets;
 - a bucket closes after the param that brings it to >= bucket_size elements, or around a param
   that asks for a bucket of its own;

@@ -7,6 +7,8 @@ A checkpoint is a torch.distributed.checkpoint (DCP) directory plus megabuf's in
     <path>/.metadata        DCP's metadata (written by rank 0)
     <path>/__<r>_0.distcp   what global rank r owns ([Note: checkpoint state in DCP])
     <path>/common.pt        rank-independent optimizer state (class, param groups, loss scale)
+    <path>/common-pp<p>-ep<e>.pt  a plain torch optimizer's param groups of the other pipeline
+                            stages / ep ranks ([Note: torch optimizer state in checkpoints])
     <path>/extra.pt         the `extra=` object given to save_checkpoint (only if one was given)
     <path>/metadata.json    megabuf's index, written last, with a checksum of its own: every
                             file's writer rank, size and SHA-256; the model entries (shape,

@@ -37,10 +37,9 @@ from megabuf.checkpoint.model_state import (
 )
 from megabuf.checkpoint.save import AnyOptimizer, Chunks, wait_for_pending_save
 from megabuf.checkpoint.torch_optim import (
-    check_torch_common,
     expected_torch_layouts,
     load_torch_optimizer_state,
-    wanted_torch,
+    plan_torch_load,
 )
 from megabuf.collectives import Collectives
 from megabuf.ddp import DistributedDataParallel
@@ -75,15 +74,11 @@ def _agreed(collectives: Collectives, fn: Callable[[], T]) -> T:
     return result  # type: ignore[return-value]
 
 
-def _wanted(chunks: Sequence[DistributedDataParallel], optimizer: AnyOptimizer | None) -> Wanted:
-    if optimizer is None:
-        return []
-    if isinstance(optimizer, MegabufOptimizer):
-        return [
-            (mp.key, mp.param_start, mp.param_end, mp.model_param.numel())
-            for mp in optimizer.main_params
-        ]
-    return wanted_torch(chunks, optimizer)
+def _wanted(optimizer: MegabufOptimizer) -> Wanted:
+    return [
+        (mp.key, mp.param_start, mp.param_end, mp.model_param.numel())
+        for mp in optimizer.main_params
+    ]
 
 
 def _record(meta: dict[str, Any], name: str) -> dict[str, Any]:
@@ -91,7 +86,11 @@ def _record(meta: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _check(
-    root: Path, chunks: Sequence[DistributedDataParallel], optimizer: Any, strict_hooks: bool
+    root: Path,
+    chunks: Sequence[DistributedDataParallel],
+    optimizer: Any,
+    strict_hooks: bool,
+    strict_optimizer: bool,
 ) -> dict:
     """Everything that can be checked before DCP reads: raises ValueError naming the misfit."""
     root = find_checkpoint(root)
@@ -99,28 +98,33 @@ def _check(
     check_parallel_sizes(root, meta, chunks)
     check_model_entries(root, expected_model_entries(chunks), meta["model"])
     hooks = plan_hook_load(chunks, meta.get("comm_hooks", {}), root, strict_hooks)
-    wanted = _wanted(chunks, optimizer)
-    missing = sorted({w[0] for w in wanted} - set(meta["optimizer"]))
-    if not isinstance(optimizer, MegabufOptimizer):  # torch: params never stepped have no state
-        wanted, missing = [w for w in wanted if w[0] in meta["optimizer"]], []
-    if missing:
-        raise ValueError(
-            f"megabuf: checkpoint {root} holds no optimizer state for params {missing[:10]} "
-            f"(rank {dist.get_rank()}): saved without an optimizer, or for another model"
-        )
+    wanted: Wanted = []
+    if isinstance(optimizer, MegabufOptimizer):
+        wanted = _wanted(optimizer)
+        missing = sorted({w[0] for w in wanted} - set(meta["optimizer"]))
+        if missing:
+            raise ValueError(
+                f"megabuf: checkpoint {root} holds no optimizer state for params {missing[:10]} "
+                f"(rank {dist.get_rank()}): saved without an optimizer, or for another model"
+            )
     rank, world = dist.get_rank(), dist.get_world_size()
     for i, record in enumerate(meta["files"]):  # every file is verified by one rank
         if i % world == rank:
             verify_file(root, record)
     common = None
     if optimizer is not None:
-        common = read_file(root, _record(meta, "common.pt"))
+        common = read_file(root, _record(meta, meta["common"]))  # rank 0's
         if common is None:
             raise ValueError(f"megabuf: checkpoint {root} was saved without an optimizer")
         if isinstance(optimizer, MegabufOptimizer):
             check_common(optimizer.parts(), common)
-        else:
-            check_torch_common(optimizer, common)
+        else:  # [Note: torch optimizer state in checkpoints]
+            rank0 = common
+
+            def read(name: str) -> Any:
+                return rank0 if name == meta["common"] else read_file(root, _record(meta, name))
+
+            common, wanted = plan_torch_load(chunks, optimizer, meta, read, strict_optimizer)
     extra = None
     if meta.get("extra") is not None:  # the caller's own objects: unpickled in full
         extra = read_file(root, _record(meta, meta["extra"]), weights_only=False)
@@ -168,6 +172,7 @@ def load_checkpoint(
     optimizer: AnyOptimizer | None = None,
     *,
     strict_comm_hooks: bool = True,
+    strict_optimizer: bool = True,
 ) -> Any:
     """Collective. Load into a freshly built model (and optimizer) at any dp size, bucket size
     and overlap setting, all-reduce or distributed optimizer alike (not across pp / ep sizes);
@@ -184,13 +189,22 @@ def load_checkpoint(
     added). `strict_comm_hooks=False` warns instead: saved state without a matching hook is
     dropped, and a hook without matching saved state keeps its initial state. A hook that
     refuses its state (a layout it is tied to changed, per-rank state it cannot merge at
-    another dp size) raises either way."""
+    another dp size) raises either way.
+
+    Plain torch optimizers ([Note: torch optimizer state in checkpoints]): with
+    `strict_optimizer` (default; torch's `strict`, DCP's `allow_partial_load=False`) a rank
+    whose params' optimizer state or param groups are missing from the checkpoint (a pipeline
+    stage or ep rank it does not hold) raises naming the params, the stage / ep rank and the
+    rank. `strict_optimizer=False` warns instead and those params start with fresh state (and
+    the hyperparameters the optimizer was built with). A megabuf optimizer's state is always
+    required in full."""
     with torch.profiler.record_function("megabuf::load_checkpoint"):
         chunks = as_chunks(model)
         wait_for_pending_save()
         collectives = chunks[0].collectives
         found = _agreed(
-            collectives, lambda: _check(Path(path), chunks, optimizer, strict_comm_hooks)
+            collectives,
+            lambda: _check(Path(path), chunks, optimizer, strict_comm_hooks, strict_optimizer),
         )
         merged = False
         if found["saved_hooks"]:  # the same on every rank: one metadata.json

@@ -43,7 +43,12 @@ from megabuf.checkpoint.files import (
 )
 from megabuf.checkpoint.hook_state import HookIndex, agreed_hook_index, gathered_hook_state
 from megabuf.checkpoint.model_state import owned_model_state, parallel_sizes
-from megabuf.checkpoint.torch_optim import torch_optimizer_state
+from megabuf.checkpoint.torch_optim import (
+    RANK0_COMMON,
+    common_file,
+    coordinate,
+    torch_optimizer_state,
+)
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.param_groups import as_chunks
@@ -131,13 +136,17 @@ def save_checkpoint(
         hook_entries, hook_record = gathered_hook_state(chunks)
         own: list[FileRecord] = []
         if rank == 0:  # rank 0's own files first: `extra` as it is now
-            own.append(write_file(common, tmp / "common.pt", 0))
+            own.append(write_file(common, tmp / RANK0_COMMON, 0))
             if extra is not None:
                 own.append(write_file(extra, tmp / "extra.pt", 0))
-        # also: rank 0 has made tmp before any rank writes into it (DCP, below)
+        # a plain torch optimizer's common state differs by stage and ep rank
+        coord = _torch_common(chunks, optimizer)
+        # also: rank 0 has made tmp before any rank writes into it (here and DCP, below)
         everyone = collectives.all_gather_object(
-            _rank_index(model_state, pieces, hook_record), None
+            _rank_index(model_state, pieces, hook_record, coord), None
         )
+        if coord is not None and coord[1] != RANK0_COMMON:
+            own.append(write_file(common, tmp / coord[1], rank))
         hooks = agreed_hook_index([index["comm_hooks"] for index in everyone])
         ranges = ranges_from([index["ranges"] for index in everyone])
         state = {"model": model_state, "optimizer": optimizer_dcp_state(pieces, ranges)}
@@ -159,8 +168,22 @@ def save_checkpoint(
         return handle
 
 
+def _torch_common(
+    chunks: Sequence[DistributedDataParallel], optimizer: AnyOptimizer | None
+) -> tuple[str, str] | None:
+    """(coordinate, file) of the torch optimizer common state this rank writes, if it does:
+    [Note: torch optimizer state in checkpoints]."""
+    if optimizer is None or isinstance(optimizer, MegabufOptimizer):
+        return None
+    name = common_file(chunks)
+    return None if name is None else (coordinate(chunks), name)
+
+
 def _rank_index(
-    model_state: dict[str, Any], pieces: list[dict[str, Any]], hooks: dict[str, Any]
+    model_state: dict[str, Any],
+    pieces: list[dict[str, Any]],
+    hooks: dict[str, Any],
+    torch_common: tuple[str, str] | None,
 ) -> dict[str, Any]:
     """What this rank saves, for metadata.json and for the ShardedTensors' shard lists."""
     return {
@@ -168,6 +191,7 @@ def _rank_index(
         "model": {k: [list(v.shape), str(v.dtype)] for k, v in model_state.items()},
         "optimizer": {p["key"]: [p["numel"], p["shape"]] for p in pieces},
         "comm_hooks": hooks,
+        "torch_common": torch_common,
     }
 
 
@@ -219,9 +243,11 @@ def _index(
 ) -> dict[str, Any]:
     files = [r for per_rank in records for r in per_rank]
     names = {r["file"] for r in files}
+    torch_commons = dict(index["torch_common"] for index in everyone if index["torch_common"])
     return {
         "world_size": dist.get_world_size(), **parallel_sizes(chunks), "files": files,
         "model": {k: v for index in everyone for k, v in index["model"].items()},
         "optimizer": {k: v for index in everyone for k, v in index["optimizer"].items()},
-        "common": "common.pt", "extra": "extra.pt" if "extra.pt" in names else None,
+        "common": RANK0_COMMON, "extra": "extra.pt" if "extra.pt" in names else None,
+        **({"torch_commons": torch_commons} if torch_commons else {}),
     }  # fmt: skip
