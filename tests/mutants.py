@@ -219,9 +219,9 @@ MUTANTS = (
     Mutant(
         "unhooked-forward-reads-mid-gather",
         "a forward with the pre-hooks disabled waits for every param gather in flight",
-        "megabuf/ddp.py",
-        "        if hooks.at_root or (self.ddp_config.overlap_param_gather and not hooks.enabled)",
-        "        if hooks.at_root",
+        "megabuf/param_sync.py",
+        "        if hooks.at_root or (self.overlap and not hooks.enabled):\n",
+        "        if hooks.at_root:\n",
         ("tests/test_param_sync.py",),
     ),
     # issue 29: checkpoints where features meet (tests/test_checkpoint_combos.py)
