@@ -117,7 +117,7 @@ MUTANTS = (
         "gradient scaling: expert grads too are scaled by 1/dp_size, not 1/expt_dp_size",
         "megabuf/ddp.py",
         "        return 1.0 / dp_size, 1.0 / dp_size\n",
-        "        return 1.0 / dp_size, 1.0 / dist.get_world_size(self.process_groups.expt_dp)\n",
+        "        return 1.0 / dp_size, 1.0 / self.process_groups.topology.expt_dp_size\n",
         ("tests/test_moe.py", "tests/test_accumulate.py"),
     ),
     Mutant(
@@ -229,8 +229,8 @@ MUTANTS = (
         "torch-optim-common-rank0-only",
         "checkpoint: a plain torch optimizer's param groups are saved for every stage / ep rank",
         "megabuf/checkpoint/torch_optim.py",
-        "    if dist.get_rank(chunks[0].process_groups.expt_dp) != 0:\n",
-        "    if dist.get_rank() != 0:\n",
+        "    if chunks[0].process_groups.topology.expt_dp_rank != 0:\n",
+        "    if chunks[0].process_groups.topology.rank != 0:\n",
         ("tests/test_checkpoint_combos.py",),
     ),
     Mutant(
@@ -238,16 +238,16 @@ MUTANTS = (
         "checkpoint: the torch optimizer's param groups of each ep rank are written (expt_dp rank"
         " 0, not dp rank 0: only one ep rank's ranks hold its experts)",
         "megabuf/checkpoint/torch_optim.py",
-        "    if dist.get_rank(chunks[0].process_groups.expt_dp) != 0:\n",
-        "    if dist.get_rank(chunks[0].process_groups.dp) != 0:\n",
+        "    if chunks[0].process_groups.topology.expt_dp_rank != 0:\n",
+        "    if chunks[0].process_groups.topology.dp_rank != 0:\n",
         ("tests/test_checkpoint_combos.py",),
     ),
     Mutant(
         "torch-optim-expert-state-by-dp-rank-0",
         "checkpoint: a torch optimizer's expert-param state is written by expt_dp rank 0",
         "megabuf/checkpoint/torch_optim.py",
-        "    return dist.get_rank(pgs.expt_dp if is_expert_parallel(param) else pgs.dp) == 0\n",
-        "    return dist.get_rank(pgs.dp) == 0\n",
+        "    return pgs.topology.data_parallel(is_expert_parallel(param))[0] == 0\n",
+        "    return pgs.topology.dp_rank == 0\n",
         ("tests/test_checkpoint_combos.py",),
     ),
     Mutant(
@@ -262,8 +262,8 @@ MUTANTS = (
         "expert-model-entries-by-dp-rank-0",
         "checkpoint: expert params are written by expt_dp rank 0 of each ep rank",
         "megabuf/checkpoint/model_state.py",
-        "dist.get_rank(pgs.dp) == 0, dist.get_rank(pgs.expt_dp) == 0\n",
-        "dist.get_rank(pgs.dp) == 0, dist.get_rank(pgs.dp) == 0\n",
+        "pgs.topology.dp_rank == 0, pgs.topology.expt_dp_rank == 0\n",
+        "pgs.topology.dp_rank == 0, pgs.topology.dp_rank == 0\n",
         ("tests/test_checkpoint_combos.py",),
     ),
     Mutant(

@@ -131,3 +131,21 @@ def test_no_import_cycles() -> None:
         if start not in state:
             visit(start, [start])
     assert cycles == []
+
+
+RANK_CALLS = {"get_rank", "get_world_size", "get_global_rank"}
+RANK_OWNERS = ("megabuf.collectives", "megabuf.process_groups", "megabuf.bench", "megabuf.testing")
+
+
+def test_only_the_collectives_and_process_group_modules_ask_for_ranks_and_sizes() -> None:
+    """[Note: rank order] in process_groups.py: ranks and sizes come from `Topology` (or
+    `Collectives.rank` / `.size` for an arbitrary group); the benchmark and test-model tools
+    may ask torch.distributed themselves."""
+    calls = []
+    for name, path in sorted(_modules().items()):
+        if name.startswith(RANK_OWNERS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in RANK_CALLS:
+                calls.append(f"{name}:{node.lineno} .{node.attr}")
+    assert calls == []

@@ -6,12 +6,12 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from megabuf.checkpoint.files import write_file
 from megabuf.checkpoint.model_state import owned_model_state, parallel_sizes
 from megabuf.checkpoint.save import Chunks
+from megabuf.collectives import Collectives
 from megabuf.optimizer.param_groups import as_chunks
 
 
@@ -35,7 +35,7 @@ def full_state_dict(
         if sizes["pp_size"] > 1 or sizes["ep_size"] > 1:
             everyone = chunks[0].collectives.all_gather_object(owned, None)
             owned = {k: v for part in everyone for k, v in part.items()}
-        if dist.get_rank() != 0:
+        if Collectives.rank() != 0:
             return None
         if path is not None:
             target = Path(path)

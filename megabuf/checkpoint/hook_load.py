@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from megabuf.checkpoint.hook_state import (
@@ -21,6 +20,7 @@ from megabuf.checkpoint.hook_state import (
     registered_hooks,
     slot_prefix,
 )
+from megabuf.collectives import Collectives
 from megabuf.comm_hooks.contract import hook_name
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.param_groups import scope_prefix
@@ -91,7 +91,7 @@ def plan_hook_load(
                 "without that hook, e.g. before it was added)", "load a checkpoint saved with it",
                 "it keeps its initial state",
             ))  # fmt: skip
-    where = f"megabuf: load_checkpoint {root} (rank {dist.get_rank()})"
+    where = f"megabuf: load_checkpoint {root} (rank {Collectives.rank()})"
     option = "strict_comm_hooks=False"
     if problems and strict:
         told = [
@@ -120,7 +120,7 @@ def _empty(entry: dict[str, Any], device: torch.device) -> Tensor:
 
 def hook_template(plans: list[SlotLoad], merged: bool) -> dict[str, Tensor]:
     """The "comm_hooks" part of the state handed to dcp.load: only what this rank needs."""
-    rank, template = dist.get_rank(), {}
+    rank, template = Collectives.rank(), {}
     for plan in plans:
         name, device = plan.slot.name, plan.slot.device
         for stored in plan.replicated.values():
@@ -136,7 +136,7 @@ def hook_template(plans: list[SlotLoad], merged: bool) -> dict[str, Tensor]:
 
 def load_hook_states(plans: list[SlotLoad], template: dict[str, Tensor], merged: bool) -> None:
     """Hand each hook its state (after dcp.load filled `template`)."""
-    rank = dist.get_rank()
+    rank = Collectives.rank()
     for plan in plans:
         name, saved = plan.slot.name, plan.saved
         replicated = {}

@@ -47,9 +47,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from megabuf.collectives import Collectives
 from megabuf.comm_hooks.contract import hook_name
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.param_groups import scope_prefix
@@ -136,7 +136,8 @@ def hook_slots(chunks: Sequence[DistributedDataParallel]) -> list[Slot]:
 # ---- save ---------------------------------------------------------------------------------------
 def _checked_state(slot: Slot) -> dict[str, Any]:
     state = slot.hook.state_dict()
-    who = f"megabuf: comm hook {hook_name(slot.hook)} ({slot.name} buffers, rank {dist.get_rank()})"
+    rank = Collectives.rank()
+    who = f"megabuf: comm hook {hook_name(slot.hook)} ({slot.name} buffers, rank {rank})"
     if not isinstance(state, dict) or set(state) != set(STATE_KEYS):
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(
@@ -171,7 +172,7 @@ def hook_save_state(
 ) -> tuple[dict[str, Tensor], HookIndex]:
     """(what this rank hands DCP under "comm_hooks", this rank's index of it); see [Note: comm
     hook state in checkpoints]. Raises ValueError for a state that cannot be saved."""
-    rank = dist.get_rank()
+    rank = Collectives.rank()
     entries: dict[str, Tensor] = {}
     index: HookIndex = {}
     for slot in hook_slots(chunks):
@@ -205,7 +206,7 @@ def gathered_hook_state(
         entries, index = hook_save_state(chunks)
     except Exception as exc:  # a user's hook may raise anything: report it everywhere
         message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-        return {}, {"index": {}, "error": f"{message} (rank {dist.get_rank()})"}
+        return {}, {"index": {}, "error": f"{message} (rank {Collectives.rank()})"}
     return entries, {"index": index, "error": None}
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megabuf.checkpoint.dcp_state import (
@@ -63,7 +62,7 @@ def _agreed(collectives: Collectives, fn: Callable[[], T]) -> T:
         result, error, cause = None, str(exc), exc
     except Exception as exc:  # anything else too: the other ranks must not be left waiting
         result, cause = None, exc
-        error = f"megabuf: rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+        error = f"megabuf: rank {Collectives.rank()}: {type(exc).__name__}: {exc}"
     errors = collectives.all_gather_object(error, None)
     if error is not None:
         raise ValueError(error) from cause
@@ -105,9 +104,9 @@ def _check(
         if missing:
             raise ValueError(
                 f"megabuf: checkpoint {root} holds no optimizer state for params {missing[:10]} "
-                f"(rank {dist.get_rank()}): saved without an optimizer, or for another model"
+                f"(rank {Collectives.rank()}): saved without an optimizer, or for another model"
             )
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = Collectives.rank(), Collectives.size()
     for i, record in enumerate(meta["files"]):  # every file is verified by one rank
         if i % world == rank:
             verify_file(root, record)
@@ -135,7 +134,7 @@ def _check(
     return {
         "root": root, "wanted": wanted, "common": common, "extra": extra, "dcp": dcp_meta,
         "hooks": hooks, "saved_hooks": bool(meta.get("comm_hooks")),
-        "same_world": meta["world_size"] == dist.get_world_size(),
+        "same_world": meta["world_size"] == Collectives.size(),
     }  # fmt: skip
 
 
@@ -160,7 +159,7 @@ def _check_layouts(
         saved_by = (common or {}).get("optimizer_class")
         raise ValueError(
             f"megabuf: the optimizer state saved by {saved_by} does not fit this optimizer "
-            f"({type(optimizer).__name__}, rank {dist.get_rank()}): "
+            f"({type(optimizer).__name__}, rank {Collectives.rank()}): "
             f"{describe_layout_problems(problems)}. Build the optimizer the checkpoint was "
             "saved with (the implementation may differ, the math may not)"
         )
@@ -208,7 +207,7 @@ def load_checkpoint(
         )
         merged = False
         if found["saved_hooks"]:  # the same on every rank: one metadata.json
-            own = found["same_world"] and all(p.own(dist.get_rank()) for p in found["hooks"])
+            own = found["same_world"] and all(p.own(Collectives.rank()) for p in found["hooks"])
             merged = not all(collectives.all_gather_object(own, None))
         hook_state = hook_template(found["hooks"], merged)
         wanted: Wanted = found["wanted"]

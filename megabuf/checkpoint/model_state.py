@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from megabuf.collectives import Collectives
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.param_groups import scope_prefix
 from megabuf.replicas import is_expert_parallel
@@ -20,7 +20,7 @@ Expected = dict[str, tuple[int, str, list[Any]]]  # key -> (chunk index, local n
 def parallel_sizes(chunks: Sequence[DistributedDataParallel]) -> dict[str, int]:
     """The sizes a checkpoint's keys depend on (see `model_space_keys`)."""
     pgs = chunks[0].process_groups
-    return {"pp_size": pgs.pp_size, "ep_size": dist.get_world_size(pgs.ep)}
+    return {"pp_size": pgs.pp_size, "ep_size": pgs.topology.ep_size}
 
 
 def check_parallel_sizes(
@@ -33,8 +33,8 @@ def check_parallel_sizes(
             f"megabuf: checkpoint {root} was saved at pipeline-parallel size "
             f"{saved['pp_size']} and expert-parallel size {saved['ep_size']}; this model runs "
             f"at pp_size {mine['pp_size']} and ep_size {mine['ep_size']} (rank "
-            f"{dist.get_rank()}). Build the same pipeline / expert-parallel sizes as when it was "
-            "saved (dp size and bucket size may differ)"
+            f"{Collectives.rank()}). Build the same pipeline / expert-parallel sizes as when it "
+            "was saved (dp size and bucket size may differ)"
         )
 
 
@@ -60,7 +60,7 @@ def owned_model_state(chunks: Sequence[DistributedDataParallel]) -> dict[str, Te
     state: dict[str, Tensor] = {}
     for chunk, scoped in zip(chunks, _entry_scopes(chunks), strict=True):
         pgs = chunk.process_groups
-        writes_dense, writes_expert = dist.get_rank(pgs.dp) == 0, dist.get_rank(pgs.expt_dp) == 0
+        writes_dense, writes_expert = pgs.topology.dp_rank == 0, pgs.topology.expt_dp_rank == 0
         values = chunk.state_dict()  # publishes params first
         for name, (key, expert) in scoped.items():
             if writes_expert if expert else writes_dense:
@@ -87,7 +87,7 @@ def check_model_entries(root: Path, expected: Expected, saved: dict[str, list[An
     ]
     if missing or wrong:
         raise ValueError(
-            f"megabuf: checkpoint {root} does not fit the model (rank {dist.get_rank()}): "
+            f"megabuf: checkpoint {root} does not fit the model (rank {Collectives.rank()}): "
             f"missing entries {missing[:10]}, mismatched entries {wrong[:10]}. Build the same "
             "model (and the same pipeline / expert-parallel sizes) as when it was saved"
         )

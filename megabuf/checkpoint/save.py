@@ -49,6 +49,7 @@ from megabuf.checkpoint.torch_optim import (
     coordinate,
     torch_optimizer_state,
 )
+from megabuf.collectives import Collectives
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.param_groups import as_chunks
@@ -126,7 +127,7 @@ def save_checkpoint(
     with torch.profiler.record_function("megabuf::save_checkpoint"):
         chunks = as_chunks(model)
         wait_for_pending_save()
-        collectives, rank = chunks[0].collectives, dist.get_rank()
+        collectives, rank = chunks[0].collectives, Collectives.rank()
         final = Path(path)
         tmp = sibling(final, ".tmp")
         if rank == 0:
@@ -228,7 +229,7 @@ def _commit(
 ) -> None:
     """Complete a save once DCP has written: gather every rank's file records, rank 0 writes
     metadata.json and swaps the directory into place ([Note: checkpoint crash safety])."""
-    collectives, rank = chunks[0].collectives, dist.get_rank()
+    collectives, rank = chunks[0].collectives, Collectives.rank()
     everyone_records = collectives.all_gather_object(records, None)
     if rank == 0:
         write_metadata(tmp, {**_index(chunks, everyone, everyone_records), "comm_hooks": hooks})
@@ -245,7 +246,7 @@ def _index(
     names = {r["file"] for r in files}
     torch_commons = dict(index["torch_common"] for index in everyone if index["torch_common"])
     return {
-        "world_size": dist.get_world_size(), **parallel_sizes(chunks), "files": files,
+        "world_size": Collectives.size(), **parallel_sizes(chunks), "files": files,
         "model": {k: v for index in everyone for k, v in index["model"].items()},
         "optimizer": {k: v for index in everyone for k, v in index["optimizer"].items()},
         "common": RANK0_COMMON, "extra": "extra.pt" if "extra.pt" in names else None,

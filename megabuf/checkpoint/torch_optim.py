@@ -35,9 +35,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
+from megabuf.collectives import Collectives
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.model_space import class_name
 from megabuf.optimizer.param_groups import model_space_keys
@@ -67,7 +67,7 @@ def _group_keys(
                 raise ValueError(
                     f"megabuf: {type(optimizer).__name__} param group {gi} holds a param of "
                     f"shape {tuple(p.shape)} that is not a trainable param of the model chunks "
-                    f"(rank {dist.get_rank()}); build the optimizer from the wrapped model"
+                    f"(rank {Collectives.rank()}); build the optimizer from the wrapped model"
                 )
             pairs.append((p, keys[p]))
         groups.append(pairs)
@@ -76,18 +76,18 @@ def _group_keys(
 
 def _writes(chunks: Sequence[DistributedDataParallel], param: nn.Parameter) -> bool:
     pgs = chunks[0].process_groups
-    return dist.get_rank(pgs.expt_dp if is_expert_parallel(param) else pgs.dp) == 0
+    return pgs.topology.data_parallel(is_expert_parallel(param))[0] == 0
 
 
 def coordinate(chunks: Sequence[DistributedDataParallel]) -> str:
     """This rank's (pipeline stage, ep rank): the ranks that share it hold the same params."""
     pgs = chunks[0].process_groups
-    return f"pp{pgs.pp_rank}-ep{dist.get_rank(pgs.ep)}"
+    return f"pp{pgs.pp_rank}-ep{pgs.topology.ep_rank}"
 
 
 def common_file(chunks: Sequence[DistributedDataParallel]) -> str | None:
     """The common file this rank writes for a torch optimizer (None: another replica does)."""
-    if dist.get_rank(chunks[0].process_groups.expt_dp) != 0:
+    if chunks[0].process_groups.topology.expt_dp_rank != 0:
         return None
     coord = coordinate(chunks)
     return RANK0_COMMON if coord == "pp0-ep0" else f"common-{coord}.pt"
@@ -154,7 +154,7 @@ def plan_torch_load(
     verifies and loads one file of the checkpoint."""
     check_torch_common(optimizer, read(meta["common"]), hyperparameters=False)  # its format
     wanted = wanted_torch(chunks, optimizer)
-    coord, rank = coordinate(chunks), dist.get_rank()
+    coord, rank = coordinate(chunks), Collectives.rank()
     # before every coordinate was kept (format 1 of this note) only rank 0's common was saved
     files = meta.get("torch_commons") or {"pp0-ep0": meta["common"]}
     saved = set(meta["optimizer"])
