@@ -42,22 +42,22 @@ from megabuf.grad_sync import GradSync
 from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
 from megabuf.hook_registry import CommHookRegistry
 from megabuf.hooks import ParamGatherHooks, register_grad_hooks
+from megabuf.model_plan import plan_model
 from megabuf.nan_check import raise_on_nonfinite_grads
 from megabuf.param_sync import GatheredParams, UnitParams
 from megabuf.param_units import ParamUnits, unit_modules
-from megabuf.plan import GroupPlan, Plan, build_plan
+from megabuf.plan import GroupPlan, Plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.replicas import (
     ParamStructure,
     check_devices,
     check_replicas_match,
     is_expert_parallel,
-    param_specs,
 )
 from megabuf.sharding.grads import ShardedGrads, bucket_padding_ranges
 from megabuf.sharding.ledger import MemoryLedger
 from megabuf.sharding.params import ShardedParams
-from megabuf.units import UnitPlan, plan_units
+from megabuf.units import UnitPlan
 
 logger = logging.getLogger(__name__)
 
@@ -135,23 +135,16 @@ class DistributedDataParallel(nn.Module):
         named = _unique_named_parameters(self.module)
         check_devices(named)
         check_replicas_match(named, pgs.dp, self.collectives)
-        trainable = [(n, p) for n, p in named if p.requires_grad]
+        planned = plan_model(  # the same path as `megabuf inspect`
+            self.module, self.ddp_config, dp_size=pgs.dp_size,
+            expt_dp_size=pgs.topology.expt_dp_size, expert_shares_dp_group=pgs.expt_dp is pgs.dp,
+            disable_bucketing=self.disable_bucketing,
+        )  # fmt: skip
+        trainable = planned.trainable
         self.param_to_name = {p: n for n, p in trainable}
         params = [p for _, p in trainable]
-        self.unit_plan: UnitPlan | None = None  # optim_grads_params: [Note: shard units]
-        if self._sharding.shards_params:
-            self.unit_plan = plan_units(self.module, self.ddp_config.shard_units, trainable)
-        self.plan: Plan = build_plan(
-            param_specs(trainable),
-            self.ddp_config,
-            dp_size=pgs.dp_size,
-            expt_dp_size=pgs.topology.expt_dp_size,
-            expert_shares_dp_group=pgs.expt_dp is pgs.dp,
-            disable_bucketing=self.disable_bucketing,
-            unit_of_param=self.unit_plan.unit_ids([n for n, _ in trainable])
-            if self.unit_plan is not None
-            else None,
-        )
+        self.unit_plan: UnitPlan | None = planned.unit_plan  # [Note: shard units]
+        self.plan: Plan = planned.plan
         self._all_buffers: list[_ParamAndGradBuffer] = self._make_buffers(params)  # plan order
         expert = [planned.expert for planned in self.plan.buffers]
         # Megatron's attribute name. It would shadow nn.Module.buffers(), so the list is also

@@ -22,7 +22,8 @@ from torch import nn
 
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.layout import BufferLayout
-from megabuf.plan import BufferPlan, ParamSpec, Plan, build_plan
+from megabuf.model_plan import plan_model
+from megabuf.plan import BufferPlan, ParamSpec, Plan
 from megabuf.replicas import param_specs
 from megabuf.sharding.memory_table import StrategyMemory, format_memory_table, memory_per_strategy
 from megabuf.units import UnitPlan, plan_units
@@ -191,16 +192,12 @@ def inspect_model(
             f"megabuf: need dp_size >= 1 divisible by ep_size; got {dp_size}, {ep_size}"
         )
     named = list(model.named_parameters())
-    trainable = [(n, p) for n, p in named if p.requires_grad]
-    specs = param_specs(trainable)
-    unit_plan = None
-    if config.sharding.shards_params:
-        unit_plan = plan_units(model, config.shard_units, trainable)
-    plan = build_plan(
-        specs, config, dp_size=dp_size, expt_dp_size=dp_size // ep_size,
+    planned = plan_model(
+        model, config, dp_size=dp_size, expt_dp_size=dp_size // ep_size,
         expert_shares_dp_group=ep_size == 1, disable_bucketing=disable_bucketing,
-        unit_of_param=unit_plan.unit_ids([n for n, _ in trainable]) if unit_plan else None,
     )  # fmt: skip
+    trainable, unit_plan, plan = list(planned.trainable), planned.unit_plan, planned.plan
+    specs = param_specs(trainable)
     buffers = tuple(_buffer_info(b, specs, plan.unit_of_spec) for b in plan.buffers)
     numel_total = sum(p.numel() for _, p in named)
     units = _unit_infos(unit_plan, plan, specs) if unit_plan else ()

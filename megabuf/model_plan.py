@@ -1,0 +1,46 @@
+"""`plan_model`: from a module and a config to the plan every engine and `megabuf inspect` use.
+
+One path for both, so what `megabuf inspect` prints is what `DistributedDataParallel` builds:
+the trainable params in registration order (shared params once), the shard units under
+optim_grads_params ([Note: shard units] in units.py) and the planner's buffers, buckets, groups
+and chains (plan.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from megabuf.config import DistributedDataParallelConfig
+from megabuf.plan import Plan, build_plan
+from megabuf.replicas import param_specs
+from megabuf.units import UnitPlan, plan_units
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    trainable: tuple[tuple[str, nn.Parameter], ...]  # (name, param), registration order
+    unit_plan: UnitPlan | None  # optim_grads_params only
+    plan: Plan
+
+
+def plan_model(
+    module: nn.Module,
+    config: DistributedDataParallelConfig,
+    *,
+    dp_size: int,
+    expt_dp_size: int,
+    expert_shares_dp_group: bool,
+    disable_bucketing: bool = False,
+) -> ModelPlan:
+    """The plan of `module`'s trainable params at `dp_size` (expert params at `expt_dp_size`)."""
+    trainable = tuple((n, p) for n, p in module.named_parameters() if p.requires_grad)
+    unit_plan = None
+    if config.sharding.shards_params:
+        unit_plan = plan_units(module, config.shard_units, list(trainable))
+    plan = build_plan(
+        param_specs(trainable), config, dp_size=dp_size, expt_dp_size=expt_dp_size,
+        expert_shares_dp_group=expert_shares_dp_group, disable_bucketing=disable_bucketing,
+        unit_of_param=unit_plan.unit_ids([n for n, _ in trainable]) if unit_plan else None,
+    )  # fmt: skip
+    return ModelPlan(trainable, unit_plan, plan)
