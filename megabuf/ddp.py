@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from megabuf import torch_compat
-from megabuf.bucket_group import BucketGroup, DispatchChain, Timeline
+from megabuf.assembly import assemble
+from megabuf.bucket_group import BucketGroup, Timeline
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.comm_hooks import build as build_comm_hook
@@ -46,7 +47,7 @@ from megabuf.model_plan import plan_model
 from megabuf.nan_check import raise_on_nonfinite_grads
 from megabuf.param_sync import GatheredParams, UnitParams
 from megabuf.param_units import ParamUnits, unit_modules
-from megabuf.plan import GroupPlan, Plan
+from megabuf.plan import Plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.replicas import (
     ParamStructure,
@@ -54,9 +55,7 @@ from megabuf.replicas import (
     check_replicas_match,
     is_expert_parallel,
 )
-from megabuf.sharding.grads import ShardedGrads, bucket_padding_ranges
 from megabuf.sharding.ledger import MemoryLedger
-from megabuf.sharding.params import ShardedParams
 from megabuf.units import UnitPlan
 
 logger = logging.getLogger(__name__)
@@ -145,7 +144,11 @@ class DistributedDataParallel(nn.Module):
         params = [p for _, p in trainable]
         self.unit_plan: UnitPlan | None = planned.unit_plan  # [Note: shard units]
         self.plan: Plan = planned.plan
-        self._all_buffers: list[_ParamAndGradBuffer] = self._make_buffers(params)  # plan order
+        built = assemble(
+            self.plan, params, self.ddp_config, pgs, self.collectives, self.memory_ledger,
+            self.param_to_name, [name for name, _ in unit_modules(self.module, self.unit_plan)],
+        )  # fmt: skip
+        self._all_buffers: list[_ParamAndGradBuffer] = built.buffers  # plan order
         expert = [planned.expert for planned in self.plan.buffers]
         # Megatron's attribute name. It would shadow nn.Module.buffers(), so the list is also
         # callable: `model.buffers` is the grad buffers, `model.buffers()` the module buffers.
@@ -153,7 +156,11 @@ class DistributedDataParallel(nn.Module):
             [b for b, e in zip(self._all_buffers, expert) if not e], self
         )
         self.expert_parallel_buffers = [b for b, e in zip(self._all_buffers, expert) if e]
-        chains = self._wire_groups()
+        expert_group = [planned.expert for planned in self.plan.groups]
+        self.bucket_groups = [g for g, e in zip(built.groups, expert_group) if not e]
+        self.expert_parallel_bucket_groups = [g for g, e in zip(built.groups, expert_group) if e]
+        self.param_to_bucket_group = {p: g for g in built.groups for p in g.params_list}
+        chains = built.chains
         grads = self._exposed_grads(params)
         structure = ParamStructure(self.module)
         self._sync = GradSync(
@@ -195,54 +202,6 @@ class DistributedDataParallel(nn.Module):
         other = [p for p in params if p.main_grad.dtype != p.dtype]  # type: ignore[attr-defined]
         return ExposedGrads(same, other, self.param_to_bucket_group)
 
-    def _scaling_factors(self) -> tuple[float, float]:
-        """Every grad ends up averaged over the dense dp group: expert grads already hold the
-        contributions of the ep ranks (token all-to-all), so they too are scaled by 1/dp_size
-        and summed over expt_dp (dp_size = ep_size * expt_dp_size)."""
-        dp_size = self.process_groups.dp_size
-        if self.ddp_config.average_in_collective:
-            return 1.0, self.process_groups.topology.expt_dp_size / dp_size
-        return 1.0 / dp_size, 1.0 / dp_size
-
-    def _make_buffers(self, params: Sequence[nn.Parameter]) -> list[_ParamAndGradBuffer]:
-        """One buffer per planned buffer, in plan order (dense first, then expert); `params` are
-        the trainable params the plan's param ids index."""
-        pgs = self.process_groups
-        dense_scale, expert_scale = self._scaling_factors()
-        buffers = []
-        for planned in self.plan.buffers:
-            group = pgs.expt_dp if planned.expert else pgs.dp
-            buffers.append(
-                _ParamAndGradBuffer(
-                    self.ddp_config,
-                    planned.param_dtype,
-                    planned.grad_dtype,
-                    [params[i] for i in planned.param_ids],
-                    group,
-                    planned.layout,
-                    self.param_to_name,
-                    expert_scale if planned.expert else dense_scale,
-                    dp_size=planned.dp_size,
-                    dp_rank=pgs.topology.data_parallel(planned.expert)[0],
-                )
-            )
-        return buffers
-
-    def _wire_groups(self) -> list[DispatchChain]:
-        """The planned bucket groups and dispatch chains ([Note: one chain per communicator])."""
-        chains = [DispatchChain() for _ in self.plan.chains]
-        groups = [
-            self._make_group(planned, chains[planned.chain_id]) for planned in self.plan.groups
-        ]
-        for chain, group_ids in zip(chains, self.plan.chains, strict=True):
-            chain.set_order([groups[i] for i in group_ids])
-        self.bucket_groups = [g for g, p in zip(groups, self.plan.groups) if not p.expert]
-        self.expert_parallel_bucket_groups = [
-            g for g, p in zip(groups, self.plan.groups) if p.expert
-        ]
-        self.param_to_bucket_group = {p: g for g in groups for p in g.params_list}
-        return chains
-
     def _sync_checks(self) -> list[Callable[[], None]]:
         """What the grad sync checks once every reduction landed (each raises on every rank)."""
         checks: list[Callable[[], None]] = []
@@ -257,55 +216,6 @@ class DistributedDataParallel(nn.Module):
         raise_on_nonfinite_grads(
             self.all_bucket_groups, self.collectives, pgs.dp,
             dp_rank=pgs.dp_rank, dp_size=pgs.dp_size, rank=self.rank,
-        )  # fmt: skip
-
-    def _make_group(self, planned: GroupPlan, chain: DispatchChain) -> BucketGroup:
-        group = self.process_groups.expt_dp if planned.expert else self.process_groups.dp
-        dp_rank, dp_size = self.process_groups.topology.data_parallel(planned.expert)
-        return BucketGroup(
-            [self._all_buffers[b].buckets[k] for b, k in planned.members],
-            self.ddp_config,
-            group,
-            self.collectives,
-            group_id=planned.group_id,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            rank=self.rank,
-            param_to_name=self.param_to_name,
-            chain=chain,
-            sharded_params=self._sharded_params(planned),
-            sharded_grads=self._sharded_grads(planned, dp_rank, dp_size),
-        )
-
-    def _sharded_grads(self, planned: GroupPlan, dp_rank: int, dp_size: int) -> ShardedGrads | None:
-        """optim_grads*: the group's grad storages ([Note: sharded grad lifecycle])."""
-        if not self._sharding.shards_grads:
-            return None
-        members = [(self._all_buffers[b], k) for b, k in planned.members]
-        full = [buf.buckets[k].grad_data for buf, k in members]
-        shards = [s for buf, k in members if (s := buf.buckets[k].grad_shard) is not None]
-        sizes = [t.numel() // dp_size for t in full]
-        return ShardedGrads(
-            full, [(dp_rank * n, (dp_rank + 1) * n) for n in sizes], shards,
-            [bucket_padding_ranges(buf.layout, k) for buf, k in members],
-            self.memory_ledger, group_id=planned.group_id, rank=self.rank,
-        )  # fmt: skip
-
-    def _sharded_params(self, planned: GroupPlan) -> ShardedParams | None:
-        """optim_grads_params: the group's full params and shards ([Note: sharded param
-        lifecycle] in megabuf/sharding/params.py)."""
-        if not self._sharding.shards_params:
-            return None
-        group = self.process_groups.expt_dp if planned.expert else self.process_groups.dp
-        dp_rank, dp_size = self.process_groups.topology.data_parallel(planned.expert)
-        buckets = [self._all_buffers[b].buckets[k] for b, k in planned.members]
-        return ShardedParams(
-            [b.param_data for b in buckets if b.param_data is not None],
-            [b.param_shard for b in buckets if b.param_shard is not None],
-            self.collectives, group, self.memory_ledger, group_id=planned.group_id,
-            unit_name=ParamUnits.unit_name_of(unit_modules(self.module, self.unit_plan), planned),
-            rank=self.rank, poison=self.ddp_config.verify_param_access,
-            dp_rank=dp_rank, dp_size=dp_size,
         )  # fmt: skip
 
     # ---- forward ------------------------------------------------------------------------------

@@ -47,10 +47,6 @@ class ParamUnits:
         self.runtime = runtime
         self.groups = groups  # every bucket group, by group id
 
-    @staticmethod
-    def unit_name_of(modules: list[tuple[str, nn.Module]], planned: GroupPlan) -> str:
-        return modules[_unit_of(planned)][0]
-
     @classmethod
     def build(
         cls,

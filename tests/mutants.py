@@ -107,17 +107,17 @@ MUTANTS = (
     Mutant(
         "dense-scale-not-1-over-dp",
         "gradient scaling: every buffer ends at 1/dp_size",
-        "megabuf/ddp.py",
-        "        return 1.0 / dp_size, 1.0 / dp_size\n",
-        "        return 1.0, 1.0 / dp_size\n",
+        "megabuf/assembly.py",
+        "    return 1.0 / dp_size, 1.0 / dp_size\n",
+        "    return 1.0, 1.0 / dp_size\n",
         ("tests/test_ddp_grads.py",),
     ),
     Mutant(
         "expert-scale-1-over-expt-dp",
         "gradient scaling: expert grads too are scaled by 1/dp_size, not 1/expt_dp_size",
-        "megabuf/ddp.py",
-        "        return 1.0 / dp_size, 1.0 / dp_size\n",
-        "        return 1.0 / dp_size, 1.0 / self.process_groups.topology.expt_dp_size\n",
+        "megabuf/assembly.py",
+        "    return 1.0 / dp_size, 1.0 / dp_size\n",
+        "    return 1.0 / dp_size, 1.0 / pgs.topology.expt_dp_size\n",
         ("tests/test_moe.py", "tests/test_accumulate.py"),
     ),
     Mutant(
