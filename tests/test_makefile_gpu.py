@@ -74,3 +74,29 @@ def test_probe_rejects_this_cpu_build_of_torch() -> None:
     probe = re.search(r"^CUDA_TORCH_PROBE := (.*)$", (ROOT / "Makefile").read_text(), re.M)
     assert probe is not None
     assert subprocess.run([sys.executable, "-c", probe.group(1)], timeout=120).returncode == 1
+
+
+def test_gpu_session_script_runs_the_tier_then_the_bench_offline(tmp_path: Path) -> None:
+    """examples/gpu_session.sh with a fake CUDA python3: the tier and then the bench, both on
+    the direct path (nothing installed), with the bench's repeat, shape and log file, and a
+    summary in $OUT."""
+    fake = tmp_path / "python3"
+    fake.write_text(FAKE)
+    fake.chmod(0o755)
+    log, out = tmp_path / "calls.log", tmp_path / "logs"
+    env = {**os.environ, "FAKE_CUDA": "1", "FAKE_LOG": str(log), "OUT": str(out), "PY": str(fake)}
+    done = subprocess.run(
+        ["bash", str(ROOT / "examples" / "gpu_session.sh")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = log.read_text().splitlines()
+    tier = [i for i, c in enumerate(calls) if c.startswith("-m pytest -q -rs -m gpu")]
+    bench = [i for i, c in enumerate(calls) if c.startswith("-m megabuf.bench --device cuda")]
+    assert len(tier) == 1 and len(bench) == 1 and tier[0] < bench[0], calls
+    assert "--repeat 3" in calls[bench[0]] and "--gpt-width 1024" in calls[bench[0]]
+    assert f"--out {out}/bench-gpu.jsonl" in calls[bench[0]]
+    for name in ("env.txt", "tier.log", "bench.log", "summary.txt"):
+        assert (out / name).exists(), name
+    assert "installing nothing" in (out / "tier.log").read_text()
+    assert "venv" not in "\n".join(calls)
