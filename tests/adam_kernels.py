@@ -12,7 +12,9 @@ the same fp32 grads; they differ in how each step is rounded:
   sqrt(bias_correction2), add eps, addcdiv into the param) rounds once to fp32. The bias
   corrections `1 - beta**t` and `lr / bias_correction1` are computed in Python doubles and
   rounded once when passed to the kernels as fp32 scalars: relative error ~u32 each.
-- fused (torch 2.11-era source): one kernel per element, in fp32 ("opmath"): the moments with
+- fused (pytorch's recent fused_adam_utils.cuh, which the H100's torch 2.11 is taken to carry;
+  older versions formed the bias corrections in double and lack the effect below): one kernel
+  per element, in fp32 ("opmath"): the moments with
   fused multiply-adds (one rounding each instead of two or three) and betas rounded to fp32,
   then `bias_correction = 1 - powf(fl32(beta), fl32(t))` in fp32. The moments and the bias
   corrections use the same rounded betas, so the betas' rounding cancels (at t = 1 exactly: the
@@ -36,7 +38,7 @@ the powf allowance), and R_t bounds |m_hat| / sqrt(v_hat)
 for any grads (Cauchy-Schwarz on the two moving averages, eps >= 0 only shrinks it):
     R_t = (1 - beta1) / sqrt(1 - beta2) * sqrt(1 - beta2**t) / (1 - beta1**t)
           * sqrt(sum_{j<t} (beta1**2 / beta2)**j)
-(R_1 = 1; ~1.004 at t = 3 for the default betas). With lr 1e-2 that is ~1.3e-6 per step, and the
+(R_1 = 1; ~1.004 at t = 3 for the default betas). With lr 1e-2 that is up to ~1.3e-6 per step, the
 decay term (lr 1e-2, eps 1e-4, wd 0.1, |param| <= 0.3) is of the same order: a dropped or
 doubled step (~lr) is still ~10**3 times larger. POWF_ULPS = 4 is an allowance for
 powf's error, not a measured figure (the emulation on CPU uses the host's powf).

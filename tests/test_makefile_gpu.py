@@ -65,7 +65,7 @@ def test_other_python_builds_the_gpu_venv(tmp_path: Path, target: str) -> None:
 
 def test_other_targets_never_probe(tmp_path: Path) -> None:
     """`make test` and the rest pay nothing for the probe (it imports torch)."""
-    _, calls = _dry_run(tmp_path, "lint", cuda=True)
+    _, calls = _dry_run(tmp_path, "test", cuda=True)
     assert "import torch" not in calls
 
 
