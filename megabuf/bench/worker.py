@@ -14,9 +14,8 @@ whatever an earlier system of the same launch left allocated: `cuda_bytes_at_sta
 that, after `gc.collect()`. With `isolate` (the default) every system runs in fresh processes
 and it is 0. Without it (`--no-isolate`), megabuf systems leave their model state alive after
 they end (measured on CPU at world 1: each megabuf system's buffers stay allocated, kept by the
-post-accumulate-grad hooks megabuf registers on the params, a cycle through torch's C++ side
-that `gc.collect()` does not break; clearing those hooks frees them; torch DDP and FSDP2 leave
-nothing), which is why the first GPU run's peaks climbed system after system; the report
+post-accumulate-grad hooks megabuf registers on the params, which `gc.collect()` does not
+free; clearing those hooks frees them; torch DDP and FSDP2 leave nothing), which is why the first GPU run's peaks climbed system after system; the report
 flags such rows rather than subtracting (a later allocation may reuse none of that memory).
 """
 
