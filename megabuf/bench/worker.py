@@ -15,8 +15,9 @@ that, after `gc.collect()`. With `isolate` (the default) every system runs in fr
 and it is 0. Without it (`--no-isolate`), megabuf systems leave their model state alive after
 they end (measured on CPU at world 1: each megabuf system's buffers stay allocated, kept by the
 post-accumulate-grad hooks megabuf registers on the params, which `gc.collect()` does not
-free; clearing those hooks frees them; torch DDP and FSDP2 leave nothing), which is why the first GPU run's peaks climbed system after system; the report
-flags such rows rather than subtracting (a later allocation may reuse none of that memory).
+free; clearing those hooks frees them; torch DDP and FSDP2 leave nothing), which is why the
+first GPU run's peaks climbed system after system; the report flags such rows rather than
+subtracting (a later allocation may reuse none of that memory).
 """
 
 from __future__ import annotations
