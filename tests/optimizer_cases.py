@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from adam_kernels import fused_cuda_bound, ran_fused_cuda
 from case_devices import case_device, params_device, race_window
 from grad_cases import NATIVE_GLOO
 from torch import nn
@@ -309,14 +310,20 @@ def bf16_param_ulps(model: megabuf.DistributedDataParallel, ref: Reference) -> d
 
 def master_errors(opt: Any, ref: Reference, steps: int) -> dict[str, tuple[float, float]]:
     """Per param: (max |megabuf fp32 main param - reference master|, max of that over the
-    element's bound), on the pieces this rank steps; see [Note: bf16 optimizer bound]."""
+    element's bound), on the pieces this rank steps; see [Note: bf16 optimizer bound], and
+    [Note: fused CUDA Adam bound] where megabuf stepped with torch's fused CUDA kernel."""
     masters = dict(zip(ref.names, ref.masters, strict=True))
-    lrs = {id(m): g["lr"] for g in ref.opt.param_groups for m in g["params"]}
+    groups = {id(m): g for g in ref.opt.param_groups for m in g["params"]}
+    fused = ran_fused_cuda([d.optimizer for d in opt.domains])  # [Note: fused CUDA Adam bound]
     out: dict[str, tuple[float, float]] = {}
     for mp in opt.main_params:
-        want = masters[mp.key].flatten()[mp.param_start : mp.param_end]
+        master, group = masters[mp.key], groups[id(masters[mp.key])]
+        want = master.flatten()[mp.param_start : mp.param_end]
         diff = (mp.main.detach().flatten() - want).abs()
-        bound = BF16_MASTER_C * FP32_U * steps * (want.abs() + lrs[id(masters[mp.key])])
+        bound = BF16_MASTER_C * FP32_U * steps * (want.abs() + group["lr"])
+        if fused and "betas" in group:
+            sq = ref.opt.state[master]["exp_avg_sq"].flatten()[mp.param_start : mp.param_end]
+            bound = bound + fused_cuda_bound(group, steps, want.abs(), sq)
         err, ratio = diff.max().item(), (diff / bound).max().item()
         old = out.get(mp.key, (0.0, 0.0))
         out[mp.key] = (max(old[0], err), max(old[1], ratio))

@@ -54,6 +54,8 @@ CPU_ALLOWLIST = {
     ("torch_compat.py", "_check_devices"): "only compares the user's device_ids with the "
     "params' device; allocates nothing",
     ("testing/models.py", "*"): "seeded CPU generator for reproducible test data",
+    ("testing/launch.py", "decode_result"): "spawn's rank results arrive in the parent as CPU "
+    "tensors by value ([Note: rank results by value])",
     ("bench/systems.py", "*"): "benchmark systems, CPU by choice (see megabuf.bench)",
     ("bench/curves.py", "run_ranks"): "loss curves of the demo GPT on gloo ranks, CPU by choice",
     ("bench/options.py", "build_parser"): "--device's default: CPU models and gloo on any "

@@ -7,7 +7,8 @@ expert cases with device="cuda" (tests/gpu_cases.py), on
 - NCCL at world size 2 (two GPUs): the distributed optimizer, pipelines (pp=2) and experts (ep=2);
 plus race windows (`torch.cuda._sleep` before finish_grad_sync() and before the step with
 overlap_param_gather) compared bitwise with CUDA_LAUNCH_BLOCKING=1 runs, and checkpoints saved on
-GPU and loaded into CPU models. Skipped without CUDA; has not run on a GPU yet. The same code
+GPU and loaded into CPU models. Skipped without CUDA; ran once on one H100 (2026-11-26, torch
+2.11.0+cu130: 38 of 39 world-1 cases passed; see [Note: fused CUDA Adam bound]). The same code
 runs with device="cpu" in tests/test_device_cases.py."""
 
 from __future__ import annotations

@@ -17,15 +17,19 @@ from megabuf.bench.hooks import (
     hook_check_atol,
     unavailable_reason,
 )
+from megabuf.bench.mcore import MCORE_SYSTEMS
+from megabuf.bench.mcore import unavailable_reason as mcore_unavailable_reason
 from megabuf.bench.options import CHECK_ATOL, FLOOR, BenchOptions, parse_options
 from megabuf.bench.plot import matplotlib_available, plot_timeline
 from megabuf.bench.reference import Reference, compute_reference
 from megabuf.bench.report import (
     Progress,
+    add_pass_ratios,
     add_ratios,
     combine_ranks,
     cuda_table,
     hook_table,
+    inherited_memory_note,
     memory_table,
     phase_table,
     results_table,
@@ -55,7 +59,7 @@ def make_jobs(
 ) -> list[Job]:
     """Every (model, system) of the run, then the hook rows (`hooks`, on `opts.hook_model`, with
     the plain systems they are compared with if the run has not got them)."""
-    pairs = [(m, b, s) for m, b in opts.models.items() for s in opts.systems]
+    pairs = [(m, b, s) for m, b in opts.models.items() for s in available_systems(opts)]
     if hooks:
         have = {s for m, _, s in pairs if m == opts.hook_model}
         extra = sorted(baselines_needed(hooks) - have) + list(hooks)
@@ -87,21 +91,48 @@ def available_hooks(opts: BenchOptions) -> list[str]:
     return kept
 
 
+def pass_order(n_jobs: int, repeat: int) -> list[int]:
+    """Job indices in the order of pass `repeat`: forward, then reversed, alternating, so a
+    drift within a pass (clocks, other load) favours no system on every pass."""
+    order = list(range(n_jobs))
+    return order[::-1] if repeat % 2 else order
+
+
+def available_systems(opts: BenchOptions) -> tuple[str, ...]:
+    """`opts.systems` that can run here; prints a note for each one skipped (the megatron-core
+    peers without megatron.core or off CUDA, [Note: megatron-core peers])."""
+    kept = []
+    for name in opts.systems:
+        reason = mcore_unavailable_reason(opts.device) if name in MCORE_SYSTEMS else None
+        if reason is None:
+            kept.append(name)
+        else:
+            print(f"megabuf.bench: skipping system {name}: {reason}")
+    return tuple(kept)
+
+
 def run_all(opts: BenchOptions, jobs: list[Job], progress: Progress) -> list[dict[str, Any]]:
-    """Per-rank results of every job, combined into one row each."""
-    if not opts.isolate:
-        progress.show(0, f"{len(jobs)} jobs in one launch")
-        per_rank = spawn(run_jobs, opts.world_size, jobs)
-        return [combine_ranks([r[i] for r in per_rank]) for i in range(len(jobs))]
+    """Per-rank results of every job, combined into one row each: `opts.repeat` passes (whole
+    passes, so slow drifts hit every system alike; see `pass_order`), each job in fresh
+    processes (`opts.isolate`) or every job of a pass in one launch."""
     runs: list[list[dict[str, Any]]] = [[] for _ in jobs]
-    for repeat in range(opts.repeat):  # whole passes, so slow drifts hit every system alike
-        for i, job in enumerate(jobs):
-            again = f" (pass {repeat + 1}/{opts.repeat})" if opts.repeat > 1 else ""
-            progress.show(i, f"{job.model} {job.system}{again}")
-            per_rank = spawn(run_jobs, opts.world_size, [job])
-            runs[i].append(combine_ranks([r[0] for r in per_rank]))
+    for repeat in range(opts.repeat):
+        again = f" (pass {repeat + 1}/{opts.repeat})" if opts.repeat > 1 else ""
+        order = pass_order(len(jobs), repeat)
+        if not opts.isolate:
+            progress.show(0, f"{len(jobs)} jobs in one launch{again}")
+            per_rank = spawn(run_jobs, opts.world_size, [jobs[i] for i in order])
+            for k, i in enumerate(order):
+                runs[i].append({**combine_ranks([r[k] for r in per_rank]), "pass": repeat})
+            continue
+        for i in order:
+            progress.show(i, f"{jobs[i].model} {jobs[i].system}{again}")
+            per_rank = spawn(run_jobs, opts.world_size, [jobs[i]])
+            runs[i].append({**combine_ranks([r[0] for r in per_rank]), "pass": repeat})
     rows = [median_run(r) for r in runs]
-    retry_noisy(opts, jobs, rows, progress)
+    add_pass_ratios(rows, runs)
+    if opts.isolate:
+        retry_noisy(opts, jobs, rows, progress)
     return rows
 
 
@@ -183,6 +214,9 @@ def print_report(opts: BenchOptions, rows: list[dict[str, Any]], seconds: float)
             "exposed comm from CUDA events, megabuf only):"
         )
         print(gpu)
+        note = inherited_memory_note(rows)
+        if note:
+            print(note)
     print(
         f"\n{opts.world_size} ranks, {opts.warmup} warm-up + {opts.steps} timed steps, "
         f"AdamW {OPTIMIZER_KWARGS}; 'x DDP' is relative to torch DDP with "

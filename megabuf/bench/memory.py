@@ -61,13 +61,13 @@ def state_bytes_per_param(system: str, dp_size: int) -> float:
         return FP32_PARAM + 2 * FP32_GRAD + ADAM_MOMENTS / dp_size
     if system.startswith("fsdp2_"):
         return full / dp_size
-    if system.startswith("megabuf_distopt_"):
+    if system.startswith(("megabuf_distopt_", "mcore_distopt_")):
         return FP32_PARAM + FP32_GRAD + ADAM_MOMENTS / dp_size
     if system.startswith("megabuf_zero2"):
         return FP32_PARAM + (FP32_GRAD + ADAM_MOMENTS) / dp_size
     if system.startswith("megabuf_zero3"):
         return full / dp_size
-    if system in ("no_comm", "torch_ddp_gabv") or system.startswith("megabuf_ar_"):
+    if system in ("no_comm", "torch_ddp_gabv") or system.startswith(("megabuf_ar_", "mcore_ddp_")):
         return full
     raise ValueError(f"megabuf.bench: no memory formula for system {system!r}")
 

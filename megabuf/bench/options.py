@@ -27,6 +27,8 @@ SYSTEM_NAMES: tuple[str, ...] = (
     "megabuf_zero3",
     "megabuf_zero3_noreshard",
     "megabuf_zero2",
+    "mcore_ddp_overlap",  # megatron-core, when it imports, on CUDA ([Note: megatron-core peers])
+    "mcore_distopt_overlap",
 )
 BASELINE = "torch_ddp_gabv"  # ratios are to torch DDP with gradient_as_bucket_view=True
 FLOOR = "no_comm"
@@ -52,7 +54,8 @@ class BenchOptions:
     """Write Chrome traces (torch.profiler) and PNG timelines here."""
     trace_steps: int = 3
     repeat: int = 1
-    """Passes over every (model, system) pair; the table shows the median pass of each."""
+    """Passes over every (model, system) pair, the order reversed on every other pass; the table
+    shows each pair's median pass and ratios to the baseline taken pass by pass (median)."""
     retries: int = 0
     """How often a noisy job (see `noisy_share`) may be run again (isolated runs only)."""
     noisy_share: float = 0.10
@@ -123,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeat",
         type=int,
         default=1,
-        help="passes over all jobs; report each job's median pass (default 1)",
+        help="passes over all jobs, order reversed every other pass; report each job's median "
+        "pass and the median of its per-pass ratios (default 1)",
     )
     p.add_argument(
         "--retries",

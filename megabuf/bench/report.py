@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
@@ -52,7 +53,7 @@ def combine_ranks(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
     row["step_ms_per_rank"] = [r["step_ms"] for r in per_rank]
     for key in ("peak_rss_bytes", "optimizer_state_nbytes"):
         row[key] = max(r[key] for r in per_rank)
-    for key in ("persistent_nbytes", "persistent_formula_nbytes"):  # the busiest rank
+    for key in ("persistent_nbytes", "persistent_formula_nbytes", "cuda_bytes_at_start"):
         if all(key in r for r in per_rank):
             row[key] = max(r[key] for r in per_rank)
     if all("peak_cuda_bytes" in r for r in per_rank):
@@ -77,6 +78,26 @@ def _other_cpu_share(per_rank: Sequence[dict[str, Any]]) -> float | None:
     return max(0.0, (busy - ours) / (wall * cpus))
 
 
+def add_pass_ratios(rows: list[dict[str, Any]], runs: Sequence[Sequence[dict[str, Any]]]) -> None:
+    """With several passes, each row's ratio to the baseline of the same model taken pass by
+    pass (`ratio_to_ddp_runs`; `add_ratios` reports their median), so one drifting pass cannot
+    decide a ratio. `runs[i]` are row i's passes, each with its "pass" index."""
+    base = {
+        rows[i]["model"]: {r["pass"]: r for r in job_runs if r.get("status") == "ok"}
+        for i, job_runs in enumerate(runs)
+        if rows[i].get("system") == BASELINE
+    }
+    for row, job_runs in zip(rows, runs, strict=True):
+        peers = base.get(row.get("model"), {})
+        ratios = [
+            r["step_ms"] / peers[r["pass"]]["step_ms"]
+            for r in job_runs
+            if r.get("status") == "ok" and r["pass"] in peers
+        ]
+        if len(ratios) > 1:
+            row["ratio_to_ddp_runs"] = ratios
+
+
 def add_ratios(rows: list[dict[str, Any]], world_size: int) -> None:
     """Ratio to the baseline (torch DDP, bucket view) and to the floor, per model; samples/s."""
     by_model: dict[str, dict[str, dict[str, Any]]] = {}
@@ -90,6 +111,8 @@ def add_ratios(rows: list[dict[str, Any]], world_size: int) -> None:
             ref = peers.get(name)
             ok = ref is not None and ref.get("status") == "ok"
             row[key] = row["step_ms"] / ref["step_ms"] if ok and ref is not None else None
+        if row.get("ratio_to_ddp_runs"):  # several passes: the median of per-pass ratios
+            row["ratio_to_ddp"] = statistics.median(row["ratio_to_ddp_runs"])
         variant = HOOK_VARIANTS.get(row["system"])
         if variant is not None and variant.same_as is not None:
             same = peers.get(variant.same_as)
@@ -109,6 +132,13 @@ def _step_cell(row: dict[str, Any]) -> str:
     return f"{row['step_ms']:.1f}" + ("" if spread is None else f" ±{100 * spread:.0f}%")
 
 
+def _ratio_cell(row: dict[str, Any]) -> str:
+    """x DDP; with several passes the median of the per-pass ratios and their half range."""
+    runs = row.get("ratio_to_ddp_runs")
+    cell = _num(row.get("ratio_to_ddp"), ".2f")
+    return cell if not runs else f"{cell} ±{(max(runs) - min(runs)) / 2:.2f}"
+
+
 def _pct(share: float | None) -> float | None:
     return None if share is None else 100.0 * share
 
@@ -122,7 +152,7 @@ def _cells(row: dict[str, Any], tolerance: float) -> list[str]:
     check = _check_cell(row, tolerance)
     return [
         row["model"], row["system"], _step_cell(row),
-        _num(row.get("ratio_to_ddp"), ".2f"), _num(row.get("ratio_to_floor"), ".2f"),
+        _ratio_cell(row), _num(row.get("ratio_to_floor"), ".2f"),
         f"{row['samples_per_s']:.1f}", f"{row['peak_rss_bytes'] / MiB:.0f}",
         f"{row['optimizer_state_nbytes'] / MiB:.1f}", sent,
         f"{row['theoretical_bytes_per_step'] / MB:.2f}",
@@ -187,7 +217,7 @@ def _hook_cells(row: dict[str, Any], tolerance: float) -> list[str]:
     )  # fmt: skip
     return [
         row["model"], row["system"], _step_cell(row), _num(row.get("ratio_to_same_hook"), ".2f"),
-        _num(row.get("ratio_to_ddp"), ".2f"), _num(None if wire is None else wire / MB, ".3f"),
+        _ratio_cell(row), _num(None if wire is None else wire / MB, ".3f"),
         _num(None if formula is None else formula / MB, ".3f"), same, _check_cell(row, tolerance),
     ]  # fmt: skip
 
@@ -215,7 +245,7 @@ def _cuda_cells(row: dict[str, Any]) -> list[str]:
     peak, formula = row["peak_cuda_bytes"], row["state_formula_bytes"]
     overlap = row.get("overlap") or {}
     return [
-        row["model"], row["system"], _step_cell(row), _num(row.get("ratio_to_ddp"), ".2f"),
+        row["model"], row["system"], _step_cell(row), _ratio_cell(row),
         _num(row.get("tokens_per_s"), ".0f"), f"{peak / MiB:.0f}", f"{formula / MiB:.0f}",
         f"{row['state_bytes_per_param']:g}", f"{(peak - formula) / MiB:.0f}",
         _num(overlap.get("median_exposed_ms"), ".2f"),
@@ -228,6 +258,19 @@ def cuda_table(rows: Sequence[dict[str, Any]]) -> str:
     systems only); empty when no row ran on CUDA."""
     lines = [_cuda_cells(r) for r in rows if r.get("status") == "ok" and "peak_cuda_bytes" in r]
     return markdown_table(CUDA_HEADER, lines) if lines else ""
+
+
+def inherited_memory_note(rows: Sequence[dict[str, Any]]) -> str:
+    """A warning naming the rows whose peak includes memory earlier systems of the same launch
+    left allocated ([Note: peak CUDA memory per system]); empty when there are none."""
+    inherited = [r for r in rows if r.get("cuda_bytes_at_start")]
+    if not inherited:
+        return ""
+    named = ", ".join(f"{r['system']} {r['cuda_bytes_at_start'] / MiB:.0f} MiB" for r in inherited)
+    return (
+        f"!! peak CUDA memory of {len(inherited)} rows includes what earlier systems of the same "
+        f"launch left allocated (--no-isolate): {named}; run isolated for per-system peaks"
+    )
 
 
 MEMORY_HEADER = [

@@ -271,6 +271,9 @@ def optimizer_state_nbytes(optimizer: Any) -> int:
     report = getattr(optimizer, "memory_report", None)  # megabuf's optimizers
     if callable(report):
         return int(report().optimizer_nbytes)
+    chained = getattr(optimizer, "chained_optimizers", None)  # megatron-core's ChainedOptimizer
+    if chained is not None:
+        return sum(optimizer_state_nbytes(o) for o in chained)
     inner = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer's local optimizer
     state = (inner if inner is not None else optimizer).state
     total = 0

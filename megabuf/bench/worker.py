@@ -6,6 +6,18 @@ the peak RSS (VmHWM, else getrusage's ru_maxrss) is that system's own, start-up 
 it the peak is reset (`/proc/self/clear_refs`) before each system, but memory an earlier system
 freed stays in the heap (the benchmark raises glibc's trim threshold on purpose), so the figure is
 an upper bound.
+
+[Note: peak CUDA memory per system]
+`peak_cuda_bytes` is `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats` at the
+start of the system, so it counts only tensors allocated (not cached blocks), but it also counts
+whatever an earlier system of the same launch left allocated: `cuda_bytes_at_start` records
+that, after `gc.collect()`. With `isolate` (the default) every system runs in fresh processes
+and it is 0. Without it (`--no-isolate`), megabuf systems leave their model state alive after
+they end (measured on CPU at world 1: each megabuf system's buffers stay allocated, kept by the
+post-accumulate-grad hooks megabuf registers on the params, which `gc.collect()` does not
+free; clearing those hooks frees them; torch DDP and FSDP2 leave nothing), which is why the
+first GPU run's peaks climbed system after system; the report flags such rows rather than
+subtracting (a later allocation may reuse none of that memory).
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from torch import Tensor
 
 import megabuf
 from megabuf.bench.hooks import HOOK_VARIANTS, build_hooked
+from megabuf.bench.mcore import MCORE_SYSTEMS, build_mcore
 from megabuf.bench.memory import (
     formula_is_exact,
     measured_persistent_nbytes,
@@ -263,6 +276,9 @@ def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
         reset_peak_rss()
     device = _rank_device(job.device)
     if device.type == "cuda":
+        # [Note: peak CUDA memory per system]: what is still allocated now was left by earlier
+        # systems of this launch (none when isolated); the peak below includes it
+        result["cuda_bytes_at_start"] = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     try:
         cfg = bench_model(job.model, job.model_overrides)
@@ -272,6 +288,8 @@ def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
             engine = build_megabuf(job.system, module, pgs, job.megabuf_overrides)
         elif job.system in HOOK_VARIANTS:
             engine = build_hooked(job.system, module, pgs, job.megabuf_overrides)
+        elif job.system in MCORE_SYSTEMS:
+            engine = build_mcore(job.system, module, pgs)
         else:
             engine = BUILDERS[job.system](module, pgs)
     except NotAvailable as exc:

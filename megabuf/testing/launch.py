@@ -6,12 +6,23 @@ LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and its share of the cor
 `fn(*args)` in each, and re-raises any rank's failure in the parent with that rank's traceback.
 Under torchrun (RANK and WORLD_SIZE already set) it just calls `fn(*args)`.
 
+[Note: rank results by value]
+A rank's return value travels to the parent serialized by value (`torch.save` into bytes, read
+back with `map_location="cpu"`), never through the pipe's own pickler: torch's multiprocessing
+pickler sends a tensor as a handle to shared memory (a file descriptor handed over by a
+`resource_sharer` thread in the child, or a CUDA IPC handle), which the parent can only open
+while the child is alive. A child that returns and exits before the parent reads (the usual
+case: nothing keeps it) made `conn.recv()` fail with FileNotFoundError in `resource_sharer`
+(seen on the first GPU run, 2026-11-26). So results that hold tensors arrive as CPU tensors with
+their own storage, whatever the child does next; CUDA tensors come back on the CPU.
+
 The launcher does not create a process group: `fn` calls `megabuf.init_distributed()`, which
 reads the variables above.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import socket
@@ -82,9 +93,10 @@ def spawn(
     """Run `fn(*args)` on every rank; return the ranks' return values in rank order.
 
     Under torchrun: call `fn(*args)` here and return `[its value]`. Otherwise `fn`, `args` and
-    the return values must be picklable (`fn` defined at module level). Raises `SpawnError` if any
-    rank raises or exits non-zero, and `TimeoutError` after `timeout_s` seconds (None: no limit);
-    in both cases every other rank is terminated first.
+    the return values must be picklable (`fn` defined at module level); tensors in the return
+    values come back as CPU tensors with their own storage ([Note: rank results by value]).
+    Raises `SpawnError` if any rank raises or exits non-zero, and `TimeoutError` after
+    `timeout_s` seconds (None: no limit); in both cases every other rank is terminated first.
     """
     if under_torchrun():
         return [fn(*args)]
@@ -160,10 +172,11 @@ def _child_main(
         dist.barrier()
         dist.destroy_process_group()  # a clean shutdown; avoids torch's "not destroyed" warning
     try:
-        conn.send(message)
+        payload = encode_result(message)
     except Exception:  # e.g. an unpicklable return value
         message = ("error", f"could not send rank result to parent:\n{traceback.format_exc()}")
-        conn.send(message)
+        payload = encode_result(message)
+    conn.send_bytes(payload)
     conn.close()
     if message[0] != "ok":
         os._exit(1)  # skip atexit/finalizers that could block on a dead peer
@@ -193,9 +206,22 @@ def _collect(
     return [results[rank] for rank in range(len(procs))]
 
 
+def encode_result(message: Any) -> bytes:
+    """A rank's report as bytes that hold every tensor by value ([Note: rank results by value])."""
+    buf = io.BytesIO()
+    torch.save(message, buf)
+    return buf.getvalue()
+
+
+def decode_result(data: bytes) -> Any:
+    """Inverse of `encode_result`; tensors land on the CPU. The bytes come from our own child
+    process, so full unpickling (`weights_only=False`) is what is wanted."""
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
 def _receive(conn: mp_connection.Connection, proc: BaseProcess) -> tuple[str, Any]:
     try:
-        status, payload = conn.recv()
+        status, payload = decode_result(conn.recv_bytes())
         return str(status), payload
     except EOFError:  # died without reporting: a signal, os._exit, or the OOM killer
         proc.join(_REAP_TIMEOUT_S)

@@ -1,0 +1,157 @@
+"""GPU tier (issue 24): what the CPU tests cannot see, on one GPU (NCCL, world size 1).
+
+1. Host synchronisation. The all-reduce path (`overlap_grad_reduce`) and the distributed
+   optimizer path (plus `overlap_param_gather`) run backward, `finish_grad_sync()` and the step
+   under `torch.cuda.set_sync_debug_mode("warn")`, which warns at every synchronising CUDA call
+   from the Python line that made it. Backward and finish_grad_sync must make none. The step
+   makes exactly one by design: `global_grad_norm` (megabuf/optimizer/clip.py) reads the global
+   grad norm on the host, so that every rank decides to skip (non-finite) or clip alike; any
+   other synchronisation in the step fails the test, naming its file and line.
+2. Peak memory. For each sharding strategy at world 1, the peak CUDA memory of a warm step
+   (`max_memory_allocated` after `reset_peak_memory_stats`) is within 2 % of the persistent
+   bytes of [Note: memory formula] (megabuf/sharding/formula.py) plus the activations of the
+   plain model: the peak of its forward and backward, measured with its grads preallocated (so
+   backward only accumulates into them) minus its params and grads.
+
+Skipped without a CUDA device; written on a machine without one and not yet run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import megabuf
+from megabuf.config import SHARDING_STRATEGIES
+from megabuf.sharding.formula import DEVICE_CATEGORIES, optimizer_spec, persistent_bytes
+from megabuf.testing.models import build_model, loss_fn, make_batch
+
+MODEL, BATCH = "gpt_small", 8
+MEMORY_RTOL = 0.02
+PATHS = {
+    "all_reduce": {"overlap_grad_reduce": True},
+    "distributed_optimizer": {
+        "use_distributed_optimizer": True,
+        "overlap_grad_reduce": True,
+        "overlap_param_gather": True,
+    },
+}
+NORM_READ = ("megabuf/optimizer/clip.py", "global_grad_norm")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device (NCCL at world size 1)"
+    ),
+]
+
+
+# ---- rank side ----------------------------------------------------------------------------------
+def _engine(ddp: dict[str, Any]) -> tuple[Any, Any, tuple[torch.Tensor, torch.Tensor]]:
+    module = build_model(MODEL, seed=0).cuda()
+    model = megabuf.DistributedDataParallel(module, megabuf.DistributedDataParallelConfig(**ddp))
+    opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig(optimizer="adamw", lr=1e-4))
+    x, y = (t.cuda() for t in make_batch(MODEL, BATCH, seed=0))
+    return model, opt, (x, y)
+
+
+def _syncs(fn: Any) -> list[str]:
+    """`fn()` under sync debug mode "warn": "file:line" of every synchronising call it made."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower()]
+
+
+def sync_case(path: str) -> dict[str, list[str]]:
+    model, opt, (x, y) = _engine(PATHS[path])
+    out: dict[str, list[str]] = {"backward": [], "finish_grad_sync": [], "step": []}
+    for step in range(3):  # the first step creates the optimizer state: not checked
+        opt.zero_grad()
+        loss = loss_fn(MODEL)(model(x), y)
+        backward = _syncs(loss.backward)
+        finish = _syncs(model.finish_grad_sync)
+        stepped = _syncs(opt.step)
+        if step > 0:
+            out["backward"] += backward
+            out["finish_grad_sync"] += finish
+            out["step"] += stepped
+    torch.cuda.synchronize()
+    return out
+
+
+def _activations_of_plain_model() -> int:
+    module = build_model(MODEL, seed=0).cuda()
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p)  # backward accumulates in place: no new grad memory
+    x, y = (t.cuda() for t in make_batch(MODEL, BATCH, seed=0))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss_fn(MODEL)(module(x), y).backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def memory_case(strategy: str) -> dict[str, Any]:
+    activations = _activations_of_plain_model()
+    model, opt, (x, y) = _engine({
+        "data_parallel_sharding_strategy": strategy, "overlap_grad_reduce": True,
+    })  # fmt: skip
+    for _ in range(2):  # the optimizer state exists after the first step
+        opt.zero_grad()
+        loss_fn(MODEL)(model(x), y).backward()
+        model.finish_grad_sync()
+        opt.step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()  # state + x, y (the plain run had x, y too)
+    torch.cuda.reset_peak_memory_stats()
+    opt.zero_grad()
+    loss_fn(MODEL)(model(x), y).backward()
+    model.finish_grad_sync()
+    opt.step()
+    torch.cuda.synchronize()
+    pgs, device = model.process_groups, x.device
+    scratch = model.collectives.strategy(pgs.dp, device).reduce_scatter == "all_to_all"
+    figures = persistent_bytes(
+        model.plan, strategy, optimizer_spec(opt.domains[0].optimizer), dp_rank=0,
+        reduce_scatter_scratch=scratch,  # gloo only; NCCL's native reduce-scatter keeps none
+    )  # fmt: skip
+    inputs = x.numel() * x.element_size() + y.numel() * y.element_size()
+    return {
+        "peak": torch.cuda.max_memory_allocated(),
+        "base": base,
+        "formula": sum(figures[k] for k in DEVICE_CATEGORIES),
+        "activations": activations,
+        "inputs": inputs,
+    }
+
+
+# ---- test side ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_no_host_sync_in_backward_and_one_norm_read_per_step(pools: Any, path: str) -> None:
+    (res,) = pools(1, "nccl").run(sync_case, path)
+    assert res["backward"] == [], f"{path}: backward synchronised at {res['backward']}"
+    assert res["finish_grad_sync"] == [], f"{path}: finish_grad_sync synchronised at {res}"
+    others = [s for s in res["step"] if NORM_READ[0] not in s]
+    assert others == [], f"{path}: the step synchronised outside {NORM_READ[1]}: {others}"
+    assert len(res["step"]) == 2, f"{path}: expected one norm read per step, got {res['step']}"
+
+
+@pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
+def test_peak_cuda_memory_is_formula_plus_activations(pools: Any, strategy: str) -> None:
+    (res,) = pools(1, "nccl").run(memory_case, strategy)
+    want = res["formula"] + res["inputs"] + res["activations"]
+    off = (res["peak"] - want) / want
+    assert abs(off) <= MEMORY_RTOL, (
+        f"{strategy}: peak {res['peak'] / 2**20:.1f} MiB vs formula "
+        f"{res['formula'] / 2**20:.1f} + inputs + activations {res['activations'] / 2**20:.1f} "
+        f"MiB = {want / 2**20:.1f} MiB: {100 * off:+.2f} % (steady state {res['base'] / 2**20:.1f})"
+    )
