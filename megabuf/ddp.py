@@ -1,23 +1,10 @@
 """`DistributedDataParallel`: wraps any nn.Module with contiguous grad buffers and bucket groups.
 
-[Note: grad contract]
-After `finish_grad_sync()` (without the distributed optimizer), every trainable param on every
-dp rank has `.grad` equal to the reduced (dp-averaged) gradient: the `main_grad` view itself when
-dtypes match, a copy of it in the param's dtype otherwise. Never None, identical on every rank,
-whether or not the param was used on that rank (unused ones are zero-filled before their bucket
-is reduced, [Note: grad readiness] in bucket_group.py). It stays so until `zero_grad_buffer()`;
-a forward (evaluation, metrics) in between changes nothing. A backward in between accumulates
-on top, as plain PyTorch would: the copies are dropped by a one-shot hook just before that
-backward's first grad reaches them. With `error_on_unused_params` a param that got no gradient
-on some rank instead makes `finish_grad_sync()` raise on every rank, naming it and the ranks.
-With the distributed optimizer only this rank's shard of each bucket is reduced, so `.grad`
-stays None (a torch optimizer or `clip_grad_norm_` cannot see partial grads; a torch optimizer
-stepping such params raises, see grads.py); megabuf's optimizer reads the shard from the buffer.
-When the grad sync finishes: with `sync_grads_at_backward_end` (default) at the end of every
-backward run with grad sync on, as torch DDP; otherwise at `finish_grad_sync()`. What a later
-backward does with grads the user cleared or changed: [Note: grads the user changed].
-Params after a step, and who waits for their gathers: [Note: who waits for param gathers] in
-param_sync.py.
+Its parts ([Note: import layers] in tests/test_import_graph.py; docs/ARCHITECTURE.md): the plan
+(model_plan.py) and its allocation (assembly.py), the grad sync (grad_sync.py, [Note: step
+phase]; what `.grad` holds: [Note: grad contract] in grads.py), the param side (param_sync.py,
+[Note: who waits for param gathers]) and the comm-hook registry (hook_registry.py). The methods
+here are construction, `forward` and thin calls into those parts.
 """
 
 from __future__ import annotations
@@ -105,13 +92,12 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.ddp_config = options.ddp_config
         self.process_groups = options.process_groups or ProcessGroups.default()
-        self.disable_bucketing = disable_bucketing
+        self._disable_bucketing = disable_bucketing
         self.collectives = collectives if collectives is not None else Collectives()
-        self.sync_buffers_in_forward = options.sync_buffers_in_forward
+        self._sync_buffers_in_forward = options.sync_buffers_in_forward
         self.rank = self.process_groups.topology.rank
         self._sharding = self.ddp_config.sharding  # [Note: sharding strategy objects]
         self.memory_ledger = MemoryLedger()  # [Note: sharded grad lifecycle]
-        self.param_units: ParamUnits | None = None  # optim_grads_params: the unit runtime
         self._build(options.init_sync)
         self._hooks = CommHookRegistry(
             self.all_bucket_groups, self.plan, self.ddp_config, self.memory_ledger, self.rank
@@ -137,16 +123,16 @@ class DistributedDataParallel(nn.Module):
         planned = plan_model(  # the same path as `megabuf inspect`
             self.module, self.ddp_config, dp_size=pgs.dp_size,
             expt_dp_size=pgs.topology.expt_dp_size, expert_shares_dp_group=pgs.expt_dp is pgs.dp,
-            disable_bucketing=self.disable_bucketing,
+            disable_bucketing=self._disable_bucketing,
         )  # fmt: skip
         trainable = planned.trainable
         self.param_to_name = {p: n for n, p in trainable}
         params = [p for _, p in trainable]
-        self.unit_plan: UnitPlan | None = planned.unit_plan  # [Note: shard units]
+        self._unit_plan: UnitPlan | None = planned.unit_plan  # [Note: shard units]
         self.plan: Plan = planned.plan
         built = assemble(
             self.plan, params, self.ddp_config, pgs, self.collectives, self.memory_ledger,
-            self.param_to_name, [name for name, _ in unit_modules(self.module, self.unit_plan)],
+            self.param_to_name, [name for name, _ in unit_modules(self.module, self._unit_plan)],
         )  # fmt: skip
         self._all_buffers: list[_ParamAndGradBuffer] = built.buffers  # plan order
         expert = [planned.expert for planned in self.plan.buffers]
@@ -175,21 +161,21 @@ class DistributedDataParallel(nn.Module):
                 names = [self.param_to_name[p] for p in group.params_list]
                 group.sharded_grads.guard_main_grads(group.params_list, names)
         self._module_buffers = list(self.module.buffers())
-        self.param_gather_hooks = ParamGatherHooks(self.module, self.param_to_bucket_group)
+        self._param_gather_hooks = ParamGatherHooks(self.module, self.param_to_bucket_group)
         if self.ddp_config.overlap_param_gather:
-            self.param_gather_hooks.enable()
-        groups, hooks, cfg = self.all_bucket_groups, self.param_gather_hooks, self.ddp_config
+            self._param_gather_hooks.enable()
+        groups, hooks, cfg = self.all_bucket_groups, self._param_gather_hooks, self.ddp_config
         # the param side (megabuf/param_sync.py): what the optimizer tells before and after a
         # step (`before_step()`, `stepped()`) and what the param methods below call
         self.param_side: GatheredParams = GatheredParams(groups, hooks, cfg)
         if init_sync:
             self.broadcast_params()
         if self._sharding.shards_params:
-            self.param_units = ParamUnits.build(  # shards filled, full params released
-                unit_modules(self.module, self.unit_plan), self.plan, self.all_bucket_groups,
+            units = ParamUnits.build(  # shards filled, full params released
+                unit_modules(self.module, self._unit_plan), self.plan, self.all_bucket_groups,
                 self.param_to_name, self.ddp_config, self.memory_ledger, self.rank,
             )  # fmt: skip
-            self.param_side = UnitParams(groups, hooks, cfg, self.param_units)
+            self.param_side = UnitParams(groups, hooks, cfg, units)
         for buf in self._all_buffers:
             logger.debug("megabuf: %s", buf.describe())
 
@@ -235,7 +221,7 @@ class DistributedDataParallel(nn.Module):
         self._sync.before_forward(torch.is_grad_enabled())
         self.param_side.before_forward(self.module, compiling)
         sync_on = self._sync.require_sync
-        if self.sync_buffers_in_forward and torch.is_grad_enabled() and sync_on:
+        if self._sync_buffers_in_forward and torch.is_grad_enabled() and sync_on:
             with torch.no_grad():
                 for tensor in self._module_buffers:
                     self.collectives.broadcast(tensor, 0, self.process_groups.dp)
@@ -401,7 +387,7 @@ class DistributedDataParallel(nn.Module):
     def enable_forward_pre_hook(self) -> None:
         """Megatron's: forwards wait for each param gather just before its first reader again
         (overlap_param_gather)."""
-        self.param_gather_hooks.enable()
+        self._param_gather_hooks.enable()
 
     def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
         """Megatron's, before evaluation or checkpointing: no per-module waits in forward. With
@@ -409,7 +395,7 @@ class DistributedDataParallel(nn.Module):
         (`start_param_sync(force_sync=True)`); with False params are left as they are, and
         the next forward still waits for every gather in flight before running the module, so
         it never reads a param mid-gather ([Note: who waits for param gathers])."""
-        self.param_gather_hooks.disable()
+        self._param_gather_hooks.disable()
         if param_sync:
             self.start_param_sync(force_sync=True)
 

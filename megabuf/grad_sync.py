@@ -2,7 +2,7 @@
 
 It owns the bucket groups (dense then expert), their dispatch chains ([Note: dispatch order] in
 bucket_group.py), the end-of-backward trigger ([Note: grad sync at backward end] in
-backward_sync.py) and the grads the sync hands out ([Note: grad contract] in ddp.py); the
+backward_sync.py) and the grads the sync hands out ([Note: grad contract] in grads.py); the
 wrapper's grad-sync methods (`finish_grad_sync`, `no_sync`, `zero_grad_buffer`, ...) are thin
 calls into it. It never asks torch.distributed anything itself, so it runs under a recording
 fake of the collectives in tests (tests/test_grad_sync.py).

@@ -1,5 +1,23 @@
 """`ExposedGrads`: what a model's params show as `.grad` after a grad sync, and what a later
-backward makes of the user's changes to it (see [Note: grad contract] in ddp.py).
+backward makes of the user's changes to it.
+
+[Note: grad contract]
+After `finish_grad_sync()` (without the distributed optimizer), every trainable param on every
+dp rank has `.grad` equal to the reduced (dp-averaged) gradient: the `main_grad` view itself when
+dtypes match, a copy of it in the param's dtype otherwise. Never None, identical on every rank,
+whether or not the param was used on that rank (unused ones are zero-filled before their bucket
+is reduced, [Note: grad readiness] in bucket_group.py). It stays so until `zero_grad_buffer()`;
+a forward (evaluation, metrics) in between changes nothing. A backward in between accumulates
+on top, as plain PyTorch would: the copies are dropped by a one-shot hook just before that
+backward's first grad reaches them. With `error_on_unused_params` a param that got no gradient
+on some rank instead makes `finish_grad_sync()` raise on every rank, naming it and the ranks.
+With the distributed optimizer only this rank's shard of each bucket is reduced, so `.grad`
+stays None (a torch optimizer or `clip_grad_norm_` cannot see partial grads; a torch optimizer
+stepping such params raises, `refuse_foreign_optimizers`); megabuf's optimizer reads the shard from
+the buffer.
+When the grad sync finishes: with `sync_grads_at_backward_end` (default) at the end of every
+backward run with grad sync on, as torch DDP; otherwise at `finish_grad_sync()`. What a later
+backward does with grads the user cleared or changed: [Note: grads the user changed].
 
 [Note: grads the user changed]
 torch semantics are per param: a backward accumulates into whatever `.grad` holds, and a

@@ -48,7 +48,7 @@ class ShardingStrategy:
 
     @property
     def exposes_grads(self) -> bool:
-        """The grad sync hands out `.grad` ([Note: grad contract] in ddp.py): only when every
+        """The grad sync hands out `.grad` ([Note: grad contract] in grads.py): only when every
         rank holds the whole reduced grad."""
         return not self.shards_optimizer
 

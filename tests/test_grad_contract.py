@@ -1,4 +1,4 @@
-"""The grad contract ([Note: grad contract] in megabuf/ddp.py) on real gloo ranks, each case
+"""The grad contract ([Note: grad contract] in megabuf/grads.py) on real gloo ranks, each case
 against a single-process reference: params unused on some ranks, strict mode, reentrant
 checkpointing with overlap, params changed after wrapping, recovery after an exception, fp16
 reduce-scatter overflow, one dispatch chain for a shared group, accumulation over bf16 copies."""

@@ -168,7 +168,7 @@ def micro(case: dict[str, Any], model: Any, x: torch.Tensor, y: torch.Tensor) ->
 
 def unit_holds(model: megabuf.DistributedDataParallel) -> dict[str, bool]:
     """Per unit with sharded params: does its full storage hold memory now?"""
-    units = model.param_units.runtime.units  # type: ignore[union-attr]
+    units = model.param_side.units.runtime.units  # type: ignore[attr-defined]
     return {u.name or "<root>": all(p.holds_full for p in u.params) for u in units if u.params}
 
 
@@ -234,7 +234,7 @@ def optim_case(case: dict[str, Any]) -> dict[str, Any]:
 def release_case(case: dict[str, Any]) -> dict[str, Any]:
     """Which units hold full params at each promised point of one training step."""
     model, opt = wrap(case)
-    units = model.param_units.runtime.units  # type: ignore[union-attr]
+    units = model.param_side.units.runtime.units  # type: ignore[attr-defined]
     seen: dict[str, Any] = {"post_forward": {}, "in_backward": {}}
 
     def at_post_forward(name: str) -> Callable[..., None]:

@@ -191,7 +191,7 @@ def _zero3(model: DistributedDataParallel, module: nn.Module, dp_size: int) -> E
     backward re-gather of every unit but the root when resharding after forward."""
     total = param_nbytes(module)
     regather = 0
-    units = model.param_units
+    units = getattr(model.param_side, "units", None)  # UnitParams under optim_grads_params
     if model.ddp_config.reshard_after_forward and units is not None:
         root = {id(p) for p in units.runtime.units[0].params}
         regather = total - sum(
