@@ -125,6 +125,7 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
         )
         self._backward_sync.every_backward = self._reduce_each
         self._microbatch_pending = False  # a no_sync forward whose reduction is not finished
+        self._sync_finished = False  # finish_grad_sync ran since the last grad (see there)
         self.memory_ledger = MemoryLedger()  # [Note: sharded grad lifecycle]
         self.param_units: ParamUnits | None = None  # optim_grads_params: the unit runtime
         self._build(options.init_sync)
@@ -355,6 +356,7 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
         """Every param grad hook's first step: see [Note: grads the user changed] and [Note:
         grad sync at backward end]."""
         self._backward_seen = True
+        self._sync_finished = False
         if self._grads.exposed:
             self._grads.begin_backward()
         self._backward_sync.on_grad()
@@ -405,7 +407,10 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
         outside deferred_grad_sync()): it is a no-op while every group is synced."""
         self._microbatch_pending = False  # its grads are reduced with this sync's
         groups = self.all_bucket_groups
-        if groups and self.unsynced_group() is None:
+        # Every group SYNCED is not enough: under optim_grads* backward itself finishes the
+        # groups whose reduction already landed (a race), and the agreements below (NaN check,
+        # unused params) are collectives every dp rank must run once per iteration.
+        if groups and self._sync_finished and self.unsynced_group() is None:
             return
         if self.timeline is not None:
             self.timeline.record(BACKWARD_END_GROUP_ID, "backward_end")
@@ -420,6 +425,7 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
         if self.ddp_config.error_on_unused_params:
             self._raise_on_unused_params()
         self._grads.expose()
+        self._sync_finished = True
 
     def unsynced_group(self) -> BucketGroup | None:
         """A bucket group whose grads are not this iteration's reduced grads (its sync is not
@@ -458,6 +464,7 @@ class DistributedDataParallel(CommHookMethods, nn.Module):
             group.is_last_microbatch = self._backward_sync.require_sync or self._reduce_each
         self._grads.clear()
         self._backward_sync.queued = False
+        self._sync_finished = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Same as zero_grad_buffer(): grads live in the buffers, see [Note: grad accumulation
