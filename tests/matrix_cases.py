@@ -14,15 +14,18 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from dist_pool import run_each
 from moe_cases import CFG, groups, reference_name
+from torch import nn
 
 import megabuf
 from megabuf.comm_hooks import LocalSGD, PeriodicAverager
+from megabuf.pipeline import default_schedule_hooks, get_forward_backward_func, wrap_model_chunks
 from megabuf.replicas import is_expert_parallel
 from megabuf.testing.moe import MoEModel, moe_batch
 
@@ -224,10 +227,96 @@ def groups_finished_in_backward_case() -> dict[str, Any]:
     return {"raised": None, "all_synced": all_synced, "fired": bool(fired)}
 
 
+# ---- pp 2 x ep 2 on 4 ranks: dp 2 per stage, expert dp 1 -------------------------------------
+class MoEStage(nn.Module):
+    """One of two pipeline stages of MoEModel: stage 0 the in-projection and the MoE layer
+    (experts spread over ep), stage 1 the head (input via set_input_tensor)."""
+
+    def __init__(self, whole: MoEModel, first: bool) -> None:
+        super().__init__()
+        self.first = first
+        self.embed = whole.embed if first else None
+        self.moe = whole.moe if first else None
+        self.head = None if first else whole.head
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        self.input_tensor = tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None and self.moe is not None:
+            h = torch.tanh(self.embed(x))
+            return h + self.moe(h)
+        if self.head is None or self.input_tensor is None:
+            raise ValueError("MoEStage: the second stage needs set_input_tensor()")
+        return self.head(self.input_tensor)
+
+
+def _pp_forward_step(batches: Any, data_iterator: Any, model: Any) -> Any:
+    x, y = next(data_iterator)
+
+    def loss_func(out: torch.Tensor) -> Any:
+        loss = ((out - y) ** 2).mean(dim=1).mean()
+        return loss, {"loss": loss.detach()}
+
+    return model(x), loss_func
+
+
+def pp_ep_case(strategy: str) -> dict[str, Any]:
+    """1F1B over 2 stages x ep 2 (experts on stage 0), 3 micro-batches, overlap: two clipped
+    SGD steps vs the whole MoEModel on the global batch (norm over both stages, the expert
+    part over ep; params of both stages)."""
+    pgs = groups(pp_size=2, ep_size=2)
+    whole = MoEModel(CFG, ep_group=pgs.ep, seed=3)
+    stage = MoEStage(whole, first=pgs.pp_rank == 0)
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size=64, **STRATEGIES[strategy]
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (model,) = wrap_model_chunks([stage], cfg, pgs)
+    if stage.moe is not None:
+        stage.moe.collectives = model.collectives
+    opt_cfg = megabuf.OptimizerConfig(optimizer="sgd", lr=LR, sgd_momentum=0.0, clip_grad=CLIP)
+    opt = megabuf.build_optimizer([model], opt_cfg)
+    ref = MoEModel(CFG, seed=3)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    n = BATCH // pgs.dp_size
+    k = n // MICRO
+    norms = []
+    for step in (1, 2):
+        opt.zero_grad()
+        x, y = moe_batch(CFG, BATCH, seed=100 + step)
+        mine = [(x[pgs.dp_rank * n + i * k :][:k], y[pgs.dp_rank * n + i * k :][:k])
+                for i in range(MICRO)]  # fmt: skip
+        get_forward_backward_func(2, 1)(
+            forward_step_func=partial(_pp_forward_step, None),
+            data_iterator=iter(mine), model=model, num_microbatches=MICRO,
+            tensor_shape=(k, CFG.d_model), hooks=default_schedule_hooks([model]),
+        )  # fmt: skip
+        ok, norm, _ = opt.step()
+        ref_opt.zero_grad()
+        ((ref(x) - y) ** 2).mean(dim=1).mean().backward()
+        want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))
+        ref_opt.step()
+        norms.append({"ok": ok, "got": norm, "want": want})
+    ep_rank, n_local = dist.get_rank(pgs.ep), CFG.num_experts // pgs_ep_size(pgs)
+    with model.summon_full_params():
+        errors = {
+            reference_name(name, ep_rank, n_local): (
+                p.detach() - ref.get_parameter(reference_name(name, ep_rank, n_local))
+            ).abs().max().item()
+            for name, p in stage.named_parameters()
+        }  # fmt: skip
+    return {"norms": norms, "errors": errors, "pp_rank": pgs.pp_rank,
+            "expt_dp_size": dist.get_world_size(pgs.expt_dp), "dp_size": pgs.dp_size}  # fmt: skip
+
+
 def run_ep() -> dict[str, Any]:
     cases: dict[str, tuple[Any, ...]] = {
         f"{s}_ep{ep}": (nan_then_clip_case, s, ep) for ep in (1, 2) for s in STRATEGIES
     }
     cases["averager_ep2"] = (averager_case,)
     cases["groups_finished_in_backward"] = (groups_finished_in_backward_case,)
+    cases |= {f"{s}_pp2_ep2": (pp_ep_case, s) for s in STRATEGIES}
     return run_each(cases)

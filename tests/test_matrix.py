@@ -86,3 +86,25 @@ def test_finish_grad_sync_agrees_even_when_backward_finished_every_group(results
     for rank, res in enumerate(case_result(results, "groups_finished_in_backward")):
         assert res["all_synced"] and res["fired"] == (rank == BAD_RANK), (rank, res)
         assert res["raised"] is not None and f"on rank(s) [{BAD_RANK}]" in res["raised"], res
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_pipeline_with_experts_clipped_steps_match_the_whole_model(
+    results: Any, strategy: str
+) -> None:
+    """Claim: pp 2 x ep 2 on 4 ranks (experts on stage 0, dp 2 per stage, expert dp 1 != dp):
+    1F1B with 3 micro-batches and overlap, then a clipped SGD step, gives on every rank the
+    grad norm of the whole model (both stages, the expert part over ep) and the whole model's
+    params on both stages, under every strategy."""
+    per_rank = case_result(results, f"{strategy}_pp2_ep2")
+    for rank, res in enumerate(per_rank):
+        assert (res["dp_size"], res["expt_dp_size"]) == (2, 1), res
+        for step, norm in enumerate(res["norms"]):
+            assert norm["ok"] and norm["want"] > 10 * 0.05, (rank, step, norm)
+            assert abs(norm["got"] - norm["want"]) <= 1e-5 * norm["want"], (rank, step, norm)
+            assert norm["got"] == per_rank[0]["norms"][step]["got"], (rank, step)
+        worst = max(res["errors"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-6, (strategy, rank, worst)
+    assert [r["pp_rank"] for r in per_rank] == [0, 0, 1, 1]
+    covered = set().union(*(res["errors"] for res in per_rank))
+    assert len(covered) == 5 + 4 * 4, sorted(covered)
