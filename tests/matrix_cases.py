@@ -25,6 +25,7 @@ from torch import nn
 
 import megabuf
 from megabuf.comm_hooks import LocalSGD, PeriodicAverager
+from megabuf.optimizer.grad_scaler import DynamicGradScaler
 from megabuf.pipeline import default_schedule_hooks, get_forward_backward_func, wrap_model_chunks
 from megabuf.replicas import is_expert_parallel
 from megabuf.testing.moe import MoEModel, moe_batch
@@ -52,27 +53,44 @@ def _bad_param(ep: int) -> str:
     return "moe.experts.0.fc1.weight" if ep > 1 else "head.weight"
 
 
-def _build(strategy: str, ep: int) -> tuple[megabuf.DistributedDataParallel, Any]:
+def _build(
+    strategy: str, ep: int, scaler: bool = False
+) -> tuple[megabuf.DistributedDataParallel, Any]:
+    """The MoE model under `strategy` with clipped SGD: built from the config, or with
+    `scaler` (and no NaN check) the optimizer class by hand with a DynamicGradScaler."""
     pgs = groups(ep_size=ep)
     net = MoEModel(CFG, ep_group=pgs.ep, seed=3)
     cfg = megabuf.DistributedDataParallelConfig(
-        overlap_grad_reduce=True, bucket_size=64, check_for_nan_in_grad=True,
+        overlap_grad_reduce=True, bucket_size=64, check_for_nan_in_grad=not scaler,
         **STRATEGIES[strategy],
     )  # fmt: skip
     with warnings.catch_warnings():  # ZeRO-3's one-unit warning: the model is one unit
         warnings.simplefilter("ignore")
         model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
     net.moe.collectives = model.collectives
+    if scaler:
+        cls = megabuf.MixedPrecisionOptimizer if strategy == "no_shard" else None
+        grad_scaler = DynamicGradScaler(SCALE, hysteresis=1, growth_interval=2)
+        opt = (cls or megabuf.DistributedOptimizer)(
+            model, torch.optim.SGD, lr=LR, clip_grad=CLIP, grad_scaler=grad_scaler
+        )
+        return model, opt
     opt_cfg = megabuf.OptimizerConfig(optimizer="sgd", lr=LR, sgd_momentum=0.0, clip_grad=CLIP)
     return model, megabuf.build_optimizer(model, opt_cfg)
 
 
 def _micro_batches(
-    model: megabuf.DistributedDataParallel, step: int, poison: str | None, fired: list[int]
+    model: megabuf.DistributedDataParallel,
+    step: int,
+    poison: str | None,
+    fired: list[int],
+    opt: Any = None,
+    bad: float = math.nan,
 ) -> None:
     """This rank's rows of the global batch of `step` in MICRO micro-batches (all but the last
     under no_sync). With `poison`, rank BAD_RANK's micro-batch BAD_MICRO gives that param a NaN
-    grad (a tensor hook: before the grad reaches megabuf), noted in `fired`."""
+    grad (a tensor hook: before the grad reaches megabuf), noted in `fired`; `bad` is NaN or
+    inf. With `opt`, the loss is scaled by its loss scale."""
     pgs = model.process_groups
     x, y = moe_batch(CFG, BATCH, seed=100 + step)
     n = BATCH // pgs.dp_size
@@ -82,11 +100,13 @@ def _micro_batches(
         handle = None
         if poison is not None and i == BAD_MICRO and dist.get_rank() == BAD_RANK:
             param = model.module.get_parameter(poison)
-            handle = param.register_hook(lambda g: fired.append(1) or torch.full_like(g, math.nan))
+            handle = param.register_hook(lambda g: fired.append(1) or torch.full_like(g, bad))
         try:
             with model.no_sync() if i < MICRO - 1 else contextlib.nullcontext():
                 loss = ((model(x[rows]) - y[rows]) ** 2).mean(dim=1).mean() / MICRO
-                loss.backward()  # the last one ends with the grad sync (and the NaN check)
+                (
+                    loss if opt is None else opt.scale_loss(loss)
+                ).backward()  # the last one ends with the grad sync (and the NaN check)
         finally:
             if handle is not None:
                 handle.remove()
@@ -118,17 +138,48 @@ def nan_then_clip_case(strategy: str, ep: int) -> dict[str, Any]:
         want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))
         ref_opt.step()
         norms.append({"ok": ok, "got": norm, "want": want})
+    errors = _param_errors(model, ref)
+    return {"raised": raised, "fired": bool(fired), "norms": norms, "errors": errors,
+            "optimizer": type(opt).__name__}  # fmt: skip
+
+
+SCALE = 1024.0
+
+
+def scaler_case(strategy: str) -> dict[str, Any]:
+    """Dynamic loss scaling at ep 2: iteration 0 puts an inf in one expert's grad on rank 1,
+    micro-batch 1 only (experts on ranks 0 and 2 never see it: their expert dp is {0,2}); the
+    step must be skipped on every rank and the scale halved. Two clean steps then grow it back
+    (growth_interval 2) and match the whole model stepped on them only (unscaled, clipped)."""
+    model, opt = _build(strategy, 2, scaler=True)
+    ref = MoEModel(CFG, seed=3)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    steps, fired = [], []
+    for step in range(3):
+        opt.zero_grad()
+        _micro_batches(model, step, _bad_param(2) if step == 0 else None, fired, opt, math.inf)
+        ok, norm, _ = opt.step()
+        want = None
+        if step > 0:
+            ref_opt.zero_grad()
+            x, y = moe_batch(CFG, BATCH, seed=100 + step)
+            ((ref(x) - y) ** 2).mean(dim=1).mean().backward()
+            want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))
+            ref_opt.step()
+        steps.append({"ok": ok, "got": norm, "want": want, "scale": float(opt.get_loss_scale())})
+    return {"steps": steps, "fired": bool(fired), "errors": _param_errors(model, ref)}
+
+
+def _param_errors(model: megabuf.DistributedDataParallel, ref: MoEModel) -> dict[str, float]:
     pgs = model.process_groups
     ep_rank, n_local = dist.get_rank(pgs.ep), CFG.num_experts // pgs_ep_size(pgs)
     with model.summon_full_params():
-        errors = {
+        return {
             reference_name(name, ep_rank, n_local): (
                 p.detach() - ref.get_parameter(reference_name(name, ep_rank, n_local))
             ).abs().max().item()
             for name, p in model.module.named_parameters()
         }  # fmt: skip
-    return {"raised": raised, "fired": bool(fired), "norms": norms, "errors": errors,
-            "optimizer": type(opt).__name__}  # fmt: skip
 
 
 def pgs_ep_size(pgs: megabuf.ProcessGroups) -> int:
@@ -316,6 +367,7 @@ def run_ep() -> dict[str, Any]:
     cases: dict[str, tuple[Any, ...]] = {
         f"{s}_ep{ep}": (nan_then_clip_case, s, ep) for ep in (1, 2) for s in STRATEGIES
     }
+    cases |= {f"scaler_{s}_ep2": (scaler_case, s) for s in STRATEGIES}
     cases["averager_ep2"] = (averager_case,)
     cases["groups_finished_in_backward"] = (groups_finished_in_backward_case,)
     cases |= {f"{s}_pp2_ep2": (pp_ep_case, s) for s in STRATEGIES}

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from dist_pool import case_result
-from matrix_cases import BAD_RANK, STRATEGIES, _bad_param, run_ep
+from matrix_cases import BAD_RANK, SCALE, STRATEGIES, _bad_param, run_ep
 
 OPTIMIZER = {"no_shard": "FP32Optimizer"}  # every sharded strategy: the distributed optimizer
 
@@ -108,3 +108,24 @@ def test_pipeline_with_experts_clipped_steps_match_the_whole_model(
     assert [r["pp_rank"] for r in per_rank] == [0, 0, 1, 1]
     covered = set().union(*(res["errors"] for res in per_rank))
     assert len(covered) == 5 + 4 * 4, sorted(covered)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_inf_in_one_expert_on_one_rank_skips_the_scaled_step_everywhere(
+    results: Any, strategy: str
+) -> None:
+    """Claim: with a DynamicGradScaler at ep 2, an inf that only rank 1 made, in one expert and
+    one micro-batch (so after the expert-dp reduction only ranks 1 and 3 hold it), skips the
+    step on every rank and halves the scale; the clean steps then unscale, clip by the whole
+    model's norm and grow the scale back, and the params equal the whole model stepped on the
+    clean steps only."""
+    per_rank = case_result(results, f"scaler_{strategy}_ep2")
+    for rank, res in enumerate(per_rank):
+        assert res["fired"] == (rank == BAD_RANK), (rank, res["fired"])
+        first, *clean = res["steps"]
+        assert not first["ok"] and first["scale"] == SCALE / 2, (rank, first)
+        assert [s["scale"] for s in clean] == [SCALE / 2, SCALE], (rank, clean)
+        for s in clean:
+            assert s["ok"] and abs(s["got"] - s["want"]) <= 1e-5 * s["want"], (rank, s)
+        worst = max(res["errors"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-6, (strategy, rank, worst)
