@@ -24,7 +24,7 @@ from moe_cases import CFG, groups, reference_name
 from torch import nn
 
 import megabuf
-from megabuf.comm_hooks import LocalSGD, PeriodicAverager
+from megabuf.comm_hooks import LocalSGD, PeriodicAverager, Reduce
 from megabuf.optimizer.grad_scaler import DynamicGradScaler
 from megabuf.pipeline import default_schedule_hooks, get_forward_backward_func, wrap_model_chunks
 from megabuf.replicas import is_expert_parallel
@@ -112,12 +112,15 @@ def _micro_batches(
                 handle.remove()
 
 
-def nan_then_clip_case(strategy: str, ep: int) -> dict[str, Any]:
+def nan_then_clip_case(strategy: str, ep: int, hook: bool = False) -> dict[str, Any]:
     """Iteration 0: a NaN in one param's grad on rank 1, micro-batch 1 only; finish_grad_sync
     (at the end of backward) must raise on every rank naming rank 1 and that param. Then two
     clean iterations of clipped SGD: the optimizer's grad norm and the params vs the whole
-    model's clip_grad_norm_ and SGD step on the global batch."""
+    model's clip_grad_norm_ and SGD step on the global batch. With `hook`, Reduce() (the
+    engine's reduction as a comm hook) on every buffer."""
     model, opt = _build(strategy, ep)
+    if hook:  # every bucket through the comm-hook path, each over its own group
+        model.register_comm_hook(Reduce())
     opt.zero_grad()
     raised, fired = None, []
     try:
@@ -313,11 +316,11 @@ def _pp_forward_step(batches: Any, data_iterator: Any, model: Any) -> Any:
     return model(x), loss_func
 
 
-def pp_ep_case(strategy: str) -> dict[str, Any]:
-    """1F1B over 2 stages x ep 2 (experts on stage 0), 3 micro-batches, overlap: two clipped
+def pp_ep_case(strategy: str, ep: int) -> dict[str, Any]:
+    """1F1B over 2 stages x ep `ep` (experts on stage 0), 3 micro-batches, overlap: two clipped
     SGD steps vs the whole MoEModel on the global batch (norm over both stages, the expert
     part over ep; params of both stages)."""
-    pgs = groups(pp_size=2, ep_size=2)
+    pgs = groups(pp_size=2, ep_size=ep)
     whole = MoEModel(CFG, ep_group=pgs.ep, seed=3)
     stage = MoEStage(whole, first=pgs.pp_rank == 0)
     cfg = megabuf.DistributedDataParallelConfig(
@@ -363,12 +366,24 @@ def pp_ep_case(strategy: str) -> dict[str, Any]:
             "expt_dp_size": dist.get_world_size(pgs.expt_dp), "dp_size": pgs.dp_size}  # fmt: skip
 
 
+NAN_CASES = [(s, ep, False) for ep in (1, 2) for s in STRATEGIES]
+NAN_CASES += [(s, 2, True) for s in STRATEGIES]
+
+
+def nan_case_name(strategy: str, ep: int, hook: bool) -> str:
+    return f"{strategy}_ep{ep}{'_reduce_hook' if hook else ''}"
+
+
 def run_ep() -> dict[str, Any]:
+    return run_each(all_cases())
+
+
+def all_cases() -> dict[str, tuple[Any, ...]]:
     cases: dict[str, tuple[Any, ...]] = {
-        f"{s}_ep{ep}": (nan_then_clip_case, s, ep) for ep in (1, 2) for s in STRATEGIES
+        nan_case_name(*c): (nan_then_clip_case, *c) for c in NAN_CASES
     }
     cases |= {f"scaler_{s}_ep2": (scaler_case, s) for s in STRATEGIES}
     cases["averager_ep2"] = (averager_case,)
     cases["groups_finished_in_backward"] = (groups_finished_in_backward_case,)
-    cases |= {f"{s}_pp2_ep2": (pp_ep_case, s) for s in STRATEGIES}
-    return run_each(cases)
+    cases |= {f"{s}_pp2_ep{ep}": (pp_ep_case, s, ep) for s in STRATEGIES for ep in (1, 2)}
+    return cases

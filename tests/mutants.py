@@ -272,6 +272,14 @@ MUTANTS = (
         "        k = act.index\n",
         ("tests/test_pipeline.py",),
     ),
+    Mutant(
+        "deferred-skips-microbatch-reduction",
+        "reduce_each_microbatch: a no_sync backward reduces its micro-batch even when deferred",
+        "megabuf/backward_sync.py",
+        "        return self.every_backward\n",
+        "        return self.every_backward and not self.defer_depth\n",
+        ("tests/test_matrix.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")

@@ -8,7 +8,15 @@ from typing import Any
 
 import pytest
 from dist_pool import case_result
-from matrix_cases import BAD_RANK, SCALE, STRATEGIES, _bad_param, run_ep
+from matrix_cases import (
+    BAD_RANK,
+    NAN_CASES,
+    SCALE,
+    STRATEGIES,
+    _bad_param,
+    nan_case_name,
+    run_ep,
+)
 
 OPTIMIZER = {"no_shard": "FP32Optimizer"}  # every sharded strategy: the distributed optimizer
 
@@ -18,10 +26,9 @@ def results(pools: Any) -> list[dict[str, Any]]:
     return pools(4).run(run_ep)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize(("strategy", "ep", "hook"), NAN_CASES)
 def test_nan_in_one_micro_batch_of_one_rank_raises_on_every_rank_naming_it(
-    results: Any, strategy: str, ep: int
+    results: Any, strategy: str, ep: int, hook: bool
 ) -> None:
     """Claim: check_for_nan_in_grad sees a NaN that only rank 1 made, only in micro-batch 1 of 3
     (under no_sync, so later micro-batches add clean grads on top or, with
@@ -31,7 +38,7 @@ def test_nan_in_one_micro_batch_of_one_rank_raises_on_every_rank_naming_it(
     as its own. An agreement over expert dp, or flags kept from the last micro-batch only,
     leaves some rank (or every rank) without the error."""
     bad = _bad_param(ep)
-    for rank, res in enumerate(case_result(results, f"{strategy}_ep{ep}")):
+    for rank, res in enumerate(case_result(results, nan_case_name(strategy, ep, hook))):
         assert res["fired"] == (rank == BAD_RANK), (rank, res["fired"])
         msg = res["raised"]
         assert msg is not None, f"{strategy} ep{ep}: rank {rank} did not raise"
@@ -41,17 +48,16 @@ def test_nan_in_one_micro_batch_of_one_rank_raises_on_every_rank_naming_it(
         assert own == (bad if rank == BAD_RANK else "none"), (rank, msg)
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize(("strategy", "ep", "hook"), NAN_CASES)
 def test_after_the_nan_clipped_steps_match_the_whole_model(
-    results: Any, strategy: str, ep: int
+    results: Any, strategy: str, ep: int, hook: bool
 ) -> None:
     """Claim: after the NaN iteration was refused, two clean iterations of 3 micro-batches and a
     clipped SGD step give the grad norm of torch's clip_grad_norm_ over the whole model (the
     expert part summed over ep, each shard counted once over expert dp) and the whole model's
     params, dense and expert, under every strategy (ZeRO-3: expert shards cut by the expert-dp
-    rank)."""
-    per_rank = case_result(results, f"{strategy}_ep{ep}")
+    rank). With the Reduce() comm hook on every buffer (ep 2) the same."""
+    per_rank = case_result(results, nan_case_name(strategy, ep, hook))
     for rank, res in enumerate(per_rank):
         assert res["optimizer"] == OPTIMIZER.get(strategy, "DistributedOptimizer"), res
         for step, norm in enumerate(res["norms"]):
@@ -88,17 +94,18 @@ def test_finish_grad_sync_agrees_even_when_backward_finished_every_group(results
         assert res["raised"] is not None and f"on rank(s) [{BAD_RANK}]" in res["raised"], res
 
 
+@pytest.mark.parametrize("ep", [1, 2])
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_pipeline_with_experts_clipped_steps_match_the_whole_model(
-    results: Any, strategy: str
+    results: Any, strategy: str, ep: int
 ) -> None:
-    """Claim: pp 2 x ep 2 on 4 ranks (experts on stage 0, dp 2 per stage, expert dp 1 != dp):
-    1F1B with 3 micro-batches and overlap, then a clipped SGD step, gives on every rank the
-    grad norm of the whole model (both stages, the expert part over ep) and the whole model's
-    params on both stages, under every strategy."""
-    per_rank = case_result(results, f"{strategy}_pp2_ep2")
+    """Claim: pp 2 on 4 ranks (dp 2 per stage; experts on stage 0, at ep 2 over expert dp 1 !=
+    dp): 1F1B with 3 micro-batches and overlap, then a clipped SGD step, gives on every rank
+    the grad norm of the whole model (both stages, the expert part over ep) and the whole
+    model's params on both stages, under every strategy."""
+    per_rank = case_result(results, f"{strategy}_pp2_ep{ep}")
     for rank, res in enumerate(per_rank):
-        assert (res["dp_size"], res["expt_dp_size"]) == (2, 1), res
+        assert (res["dp_size"], res["expt_dp_size"]) == (2, 2 // ep), res
         for step, norm in enumerate(res["norms"]):
             assert norm["ok"] and norm["want"] > 10 * 0.05, (rank, step, norm)
             assert abs(norm["got"] - norm["want"]) <= 1e-5 * norm["want"], (rank, step, norm)
