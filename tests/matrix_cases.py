@@ -149,18 +149,18 @@ def nan_then_clip_case(strategy: str, ep: int, hook: bool = False) -> dict[str, 
 SCALE = 1024.0
 
 
-def scaler_case(strategy: str) -> dict[str, Any]:
-    """Dynamic loss scaling at ep 2: iteration 0 puts an inf in one expert's grad on rank 1,
-    micro-batch 1 only (experts on ranks 0 and 2 never see it: their expert dp is {0,2}); the
+def scaler_case(strategy: str, ep: int) -> dict[str, Any]:
+    """Dynamic loss scaling: iteration 0 puts an inf in one param's grad on rank 1, micro-batch
+    1 only (at ep 2 one expert's: ranks 0 and 2 never see it, their expert dp is {0,2}); the
     step must be skipped on every rank and the scale halved. Two clean steps then grow it back
     (growth_interval 2) and match the whole model stepped on them only (unscaled, clipped)."""
-    model, opt = _build(strategy, 2, scaler=True)
+    model, opt = _build(strategy, ep, scaler=True)
     ref = MoEModel(CFG, seed=3)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     steps, fired = [], []
     for step in range(3):
         opt.zero_grad()
-        _micro_batches(model, step, _bad_param(2) if step == 0 else None, fired, opt, math.inf)
+        _micro_batches(model, step, _bad_param(ep) if step == 0 else None, fired, opt, math.inf)
         ok, norm, _ = opt.step()
         want = None
         if step > 0:
@@ -367,7 +367,7 @@ def pp_ep_case(strategy: str, ep: int) -> dict[str, Any]:
 
 
 NAN_CASES = [(s, ep, False) for ep in (1, 2) for s in STRATEGIES]
-NAN_CASES += [(s, 2, True) for s in STRATEGIES]
+NAN_CASES += [(s, ep, True) for ep in (1, 2) for s in STRATEGIES]
 
 
 def nan_case_name(strategy: str, ep: int, hook: bool) -> str:
@@ -382,7 +382,7 @@ def all_cases() -> dict[str, tuple[Any, ...]]:
     cases: dict[str, tuple[Any, ...]] = {
         nan_case_name(*c): (nan_then_clip_case, *c) for c in NAN_CASES
     }
-    cases |= {f"scaler_{s}_ep2": (scaler_case, s) for s in STRATEGIES}
+    cases |= {f"scaler_{s}_ep{ep}": (scaler_case, s, ep) for s in STRATEGIES for ep in (1, 2)}
     cases["averager_ep2"] = (averager_case,)
     cases["groups_finished_in_backward"] = (groups_finished_in_backward_case,)
     cases |= {f"{s}_pp2_ep{ep}": (pp_ep_case, s, ep) for s in STRATEGIES for ep in (1, 2)}

@@ -56,7 +56,7 @@ def test_after_the_nan_clipped_steps_match_the_whole_model(
     clipped SGD step give the grad norm of torch's clip_grad_norm_ over the whole model (the
     expert part summed over ep, each shard counted once over expert dp) and the whole model's
     params, dense and expert, under every strategy (ZeRO-3: expert shards cut by the expert-dp
-    rank). With the Reduce() comm hook on every buffer (ep 2) the same."""
+    rank). With the Reduce() comm hook on every buffer the same."""
     per_rank = case_result(results, nan_case_name(strategy, ep, hook))
     for rank, res in enumerate(per_rank):
         assert res["optimizer"] == OPTIMIZER.get(strategy, "DistributedOptimizer"), res
@@ -117,16 +117,17 @@ def test_pipeline_with_experts_clipped_steps_match_the_whole_model(
     assert len(covered) == 5 + 4 * 4, sorted(covered)
 
 
+@pytest.mark.parametrize("ep", [1, 2])
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_inf_in_one_expert_on_one_rank_skips_the_scaled_step_everywhere(
-    results: Any, strategy: str
+    results: Any, strategy: str, ep: int
 ) -> None:
     """Claim: with a DynamicGradScaler at ep 2, an inf that only rank 1 made, in one expert and
     one micro-batch (so after the expert-dp reduction only ranks 1 and 3 hold it), skips the
     step on every rank and halves the scale; the clean steps then unscale, clip by the whole
     model's norm and grow the scale back, and the params equal the whole model stepped on the
-    clean steps only."""
-    per_rank = case_result(results, f"scaler_{strategy}_ep2")
+    clean steps only. At ep 1 the inf is in a dense param (dp 4)."""
+    per_rank = case_result(results, f"scaler_{strategy}_ep{ep}")
     for rank, res in enumerate(per_rank):
         assert res["fired"] == (rank == BAD_RANK), (rank, res["fired"])
         first, *clean = res["steps"]
