@@ -306,20 +306,37 @@ class MoEStage(nn.Module):
         return self.head(self.input_tensor)
 
 
-def _pp_forward_step(batches: Any, data_iterator: Any, model: Any) -> Any:
+def _pp_forward_step(how: Any, data_iterator: Any, model: Any) -> Any:
+    """`how`: (optimizer whose loss scale applies or None, poison this rank's micro-batch 1,
+    list noting that the inf was made)."""
+    opt, poison, fired = how
     x, y = next(data_iterator)
+    out = model(x)
+    fired.append(0)  # one entry per forward: micro-batch len(fired) - 1
+    if poison and len(fired) == 2:  # micro-batch 1: an inf in the head's grad, once
+        weight = model.module.head.weight
+        handles = []
+
+        def make_inf(g: torch.Tensor) -> torch.Tensor:
+            handles.pop().remove()
+            fired.append(1)
+            return torch.full_like(g, math.inf)
+
+        handles.append(weight.register_hook(make_inf))
 
     def loss_func(out: torch.Tensor) -> Any:
         loss = ((out - y) ** 2).mean(dim=1).mean()
-        return loss, {"loss": loss.detach()}
+        return (loss if opt is None else opt.scale_loss(loss)), {"loss": loss.detach()}
 
-    return model(x), loss_func
+    return out, loss_func
 
 
-def pp_ep_case(strategy: str, ep: int) -> dict[str, Any]:
+def pp_ep_case(strategy: str, ep: int, scaler: bool = False) -> dict[str, Any]:
     """1F1B over 2 stages x ep `ep` (experts on stage 0), 3 micro-batches, overlap: two clipped
     SGD steps vs the whole MoEModel on the global batch (norm over both stages, the expert
-    part over ep; params of both stages)."""
+    part over ep; params of both stages). With `scaler`, a DynamicGradScaler and first an
+    iteration with an inf on stage 1 only (rank 2, micro-batch 1), which every rank of both
+    stages must skip."""
     pgs = groups(pp_size=2, ep_size=ep)
     whole = MoEModel(CFG, ep_group=pgs.ep, seed=3)
     stage = MoEStage(whole, first=pgs.pp_rank == 0)
@@ -331,29 +348,33 @@ def pp_ep_case(strategy: str, ep: int) -> dict[str, Any]:
         (model,) = wrap_model_chunks([stage], cfg, pgs)
     if stage.moe is not None:
         stage.moe.collectives = model.collectives
-    opt_cfg = megabuf.OptimizerConfig(optimizer="sgd", lr=LR, sgd_momentum=0.0, clip_grad=CLIP)
-    opt = megabuf.build_optimizer([model], opt_cfg)
+    opt = _pp_optimizer(model, strategy, scaler)
     ref = MoEModel(CFG, seed=3)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     n = BATCH // pgs.dp_size
     k = n // MICRO
-    norms = []
-    for step in (1, 2):
+    norms, fired = [], []
+    for step in (0, 1, 2) if scaler else (1, 2):
         opt.zero_grad()
         x, y = moe_batch(CFG, BATCH, seed=100 + step)
         mine = [(x[pgs.dp_rank * n + i * k :][:k], y[pgs.dp_rank * n + i * k :][:k])
                 for i in range(MICRO)]  # fmt: skip
+        poison = step == 0 and dist.get_rank() == 2  # stage 1, the head
+        fired = [f for f in fired if f == 1]
         get_forward_backward_func(2, 1)(
-            forward_step_func=partial(_pp_forward_step, None),
+            forward_step_func=partial(_pp_forward_step, (opt if scaler else None, poison, fired)),
             data_iterator=iter(mine), model=model, num_microbatches=MICRO,
             tensor_shape=(k, CFG.d_model), hooks=default_schedule_hooks([model]),
         )  # fmt: skip
         ok, norm, _ = opt.step()
-        ref_opt.zero_grad()
-        ((ref(x) - y) ** 2).mean(dim=1).mean().backward()
-        want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))
-        ref_opt.step()
-        norms.append({"ok": ok, "got": norm, "want": want})
+        want = None
+        if step > 0:
+            ref_opt.zero_grad()
+            ((ref(x) - y) ** 2).mean(dim=1).mean().backward()
+            want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))
+            ref_opt.step()
+        scale = float(opt.get_loss_scale()) if scaler else None
+        norms.append({"ok": ok, "got": norm, "want": want, "scale": scale})
     ep_rank, n_local = dist.get_rank(pgs.ep), CFG.num_experts // pgs_ep_size(pgs)
     with model.summon_full_params():
         errors = {
@@ -362,8 +383,19 @@ def pp_ep_case(strategy: str, ep: int) -> dict[str, Any]:
             ).abs().max().item()
             for name, p in stage.named_parameters()
         }  # fmt: skip
-    return {"norms": norms, "errors": errors, "pp_rank": pgs.pp_rank,
+    return {"norms": norms, "errors": errors, "pp_rank": pgs.pp_rank, "fired": 1 in fired,
             "expt_dp_size": dist.get_world_size(pgs.expt_dp), "dp_size": pgs.dp_size}  # fmt: skip
+
+
+def _pp_optimizer(model: megabuf.DistributedDataParallel, strategy: str, scaler: bool) -> Any:
+    if not scaler:
+        sgd = megabuf.OptimizerConfig(optimizer="sgd", lr=LR, sgd_momentum=0.0, clip_grad=CLIP)
+        return megabuf.build_optimizer([model], sgd)
+    cls = megabuf.MixedPrecisionOptimizer if strategy == "no_shard" else None
+    grad_scaler = DynamicGradScaler(SCALE, hysteresis=1, growth_interval=2)
+    return (cls or megabuf.DistributedOptimizer)(
+        [model], torch.optim.SGD, lr=LR, clip_grad=CLIP, grad_scaler=grad_scaler
+    )
 
 
 NAN_CASES = [(s, ep, False) for ep in (1, 2) for s in STRATEGIES]
@@ -386,4 +418,7 @@ def all_cases() -> dict[str, tuple[Any, ...]]:
     cases["averager_ep2"] = (averager_case,)
     cases["groups_finished_in_backward"] = (groups_finished_in_backward_case,)
     cases |= {f"{s}_pp2_ep{ep}": (pp_ep_case, s, ep) for s in STRATEGIES for ep in (1, 2)}
+    cases |= {
+        f"scaler_{s}_pp2_ep{ep}": (pp_ep_case, s, ep, True) for s in STRATEGIES for ep in (1, 2)
+    }
     return cases

@@ -137,3 +137,24 @@ def test_inf_in_one_expert_on_one_rank_skips_the_scaled_step_everywhere(
             assert s["ok"] and abs(s["got"] - s["want"]) <= 1e-5 * s["want"], (rank, s)
         worst = max(res["errors"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-6, (strategy, rank, worst)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_inf_on_one_pipeline_stage_skips_the_step_on_both(
+    results: Any, strategy: str, ep: int
+) -> None:
+    """Claim: pp 2 (x ep 2) with a DynamicGradScaler: an inf in the head's grad on rank 2 only
+    (stage 1, micro-batch 1 of 3) skips the step on every rank of both stages (the found-inf
+    flag is reduced over dp and pp) and halves the scale there too; the clean steps then match
+    the whole model's."""
+    per_rank = case_result(results, f"scaler_{strategy}_pp2_ep{ep}")
+    for rank, res in enumerate(per_rank):
+        assert res["fired"] == (rank == 2), (rank, res["fired"])
+        first, *clean = res["norms"]
+        assert not first["ok"] and first["scale"] == SCALE / 2, (rank, first)
+        assert [s["scale"] for s in clean] == [SCALE / 2, SCALE], (rank, clean)
+        for s in clean:
+            assert s["ok"] and abs(s["got"] - s["want"]) <= 1e-5 * s["want"], (rank, s)
+        worst = max(res["errors"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-6, (strategy, rank, worst)
