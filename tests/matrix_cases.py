@@ -331,12 +331,12 @@ def _pp_forward_step(how: Any, data_iterator: Any, model: Any) -> Any:
     return out, loss_func
 
 
-def pp_ep_case(strategy: str, ep: int, scaler: bool = False) -> dict[str, Any]:
+def pp_ep_case(strategy: str, ep: int, scaler: bool = False, hook: bool = False) -> dict[str, Any]:
     """1F1B over 2 stages x ep `ep` (experts on stage 0), 3 micro-batches, overlap: two clipped
     SGD steps vs the whole MoEModel on the global batch (norm over both stages, the expert
     part over ep; params of both stages). With `scaler`, a DynamicGradScaler and first an
     iteration with an inf on stage 1 only (rank 2, micro-batch 1), which every rank of both
-    stages must skip."""
+    stages must skip. With `hook`, Reduce() as the comm hook of every buffer."""
     pgs = groups(pp_size=2, ep_size=ep)
     whole = MoEModel(CFG, ep_group=pgs.ep, seed=3)
     stage = MoEStage(whole, first=pgs.pp_rank == 0)
@@ -348,6 +348,8 @@ def pp_ep_case(strategy: str, ep: int, scaler: bool = False) -> dict[str, Any]:
         (model,) = wrap_model_chunks([stage], cfg, pgs)
     if stage.moe is not None:
         stage.moe.collectives = model.collectives
+    if hook:
+        model.register_comm_hook(Reduce())
     opt = _pp_optimizer(model, strategy, scaler)
     ref = MoEModel(CFG, seed=3)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
@@ -418,6 +420,11 @@ def all_cases() -> dict[str, tuple[Any, ...]]:
     cases["averager_ep2"] = (averager_case,)
     cases["groups_finished_in_backward"] = (groups_finished_in_backward_case,)
     cases |= {f"{s}_pp2_ep{ep}": (pp_ep_case, s, ep) for s in STRATEGIES for ep in (1, 2)}
+    cases |= {
+        f"{s}_pp2_ep{ep}_reduce_hook": (pp_ep_case, s, ep, False, True)
+        for s in STRATEGIES
+        for ep in (1, 2)
+    }
     cases |= {
         f"scaler_{s}_pp2_ep{ep}": (pp_ep_case, s, ep, True) for s in STRATEGIES for ep in (1, 2)
     }

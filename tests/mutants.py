@@ -280,6 +280,14 @@ MUTANTS = (
         "        return self.every_backward and not self.defer_depth\n",
         ("tests/test_matrix.py",),
     ),
+    Mutant(
+        "found-inf-not-over-pp",
+        "a non-finite step is skipped on every pipeline stage (inf flag max-reduced over pp)",
+        "megabuf/optimizer/base.py",
+        "            for group in (self.process_groups.dp, self.process_groups.pp):\n",
+        "            for group in (self.process_groups.dp,):\n",
+        ("tests/test_matrix.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")

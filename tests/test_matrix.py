@@ -94,16 +94,18 @@ def test_finish_grad_sync_agrees_even_when_backward_finished_every_group(results
         assert res["raised"] is not None and f"on rank(s) [{BAD_RANK}]" in res["raised"], res
 
 
+@pytest.mark.parametrize("hook", [False, True])
 @pytest.mark.parametrize("ep", [1, 2])
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_pipeline_with_experts_clipped_steps_match_the_whole_model(
-    results: Any, strategy: str, ep: int
+    results: Any, strategy: str, ep: int, hook: bool
 ) -> None:
     """Claim: pp 2 on 4 ranks (dp 2 per stage; experts on stage 0, at ep 2 over expert dp 1 !=
     dp): 1F1B with 3 micro-batches and overlap, then a clipped SGD step, gives on every rank
     the grad norm of the whole model (both stages, the expert part over ep) and the whole
-    model's params on both stages, under every strategy."""
-    per_rank = case_result(results, f"{strategy}_pp2_ep{ep}")
+    model's params on both stages, under every strategy; also with the Reduce() comm hook on
+    every buffer."""
+    per_rank = case_result(results, f"{strategy}_pp2_ep{ep}{'_reduce_hook' if hook else ''}")
     for rank, res in enumerate(per_rank):
         assert (res["dp_size"], res["expt_dp_size"]) == (2, 2 // ep), res
         for step, norm in enumerate(res["norms"]):
