@@ -175,7 +175,7 @@ def scaler_case(strategy: str, ep: int) -> dict[str, Any]:
 
 def _param_errors(model: megabuf.DistributedDataParallel, ref: MoEModel) -> dict[str, float]:
     pgs = model.process_groups
-    ep_rank, n_local = dist.get_rank(pgs.ep), CFG.num_experts // pgs_ep_size(pgs)
+    ep_rank, n_local = dist.get_rank(pgs.ep), CFG.num_experts // dist.get_world_size(pgs.ep)
     with model.summon_full_params():
         return {
             reference_name(name, ep_rank, n_local): (
@@ -183,10 +183,6 @@ def _param_errors(model: megabuf.DistributedDataParallel, ref: MoEModel) -> dict
             ).abs().max().item()
             for name, p in model.module.named_parameters()
         }  # fmt: skip
-
-
-def pgs_ep_size(pgs: megabuf.ProcessGroups) -> int:
-    return dist.get_world_size(pgs.ep)
 
 
 # ---- LocalSGD's PeriodicAverager at ep 2 -------------------------------------------------------
@@ -377,14 +373,7 @@ def pp_ep_case(strategy: str, ep: int, scaler: bool = False, hook: bool = False)
             ref_opt.step()
         scale = float(opt.get_loss_scale()) if scaler else None
         norms.append({"ok": ok, "got": norm, "want": want, "scale": scale})
-    ep_rank, n_local = dist.get_rank(pgs.ep), CFG.num_experts // pgs_ep_size(pgs)
-    with model.summon_full_params():
-        errors = {
-            reference_name(name, ep_rank, n_local): (
-                p.detach() - ref.get_parameter(reference_name(name, ep_rank, n_local))
-            ).abs().max().item()
-            for name, p in stage.named_parameters()
-        }  # fmt: skip
+    errors = _param_errors(model, ref)
     return {"norms": norms, "errors": errors, "pp_rank": pgs.pp_rank, "fired": 1 in fired,
             "expt_dp_size": dist.get_world_size(pgs.expt_dp), "dp_size": pgs.dp_size}  # fmt: skip
 
