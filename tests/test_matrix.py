@@ -1,6 +1,8 @@
-"""The combination matrix's cells (docs/CLAIMS.md, "Combination matrix") at ep 2 on 4 gloo ranks:
-dp 4, expert dp 2, so a wrong group or a wrong rank within a group changes the result
-(tests/matrix_cases.py). One pool call runs every case."""
+"""The combination matrix's cells (docs/CLAIMS.md, "Combination matrix") on 4 gloo ranks: the NaN
+check, clipping, loss scaling and the Reduce comm hook under every sharding strategy at dp 4,
+at ep 2 (dp 4, expert dp 2: a wrong group or a wrong rank within a group changes the result),
+at pp 2 and at pp 2 x ep 2 (expert dp 1 != dp 2), each against the whole model stepped in one
+process (tests/matrix_cases.py). One pool call runs every case (~20 s on 2 cores)."""
 
 from __future__ import annotations
 
