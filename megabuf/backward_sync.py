@@ -11,8 +11,9 @@ checkpointing it runs inside the checkpoint's nested backward, whose end is not 
 real one (the sync would then dispatch groups early and a later grad raises, naming the param).
 Nothing is queued when sync is off (`no_sync()`, `require_backward_grad_sync = False`), inside
 `deferred()` (pipeline schedules, which finish the sync themselves after later chunks' work), or
-with `sync_grads_at_backward_end = false`. Every forward clears `queued`: a backward that
-raised never runs its callbacks.
+with `sync_grads_at_backward_end = false`; except that under reduce_each_microbatch a no_sync
+backward still reduces its micro-batch at its end, deferred or not. Every forward clears
+`queued`: a backward that raised never runs its callbacks.
 """
 
 from __future__ import annotations
@@ -41,8 +42,14 @@ class BackwardEndSync:
         self._finish = finish
 
     def wanted(self) -> bool:
-        sync = self.require_sync or self.every_backward
-        return self.enabled and sync and not self.defer_depth
+        if not self.enabled:
+            return False
+        if self.require_sync:
+            return not self.defer_depth
+        # deferred() defers the grad sync only: a no_sync micro-batch's own reduction
+        # (every_backward) cannot wait, since the next backward (a pipeline's cool-down runs
+        # several in a row) would find its groups dispatched
+        return self.every_backward
 
     @contextmanager
     def deferred(self) -> Iterator[None]:

@@ -290,6 +290,85 @@ MUTANTS = (
         "            pass\n",
         ("tests/test_checkpoint_combos.py",),
     ),
+    # ---- issue 29, the combination matrix: bugs visible only where groups differ (ep 2 on 4
+    # ranks: expert dp 2 != dp 4), in one micro-batch, or on a later pipeline stage
+    Mutant(
+        "nan-check-agrees-over-expert-dp",
+        "NaN check: the flags are agreed over dp, so a NaN in one expert stops every rank",
+        "megabuf/ddp.py",
+        "            self.all_bucket_groups, self.collectives, pgs.dp,\n"
+        "            dp_rank=pgs.dp_rank, dp_size=pgs.dp_size, rank=self.rank,\n",
+        "            self.all_bucket_groups, self.collectives, pgs.expt_dp,\n"
+        "            dp_rank=pgs.topology.expt_dp_rank,\n"
+        "            dp_size=pgs.topology.expt_dp_size, rank=self.rank,\n",
+        ("tests/test_matrix.py",),
+    ),
+    Mutant(
+        "nan-flags-of-last-microbatch-only",
+        "NaN check under reduce_each_microbatch: a NaN in any micro-batch is flagged",
+        "megabuf/bucket_group.py",
+        "            flags = torch.maximum(flags, self._nonfinite_params)\n",
+        "            pass\n",
+        ("tests/test_matrix.py",),
+    ),
+    Mutant(
+        "finish-skipped-when-groups-synced",
+        "finish_grad_sync runs the NaN/unused agreement once per iteration on every rank",
+        "megabuf/grad_sync.py",
+        "        if self.groups and self.phase is SyncPhase.SYNCED and self.unsynced_group() is None:\n",
+        "        if self.groups and self.unsynced_group() is None:\n",
+        ("tests/test_matrix.py",),
+    ),
+    Mutant(
+        "dense-norm-over-expert-dp",
+        "global grad norm: dense shards are summed over dp (not the expert-dp group)",
+        "megabuf/optimizer/distributed.py",
+        'return (pgs.dp, pgs.pp) if kind == "dense"',
+        'return (pgs.expt_dp, pgs.pp) if kind == "dense"',
+        ("tests/test_matrix.py",),
+    ),
+    Mutant(
+        "zero3-expert-shard-by-ep-rank",
+        "ZeRO-3: an expert param shard is cut at the rank's expert-dp rank",
+        "megabuf/assembly.py",
+        "        rank=ctx.pgs.topology.rank, poison=ctx.config.verify_param_access,\n"
+        "        dp_rank=dp_rank, dp_size=dp_size,\n",
+        "        rank=ctx.pgs.topology.rank, poison=ctx.config.verify_param_access,\n"
+        "        dp_rank=ctx.pgs.dp_rank % dp_size, dp_size=dp_size,\n",
+        ("tests/test_matrix.py",),
+    ),
+    Mutant(
+        "local-sgd-averages-experts-over-dp",
+        "PeriodicAverager averages each bucket's params over that bucket's group",
+        "megabuf/comm_hooks/local_sgd.py",
+        "        groups.setdefault(id(bucket.group), []).append(bucket)\n",
+        "        groups.setdefault(0, []).append(bucket)\n",
+        ("tests/test_matrix.py",),
+    ),
+    Mutant(
+        "interleaved-grad-sync-not-delayed-by-stage",
+        "interleaved: stage s launches a chunk's grad sync s backward steps after its last",
+        "megabuf/pipeline/schedules.py",
+        "        k = act.index - self.pp_rank\n",
+        "        k = act.index\n",
+        ("tests/test_pipeline.py",),
+    ),
+    Mutant(
+        "deferred-skips-microbatch-reduction",
+        "reduce_each_microbatch: a no_sync backward reduces its micro-batch even when deferred",
+        "megabuf/backward_sync.py",
+        "        return self.every_backward\n",
+        "        return self.every_backward and not self.defer_depth\n",
+        ("tests/test_matrix.py",),
+    ),
+    Mutant(
+        "found-inf-not-over-pp",
+        "a non-finite step is skipped on every pipeline stage (inf flag max-reduced over pp)",
+        "megabuf/optimizer/base.py",
+        "            for group in (self.process_groups.dp, self.process_groups.pp):\n",
+        "            for group in (self.process_groups.dp,):\n",
+        ("tests/test_matrix.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")

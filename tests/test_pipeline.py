@@ -112,6 +112,60 @@ def test_interleaved_hook_order(results: Any, name: str, m_last: int) -> None:
                 assert _index(ev, ("grad_sync", chunk)) > last_b, (name, rank, ev)
 
 
+def _compute_positions(events: list[tuple[Any, ...]], phase: str) -> list[int]:
+    return [i for i, e in enumerate(events) if e[0] == phase]
+
+
+def _window(events: list[tuple[Any, ...]], after: int) -> tuple[int, int]:
+    """(after, the index of the next forward, backward or finalize event): the open interval
+    in which nothing but sync hooks may run."""
+    nxt = next(i for i in range(after + 1, len(events)) if events[i][0] in ("F", "B", "finalize"))
+    return after, nxt
+
+
+@pytest.mark.parametrize(
+    ("name", "m_last", "pp"), [("interleaved_overlap", 5, 2), ("pp4_interleaved_overlap", 3, 4)]
+)
+def test_interleaved_grad_sync_fires_exactly_pp_rank_backwards_after_the_chunks_last(
+    results: Any, name: str, m_last: int, pp: int
+) -> None:
+    """Claim (Megatron's interleaved schedule): on stage s, chunk c's grad sync is launched
+    right after the backward that comes s backward steps after c's last backward micro-batch
+    (so every stage launches it at the same pipeline step), or after the last backward when
+    fewer remain, and before the next forward or backward: bounded on both sides, on every
+    rank and stage. "After c's last backward" alone holds on stage 0 by construction and on
+    later stages even when the sync fires s steps early."""
+    seen_stages = set()
+    for rank, res in enumerate(case_result(results, name)):
+        ev, stage = res["events"], res["pp_rank"]
+        seen_stages.add(stage)
+        backwards = _compute_positions(ev, "B")
+        for chunk in (0, 1):
+            last = backwards.index(_index(ev, ("B", chunk, m_last)))
+            k = last + stage
+            at = (
+                backwards[k] if k < len(backwards) else max(_compute_positions(ev, "F") + backwards)
+            )
+            lo, hi = _window(ev, at)
+            syncs = [i for i, e in enumerate(ev) if e == ("grad_sync", chunk)]
+            assert len(syncs) == 1 and lo < syncs[0] < hi, (name, rank, stage, chunk, ev)
+    assert seen_stages == set(range(pp)), seen_stages
+
+
+@pytest.mark.parametrize("name", ["1f1b_overlap", "pp4_1f1b_overlap"])
+def test_1f1b_grad_sync_fires_after_the_last_backward_and_before_finalize(
+    results: Any, name: str
+) -> None:
+    """Claim: with grad_sync_func, 1F1B launches the reduction after the stage's last compute
+    step (cool-down included) and before finalize, on every stage: nothing computes between."""
+    for rank, res in enumerate(case_result(results, name)):
+        ev = res["events"]
+        last = max(i for i, e in enumerate(ev) if e[0] in ("F", "B"))
+        lo, hi = _window(ev, last)
+        syncs = [i for i, e in enumerate(ev) if e == ("grad_sync", 0)]
+        assert len(syncs) == 1 and lo < syncs[0] < hi and ev[hi] == ("finalize",), (rank, ev)
+
+
 def _no_sync_depth(events: list[tuple[Any, ...]]) -> int:
     return sum(
         +1 if e == ("no_sync_enter", 0) else -1
