@@ -202,6 +202,7 @@ class DistributedDataParallel(nn.Module):
         raise_on_nonfinite_grads(
             self.all_bucket_groups, self.collectives, pgs.dp,
             dp_rank=pgs.dp_rank, dp_size=pgs.dp_size, rank=self.rank,
+            pp_group=pgs.pp, pp_rank=pgs.pp_rank, pp_size=pgs.pp_size,
         )  # fmt: skip
 
     # ---- forward ------------------------------------------------------------------------------

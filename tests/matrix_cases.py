@@ -327,17 +327,25 @@ def _pp_forward_step(how: Any, data_iterator: Any, model: Any) -> Any:
     return out, loss_func
 
 
-def pp_ep_case(strategy: str, ep: int, scaler: bool = False, hook: bool = False) -> dict[str, Any]:
+def pp_ep_case(
+    strategy: str, ep: int, scaler: bool = False, hook: bool = False, nan_check: bool = False
+) -> dict[str, Any]:
     """1F1B over 2 stages x ep `ep` (experts on stage 0), 3 micro-batches, overlap: two clipped
     SGD steps vs the whole MoEModel on the global batch (norm over both stages, the expert
     part over ep; params of both stages). With `scaler`, a DynamicGradScaler and first an
     iteration with an inf on stage 1 only (rank 2, micro-batch 1), which every rank of both
-    stages must skip. With `hook`, Reduce() as the comm hook of every buffer."""
+    stages must skip. With `hook`, Reduce() as the comm hook of every buffer. With `nan_check`
+    (check_for_nan_in_grad), first an iteration with an inf on stage 1 only (rank 2,
+    micro-batch 1), which must raise on every rank of both stages (the error is recorded);
+    then the clean steps."""
     pgs = groups(pp_size=2, ep_size=ep)
     whole = MoEModel(CFG, ep_group=pgs.ep, seed=3)
     stage = MoEStage(whole, first=pgs.pp_rank == 0)
     cfg = megabuf.DistributedDataParallelConfig(
-        overlap_grad_reduce=True, bucket_size=64, **STRATEGIES[strategy]
+        overlap_grad_reduce=True,
+        bucket_size=64,
+        check_for_nan_in_grad=nan_check,
+        **STRATEGIES[strategy],
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -351,19 +359,27 @@ def pp_ep_case(strategy: str, ep: int, scaler: bool = False, hook: bool = False)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     n = BATCH // pgs.dp_size
     k = n // MICRO
-    norms, fired = [], []
-    for step in (0, 1, 2) if scaler else (1, 2):
+    norms, fired, raised = [], [], None
+    for step in (0, 1, 2) if scaler or nan_check else (1, 2):
         opt.zero_grad()
         x, y = moe_batch(CFG, BATCH, seed=100 + step)
         mine = [(x[pgs.dp_rank * n + i * k :][:k], y[pgs.dp_rank * n + i * k :][:k])
                 for i in range(MICRO)]  # fmt: skip
         poison = step == 0 and dist.get_rank() == 2  # stage 1, the head
         fired = [f for f in fired if f == 1]
-        get_forward_backward_func(2, 1)(
-            forward_step_func=partial(_pp_forward_step, (opt if scaler else None, poison, fired)),
-            data_iterator=iter(mine), model=model, num_microbatches=MICRO,
-            tensor_shape=(k, CFG.d_model), hooks=default_schedule_hooks([model]),
-        )  # fmt: skip
+        try:
+            get_forward_backward_func(2, 1)(
+                forward_step_func=partial(
+                    _pp_forward_step, (opt if scaler else None, poison, fired)
+                ),
+                data_iterator=iter(mine), model=model, num_microbatches=MICRO,
+                tensor_shape=(k, CFG.d_model), hooks=default_schedule_hooks([model]),
+            )  # fmt: skip
+        except RuntimeError as exc:
+            if not (nan_check and step == 0):
+                raise
+            raised = str(exc)
+            continue
         ok, norm, _ = opt.step()
         want = None
         if step > 0:
@@ -375,6 +391,7 @@ def pp_ep_case(strategy: str, ep: int, scaler: bool = False, hook: bool = False)
         norms.append({"ok": ok, "got": norm, "want": want, "scale": scale})
     errors = _param_errors(model, ref)
     return {"norms": norms, "errors": errors, "pp_rank": pgs.pp_rank, "fired": 1 in fired,
+            "raised": raised,
             "expt_dp_size": dist.get_world_size(pgs.expt_dp), "dp_size": pgs.dp_size}  # fmt: skip
 
 
@@ -416,5 +433,10 @@ def all_cases() -> dict[str, tuple[Any, ...]]:
     }
     cases |= {
         f"scaler_{s}_pp2_ep{ep}": (pp_ep_case, s, ep, True) for s in STRATEGIES for ep in (1, 2)
+    }
+    cases |= {
+        f"nan_{s}_pp2_ep{ep}": (pp_ep_case, s, ep, False, False, True)
+        for s in STRATEGIES
+        for ep in (1, 2)
     }
     return cases

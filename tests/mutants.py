@@ -315,8 +315,8 @@ MUTANTS = (
         "finish-skipped-when-groups-synced",
         "finish_grad_sync runs the NaN/unused agreement once per iteration on every rank",
         "megabuf/grad_sync.py",
-        "        if self.groups and self.phase is SyncPhase.SYNCED and self.unsynced_group() is None:\n",
-        "        if self.groups and self.unsynced_group() is None:\n",
+        "and self.phase is SyncPhase.SYNCED and self.unsynced_group() is None:\n",
+        "and self.unsynced_group() is None:\n",
         ("tests/test_matrix.py",),
     ),
     Mutant(
@@ -367,6 +367,14 @@ MUTANTS = (
         "megabuf/optimizer/base.py",
         "            for group in (self.process_groups.dp, self.process_groups.pp):\n",
         "            for group in (self.process_groups.dp,):\n",
+        ("tests/test_matrix.py",),
+    ),
+    Mutant(
+        "nan-check-not-agreed-over-pp",
+        "NaN check under a pipeline: every stage raises when one stage saw a non-finite grad",
+        "megabuf/nan_check.py",
+        "    if pp_size == 1:\n",
+        "    if True:\n",
         ("tests/test_matrix.py",),
     ),
 )

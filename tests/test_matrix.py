@@ -162,3 +162,26 @@ def test_inf_on_one_pipeline_stage_skips_the_step_on_both(
             assert s["ok"] and abs(s["got"] - s["want"]) <= 1e-5 * s["want"], (rank, s)
         worst = max(res["errors"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-6, (strategy, rank, worst)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_nan_on_one_pipeline_stage_raises_on_every_stage(
+    results: Any, strategy: str, ep: int
+) -> None:
+    """Claim: pp 2 (x ep 2) with check_for_nan_in_grad: an inf in the head's grad on rank 2
+    only (stage 1, micro-batch 1 of 3) raises on every rank of both stages (never a hang: the
+    flags are agreed over dp, then over pp); stage 1 names the param and rank 2, stage 0 names
+    stage 1; after zero_grad the clean steps match the whole model's."""
+    per_rank = case_result(results, f"nan_{strategy}_pp2_ep{ep}")
+    for rank, res in enumerate(per_rank):
+        message = res["raised"]
+        assert message is not None and "NaN or Inf in gradients" in message, (rank, message)
+        if res["pp_rank"] == 1:
+            assert "head.weight" in message and "[2]" in message, (rank, message)
+        else:
+            assert "on pipeline stage(s) [1]" in message, (rank, message)
+        for s in res["norms"]:
+            assert s["ok"] and abs(s["got"] - s["want"]) <= 1e-5 * s["want"], (rank, s)
+        worst = max(res["errors"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-6, (strategy, rank, worst)
