@@ -67,10 +67,11 @@ def raise_on_nonfinite_grads(
     for group in groups:
         group.abandon_grad_sync()  # the reduced grads are NaN: drop them
     where = f"of {'; '.join(lines)}" if lines else f"on pipeline stage(s) {stages}"
+    stage = f", pipeline stage {pp_rank}" if pp_size > 1 else ""
     raise RuntimeError(
         f"megabuf: NaN or Inf in gradients, before reduction, {where}. Every rank raises "
         "(check_for_nan_in_grad) and drops this iteration's grads; call zero_grad_buffer() "
-        f"before the next iteration. This rank ({rank}, pipeline stage {pp_rank}) has "
+        f"before the next iteration. This rank ({rank}{stage}) has "
         f"non-finite grads in: {', '.join(mine) or 'none'}"
         + ("" if lines else " (the ranks of the stage(s) above name the params)")
     )
