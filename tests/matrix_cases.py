@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from checkpoint_combo_cases import STRATEGIES  # the five strategy configs, shared
 from dist_pool import run_each
 from moe_cases import CFG, groups, reference_name
 from torch import nn
@@ -35,16 +36,6 @@ MICRO = 3
 CLIP = 0.05  # well below the model's grad norm (~1): every step clips, so the norm matters
 LR = 0.5
 BAD_RANK, BAD_MICRO = 1, 1  # the NaN: on global rank 1 only, in micro-batch 1 of 3 only
-STRATEGIES: dict[str, dict[str, Any]] = {
-    "no_shard": {"data_parallel_sharding_strategy": "no_shard"},
-    "optim": {"data_parallel_sharding_strategy": "optim"},
-    "optim_grads": {"data_parallel_sharding_strategy": "optim_grads"},
-    "optim_grads_rem": {
-        "data_parallel_sharding_strategy": "optim_grads",
-        "sharded_grad_accumulation": "reduce_each_microbatch",
-    },
-    "optim_grads_params": {"data_parallel_sharding_strategy": "optim_grads_params"},
-}
 
 
 def _bad_param(ep: int) -> str:
