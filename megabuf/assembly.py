@@ -17,6 +17,7 @@ from megabuf.bucket_group import BucketGroup, DispatchChain
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig
+from megabuf.param_units import unit_of
 from megabuf.plan import GroupPlan, Plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.sharding.grads import ShardedGrads, bucket_padding_ranges
@@ -131,12 +132,11 @@ def _sharded_params(
         return None
     dp_rank, dp_size = ctx.pgs.topology.data_parallel(planned.expert)
     buckets = [buffers[b].buckets[k] for b, k in planned.members]
-    unit = getattr(planned, "unit", None)
     return ShardedParams(
         [b.param_data for b in buckets if b.param_data is not None],
         [b.param_shard for b in buckets if b.param_shard is not None],
         ctx.collectives, ctx.pgs.expt_dp if planned.expert else ctx.pgs.dp, ctx.ledger,
-        group_id=planned.group_id, unit_name=ctx.unit_names[0 if unit is None else int(unit)],
+        group_id=planned.group_id, unit_name=ctx.unit_names[unit_of(planned)],
         rank=ctx.pgs.topology.rank, poison=ctx.config.verify_param_access,
         dp_rank=dp_rank, dp_size=dp_size,
     )  # fmt: skip

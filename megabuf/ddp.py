@@ -43,7 +43,6 @@ from megabuf.replicas import (
     is_expert_parallel,
 )
 from megabuf.sharding.ledger import MemoryLedger
-from megabuf.units import UnitPlan
 
 logger = logging.getLogger(__name__)
 
@@ -128,11 +127,12 @@ class DistributedDataParallel(nn.Module):
         trainable = planned.trainable
         self.param_to_name = {p: n for n, p in trainable}
         params = [p for _, p in trainable]
-        self._unit_plan: UnitPlan | None = planned.unit_plan  # [Note: shard units]
         self.plan: Plan = planned.plan
+        # (name, module) per shard unit, the root first ([Note: shard units])
+        units = unit_modules(self.module, planned.unit_plan)
         built = assemble(
             self.plan, params, self.ddp_config, pgs, self.collectives, self.memory_ledger,
-            self.param_to_name, [name for name, _ in unit_modules(self.module, self._unit_plan)],
+            self.param_to_name, [name for name, _ in units],
         )  # fmt: skip
         self._all_buffers: list[_ParamAndGradBuffer] = built.buffers  # plan order
         expert = [planned.expert for planned in self.plan.buffers]
@@ -171,11 +171,11 @@ class DistributedDataParallel(nn.Module):
         if init_sync:
             self.broadcast_params()
         if self._sharding.shards_params:
-            units = ParamUnits.build(  # shards filled, full params released
-                unit_modules(self.module, self._unit_plan), self.plan, self.all_bucket_groups,
-                self.param_to_name, self.ddp_config, self.memory_ledger, self.rank,
+            runtime = ParamUnits.build(  # shards filled, full params released
+                units, self.plan, self.all_bucket_groups, self.param_to_name, self.ddp_config,
+                self.memory_ledger, self.rank,
             )  # fmt: skip
-            self.param_side = UnitParams(groups, hooks, cfg, units)
+            self.param_side = UnitParams(groups, hooks, cfg, runtime)
         for buf in self._all_buffers:
             logger.debug("megabuf: %s", buf.describe())
 

@@ -198,8 +198,7 @@ class GradSync:
         for group in self.groups:
             group.abandon_grad_sync()
         self.require_sync = True
-        self.phase = SyncPhase.ACCUMULATING
-        self.zero()
+        self.zero()  # phase: ACCUMULATING
 
     def enable_timeline(self, timeline: Timeline) -> None:
         self.timeline = timeline

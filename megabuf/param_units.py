@@ -27,10 +27,9 @@ if TYPE_CHECKING:
     from megabuf.units import UnitPlan
 
 
-def _unit_of(planned: GroupPlan) -> int:
-    """The shard unit of a planned group (units.py's `GroupPlan.unit`; the root without it)."""
-    unit = getattr(planned, "unit", None)
-    return 0 if unit is None else int(unit)
+def unit_of(planned: GroupPlan) -> int:
+    """The shard unit a planned group holds ([Note: unit-aligned plan]); the root (0) without."""
+    return 0 if planned.unit is None else planned.unit
 
 
 def unit_modules(root: nn.Module, unit_plan: UnitPlan | None) -> list[tuple[str, nn.Module]]:
@@ -69,10 +68,10 @@ class ParamUnits:
                     f"megabuf: bucket group {group.group_id} has no sharded params under "
                     f"optim_grads_params (rank {rank}); this is a megabuf bug"
                 )
-            units[_unit_of(planned)].params.append(group.sharded_params)
+            units[unit_of(planned)].params.append(group.sharded_params)
             group.sharded_params.release_params(writeback=True)
         owners = {
-            p: (param_to_name[p], units[_unit_of(planned)].name, group.sharded_params)
+            p: (param_to_name[p], units[unit_of(planned)].name, group.sharded_params)
             for planned, group in zip(plan.groups, groups, strict=True)
             if group.sharded_params is not None
             for p in group.params_list
