@@ -185,6 +185,12 @@ class DistributedDataParallelConfig:
     max(40_000_000, 1_000_000 * dp_size) capped at a quarter of the largest buffer (so small
     models overlap too); without overlap, one bucket per buffer."""
 
+    whole_param_owners: bool = False
+    """Under a sharded strategy: each param is owned whole by one dp rank instead of split by
+    elements, so matrix optimizers (`torch.optim.Muon`, megabuf's `MuonAdamW`) see whole
+    matrices. Owners are balanced by Newton-Schulz cost; each bucket's shards follow params and
+    are padded to the largest ([Note: whole-param owners] in megabuf/owners.py)."""
+
     pad_buckets_for_high_nccl_busbw: bool = False
     """Pad buckets to a multiple of 2**16 elements as well (NCCL reaches higher bus bandwidth
     for such sizes at large dp). Only meaningful with `use_distributed_optimizer`."""
@@ -317,6 +323,7 @@ class DistributedDataParallelConfig:
                 self.sharded_grad_accumulation != "accumulate_unsharded", zero23
             ),
             "cpu_offload": (bool(self.cpu_offload), names("shards_optimizer")),
+            "whole_param_owners": (bool(self.whole_param_owners), names("shards_optimizer")),
         }  # fmt: skip
         for name, (is_set, strategies) in applies.items():
             if is_set and strategy not in strategies:

@@ -82,6 +82,9 @@ class BufferLayout:
     numel: int
     numel_unpadded: int
     sharded: bool
+    owner_of: tuple[int, ...] | None = None
+    """Whole-param owners: the dp rank owning each param whole ([Note: whole-param owners]
+    in megabuf/owners.py); None for element shards."""
 
     @property
     def padding_numel(self) -> int:

@@ -46,6 +46,7 @@ expected backward order), keyed on the common registration order of all trainabl
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,6 +54,7 @@ import torch
 
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.layout import BufferLayout, compute_layout, default_bucket_size
+from megabuf.owners import OwnerBalance, assign_owners, owner_aligned_layout, owner_cost
 
 DtypeKey = tuple[torch.dtype, torch.dtype]  # (param dtype, grad dtype)
 
@@ -68,6 +70,9 @@ class ParamSpec:
     """Expert-parallel (`param.allreduce is False`): reduced over expt_dp, in an expert buffer."""
     own_bucket: bool = False
     """`param.shared_embedding`: the param gets a bucket of its own (tied embeddings)."""
+    shape: tuple[int, ...] | None = None
+    """The param's shape (None: 1-D); whole-param owners weigh 2-D params by their Newton-Schulz
+    cost ([Note: whole-param owners] in megabuf/owners.py)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,7 @@ class Plan:
     groups: tuple[GroupPlan, ...]  # by group id
     chains: tuple[tuple[int, ...], ...]  # group ids of each chain, in dispatch order
     unit_of_spec: tuple[int, ...] | None = None  # owning unit per spec (optim_grads_params only)
+    owner_balance: tuple[OwnerBalance, ...] = ()  # whole_param_owners: dense, then expert
 
 
 def dtype_key(dtype: torch.dtype, config: DistributedDataParallelConfig) -> DtypeKey:
@@ -155,6 +161,9 @@ def build_plan(
                      expt_dp_size if expert else dp_size, units)
         for i, (expert, key, ids) in enumerate(keyed)
     )  # fmt: skip
+    balance: tuple[OwnerBalance, ...] = ()
+    if config.whole_param_owners:
+        buffers, balance = _owner_buffers(buffers, specs, config)
     if units is None:
         members = _group_members(buffers, disable_bucketing)
         group_units: list[int | None] = [None] * len(members)
@@ -166,7 +175,37 @@ def build_plan(
         GroupPlan(gid, expert, pairs, *place[gid], group_units[gid])
         for gid, (expert, pairs) in enumerate(members)
     )
-    return Plan(bucket_size, buffers, groups, chains, units)
+    return Plan(bucket_size, buffers, groups, chains, units, balance)
+
+
+def _owner_buffers(
+    buffers: tuple[BufferPlan, ...],
+    specs: Sequence[ParamSpec],
+    config: DistributedDataParallelConfig,
+) -> tuple[tuple[BufferPlan, ...], tuple[OwnerBalance, ...]]:
+    """Every buffer re-laid with whole-param owners, loads carried over the buffers of one
+    reduction group (dense, then expert); see [Note: whole-param owners]."""
+    out: list[BufferPlan] = []
+    balances: list[OwnerBalance] = []
+    for expert in (False, True):
+        loads: tuple[int, ...] | None = None
+        for buf in (b for b in buffers if b.expert == expert):
+            costs = [owner_cost(specs[i].shape or (specs[i].numel,)) for i in buf.param_ids]
+            per_bucket = [[costs[p] for p in k.param_ids] for k in buf.layout.buckets]
+            owners, balance = assign_owners(per_bucket, buf.dp_size, loads)
+            loads = balance.loads
+            owner_of = [0] * len(buf.param_ids)
+            for k, ranks in zip(buf.layout.buckets, owners, strict=True):
+                for p, r in zip(k.param_ids, ranks, strict=True):
+                    owner_of[p] = r
+            layout = owner_aligned_layout(
+                buf.layout, [specs[i].numel for i in buf.param_ids], owner_of, buf.dp_size,
+                high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
+            )  # fmt: skip
+            out.append(dataclasses.replace(buf, layout=layout))
+        if loads is not None:
+            balances.append(OwnerBalance(loads))
+    return tuple(sorted(out, key=lambda b: b.index)), tuple(balances)
 
 
 def _unit_of_spec(

@@ -36,6 +36,7 @@ def param_specs(trainable: Sequence[tuple[str, nn.Parameter]]) -> tuple[ParamSpe
             p.dtype,
             expert=is_expert_parallel(p),
             own_bucket=bool(getattr(p, "shared_embedding", False)),
+            shape=tuple(p.shape),
         )
         for name, p in trainable
     )

@@ -7,6 +7,7 @@ from megabuf.optimizer.distributed import DistributedOptimizer
 from megabuf.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, GradScaler
 from megabuf.optimizer.memory import OptimizerMemoryReport
 from megabuf.optimizer.mixed_precision import FP32Optimizer, MixedPrecisionOptimizer
+from megabuf.optimizer.muon import MatrixOptimizerError, MuonAdamW, muon_param_groups
 from megabuf.optimizer.records import StepResult
 
 __all__ = [
@@ -15,10 +16,13 @@ __all__ = [
     "DynamicGradScaler",
     "FP32Optimizer",
     "GradScaler",
+    "MatrixOptimizerError",
     "MegabufOptimizer",
     "MixedPrecisionOptimizer",
+    "MuonAdamW",
     "OptimizerConfig",
     "OptimizerMemoryReport",
     "StepResult",
     "build_optimizer",
+    "muon_param_groups",
 ]

@@ -52,6 +52,7 @@ from megabuf.optimizer.grad_upcast import (
 from megabuf.optimizer.main_params import MainParam, write_back_all
 from megabuf.optimizer.memory import OptimizerMemoryReport, memory_report
 from megabuf.optimizer.model_space import common_state, load_model_space_state, owned_pieces
+from megabuf.optimizer.muon import check_matrix_groups
 from megabuf.optimizer.param_groups import (
     ParamGroupsArg,
     as_chunks,
@@ -149,6 +150,10 @@ class MegabufOptimizer(torch.optim.Optimizer):
     def _norm_groups(self, kind: DomainKind) -> tuple[ProcessGroup, ...]:
         raise NotImplementedError
 
+    def _whole_params(self) -> bool:
+        """Every main param is a whole param ([Note: matrix optimizers])."""
+        return not self.sharded
+
     def _before_step(self) -> None:
         """Called once the grads are known to be reduced, before anything reads them."""
 
@@ -163,8 +168,11 @@ class MegabufOptimizer(torch.optim.Optimizer):
         self, mains: list[MainParam], optimizer_kwargs: dict[str, Any]
     ) -> torch.optim.Optimizer:
         groups: list[dict[str, Any]] = [{**hp, "params": []} for hp in self._hparams]
+        by_group: list[list[MainParam]] = [[] for _ in self._hparams]
         for mp in mains:
             groups[self._group_of[mp.model_param]]["params"].append(mp.main)
+            by_group[self._group_of[mp.model_param]].append(mp)
+        check_matrix_groups(self.optimizer_cls, self._hparams, by_group, self._whole_params())
         return self.optimizer_cls(groups, **optimizer_kwargs)
 
     # ---- the step -----------------------------------------------------------------------------

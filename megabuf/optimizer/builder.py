@@ -22,6 +22,7 @@ from megabuf.optimizer.implementation import (
     choose_implementation,
 )
 from megabuf.optimizer.mixed_precision import FP32Optimizer, MixedPrecisionOptimizer
+from megabuf.optimizer.muon import MuonAdamW, muon_param_groups
 from megabuf.optimizer.param_groups import ParamGroupsArg, as_chunks
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ def build_optimizer(
     `{"params": [p, ...], <hyperparameter>: value, ...}` whose hyperparameters override the
     config's for that group (e.g. `{"params": no_decay, "weight_decay": 0.0}`). Every trainable
     param must be in exactly one group; anything else raises a ValueError naming the group.
+    With optimizer="muon" and no `param_groups`: `muon_param_groups` (Muon for 2-D weights but
+    embeddings, AdamW for the rest); groups given by hand say `use_muon` per group.
     """
     chunks = as_chunks(model_chunks)
     flags = {c.ddp_config.sharding.shards_optimizer for c in chunks}
@@ -58,6 +61,8 @@ def build_optimizer(
     step_device = torch.device("cpu") if offload else device
     optimizer_cls, kwargs = optimizer_class_and_kwargs(config, step_device)
     grad_scaler = make_grad_scaler(config, device)
+    if config.optimizer == "muon" and param_groups is None:
+        param_groups = muon_param_groups(chunks, config.muon_lr)
     if flags == {True}:
         cls: type[MegabufOptimizer] = DistributedOptimizer
     elif dtypes <= {torch.float32}:
@@ -108,6 +113,12 @@ def optimizer_class_and_kwargs(
     constructor args; see [Note: optimizer implementation]."""
     common: dict[str, Any] = {"lr": config.lr, "weight_decay": config.weight_decay}
     name = config.optimizer if isinstance(config.optimizer, str) else None
+    if name == "muon":  # [Note: matrix optimizers]
+        return MuonAdamW, {
+            **common, "betas": (config.adam_beta1, config.adam_beta2), "eps": config.adam_eps,
+            "momentum": config.muon_momentum, "ns_steps": config.muon_ns_steps,
+            "adjust_lr_fn": config.muon_adjust_lr_fn,
+        }  # fmt: skip
     choice = choose_implementation(config.implementation, name, device.type, importable_packages())
     if name is None:
         return config.optimizer, {**common, **choice.kwargs}  # type: ignore[return-value]

@@ -16,7 +16,7 @@ import torch
 from megabuf.config import dataclass_from_dict, dataclass_from_toml, document_fields
 from megabuf.optimizer.implementation import IMPLEMENTATIONS
 
-OPTIMIZER_NAMES = ("adam", "adamw", "sgd")
+OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "muon")
 
 
 @document_fields
@@ -26,8 +26,11 @@ class OptimizerConfig:
 
     optimizer: str | type[torch.optim.Optimizer] = "adam"
     """"adam" (torch.optim.Adam: L2 weight decay added to the grad), "adamw" (torch.optim.AdamW:
-    decoupled weight decay), "sgd" (torch.optim.SGD with `sgd_momentum`), or any pointwise torch
-    optimizer class (built with `lr` and `weight_decay` only)."""
+    decoupled weight decay), "sgd" (torch.optim.SGD with `sgd_momentum`), "muon"
+    (`megabuf.optimizer.MuonAdamW`: torch.optim.Muon for 2-D weights, AdamW with `lr` and the
+    Adam fields for embeddings, norms and biases; [Note: matrix optimizers]; the distributed
+    optimizer needs `whole_param_owners`), or any pointwise torch optimizer class (built with
+    `lr` and `weight_decay` only)."""
 
     implementation: str = "auto"
     """Which kernel runs the optimizer, never substituted ([Note: optimizer implementation]):
@@ -54,6 +57,20 @@ class OptimizerConfig:
 
     sgd_momentum: float = 0.9
     """SGD momentum (0 = plain SGD, which keeps no state)."""
+
+    muon_lr: float | None = None
+    """optimizer="muon": learning rate of the Muon group (None: `lr`); Muon commonly runs ~0.02
+    with AdamW's lr ~3e-4 for the rest."""
+
+    muon_momentum: float = 0.95
+    """optimizer="muon": Muon's momentum (Nesterov)."""
+
+    muon_ns_steps: int = 5
+    """optimizer="muon": Newton-Schulz iterations per step."""
+
+    muon_adjust_lr_fn: str | None = None
+    """optimizer="muon": torch.optim.Muon's `adjust_lr_fn` (None, "original" or
+    "match_rms_adamw")."""
 
     clip_grad: float = 0.0
     """Clip by the global grad norm (over dense and expert params of all ranks) to this value;
@@ -106,6 +123,11 @@ class OptimizerConfig:
             raise ValueError(
                 f"megabuf: OptimizerConfig.implementation={self.implementation!r} is not one of "
                 f"{IMPLEMENTATIONS}"
+            )
+        if self.optimizer == "muon" and self.implementation != "auto":
+            raise ValueError(
+                f"megabuf: OptimizerConfig.implementation={self.implementation!r} does not apply "
+                "to optimizer='muon' (torch.optim.Muon has one kernel); leave it at 'auto'"
             )
         if self.fp16 and self.bf16:
             raise ValueError("megabuf: OptimizerConfig.fp16 and bf16 are both True; pick one")

@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.main_params import MainParam, sharded_main_params
+from megabuf.optimizer.muon import check_owners_agree
 from megabuf.optimizer.offload import CPUOffload
 from megabuf.optimizer.param_groups import grad_buffers
 from megabuf.optimizer.records import DomainKind
@@ -52,6 +53,11 @@ class DistributedOptimizer(MegabufOptimizer):
                     "DistributedDataParallelConfig(use_distributed_optimizer=True); rebuild it "
                     "with that flag, or use MixedPrecisionOptimizer / FP32Optimizer"
                 )
+        if any(chunk.ddp_config.whole_param_owners for chunk in chunks):
+            check_owners_agree(chunks, chunks[0].collectives)  # [Note: whole-param owners]
+
+    def _whole_params(self) -> bool:
+        return all(chunk.ddp_config.whole_param_owners for chunk in self.model_chunks)
 
     def _build_main_params(self, kind: DomainKind) -> list[MainParam] | None:
         buffers = [

@@ -3,8 +3,9 @@
 [Note: main params]
 A `MainParam` is one fp32 leaf tensor the inner optimizer steps, standing for elements
 [param_start, param_end) of a flattened model param:
-- distributed optimizer: one per `ShardPiece` of this rank's shards (1-D). For fp32 params the
-  main param *is* the `param_data` view and its grad *is* the `grad_data` view, so the inner
+- distributed optimizer: one per `ShardPiece` of this rank's shards (1-D; param-shaped whole
+  params under [Note: whole-param owners] in megabuf/owners.py). For fp32 params the main
+  param *is* the `param_data` view and its grad *is* the `grad_data` view, so the inner
   optimizer updates the buffer in place; for bf16/fp16 params it is an fp32 copy, written back
   into `param_data` (rounded) after each step.
 - non-distributed optimizers: one per whole param (param-shaped). fp32 params are stepped
@@ -105,6 +106,8 @@ def sharded_main_params(
             main, model_data = param_view, None
         else:
             main, model_data = param_view.to(torch.float32, copy=True), param_view
+        if buffer.layout.owner_of is not None:  # whole params: param-shaped for Muon
+            main = main.view(param.shape)
         result.append(
             MainParam(
                 param,

@@ -72,7 +72,8 @@ def probe_state(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> d
         for k, v in group.items()
         if k not in NOT_HYPERPARAMETERS and (open_kwargs or k in accepted)
     }
-    param = torch.zeros(PROBE_NUMEL, dtype=like.dtype, device=like.device, requires_grad=True)
+    shape = (1, PROBE_NUMEL) if like.dim() == 2 else (PROBE_NUMEL,)  # Muon takes 2-D only
+    param = torch.zeros(shape, dtype=like.dtype, device=like.device, requires_grad=True)
     param.grad = torch.zeros_like(param)
     probe = type(optimizer)([param], **kwargs)
     probe.step()
