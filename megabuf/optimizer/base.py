@@ -116,6 +116,9 @@ class MegabufOptimizer(torch.optim.Optimizer):
         self.device = params_device(self.model_params(), None)
         self.keys = model_space_keys(self.model_chunks)
         self._hparams, self._group_of = resolve_param_groups(self.model_chunks, param_groups)
+        check_matrix_groups(  # every rank sees every param: all raise alike
+            optimizer_cls, self._hparams, self._group_of, self.keys, self._whole_params()
+        )
         self.domains: list[Domain] = []
         for kind in DOMAIN_KINDS:
             mains = self._build_main_params(kind)
@@ -168,11 +171,8 @@ class MegabufOptimizer(torch.optim.Optimizer):
         self, mains: list[MainParam], optimizer_kwargs: dict[str, Any]
     ) -> torch.optim.Optimizer:
         groups: list[dict[str, Any]] = [{**hp, "params": []} for hp in self._hparams]
-        by_group: list[list[MainParam]] = [[] for _ in self._hparams]
         for mp in mains:
             groups[self._group_of[mp.model_param]]["params"].append(mp.main)
-            by_group[self._group_of[mp.model_param]].append(mp)
-        check_matrix_groups(self.optimizer_cls, self._hparams, by_group, self._whole_params())
         return self.optimizer_cls(groups, **optimizer_kwargs)
 
     # ---- the step -----------------------------------------------------------------------------

@@ -24,7 +24,6 @@ from torch import Tensor, nn
 
 from megabuf.collectives import Collectives
 from megabuf.ddp import DistributedDataParallel
-from megabuf.optimizer.main_params import MainParam
 
 MUON_KEY = "use_muon"
 _MUON_DEFAULTS: dict[str, Any] = {
@@ -124,14 +123,16 @@ def muon_param_groups(
 def check_matrix_groups(
     optimizer_cls: type[torch.optim.Optimizer],
     hparams: Sequence[dict[str, Any]],
-    mains_by_group: Sequence[Sequence[MainParam]],
-    whole_owners: bool,
+    group_of: dict[nn.Parameter, int],
+    keys: dict[nn.Parameter, str],
+    whole_params: bool,
 ) -> None:
     """Raise `MatrixOptimizerError` for what a matrix optimizer cannot step; see
-    [Note: matrix optimizers]. `whole_owners`: main params are whole params."""
+    [Note: matrix optimizers]. `group_of`: the group of every trainable param of the model (on
+    every rank, so every rank raises alike); `whole_params`: main params are whole params."""
     if not is_matrix_optimizer(optimizer_cls):
         return
-    if not whole_owners:
+    if not whole_params:
         raise MatrixOptimizerError(
             f"megabuf: {optimizer_cls.__name__} orthogonalises whole matrices, but the "
             "distributed optimizer splits params into element shards; build the model with "
@@ -139,11 +140,11 @@ def check_matrix_groups(
             "by one dp rank"
         )
     everything_muon = issubclass(optimizer_cls, torch.optim.Muon)
-    for gi, (hp, mains) in enumerate(zip(hparams, mains_by_group, strict=True)):
+    for gi, hp in enumerate(hparams):
         if not (everything_muon or hp.get(MUON_KEY, False)):
             continue
-        bad = [f"{mp.key} {tuple(mp.model_param.shape)}" for mp in mains
-               if mp.model_param.dim() != 2]  # fmt: skip
+        bad = [f"{keys[p]} {tuple(p.shape)}" for p, g in group_of.items()
+               if g == gi and p.dim() != 2]  # fmt: skip
         if bad:
             raise MatrixOptimizerError(
                 f"megabuf: param group {gi} is stepped by Muon, which needs 2-D params, but holds "
