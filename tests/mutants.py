@@ -377,6 +377,32 @@ MUTANTS = (
         "    if True:\n",
         ("tests/test_matrix.py",),
     ),
+    Mutant(
+        "owner-shard-splits-a-matrix",
+        "whole-param owners: every param lies whole inside its owner's shard (Muon never "
+        "orthogonalises a partial matrix)",
+        "megabuf/owners.py",
+        "shard = _round_up(max((end for _, end in offsets), default=0), align)",
+        "shard = _round_up(-(-sum(end for _, end in offsets) // dp_size), align)",
+        ("tests/test_owners.py", "tests/test_muon.py"),
+    ),
+    Mutant(
+        "stale-param-from-owner",
+        "whole-param owners: the owner steps the param's own memory (or writes its copy back), "
+        "so the gather publishes the updated value",
+        "megabuf/optimizer/main_params.py",
+        "            main = main.view(param.shape)\n",
+        "            main = main.reshape(param.shape).clone()\n",
+        ("tests/test_muon.py",),
+    ),
+    Mutant(
+        "owner-differs-across-ranks",
+        "whole-param owners: every rank chooses the same owner for every param",
+        "megabuf/owners.py",
+        "key=lambda r: (loads[r], r))",
+        'key=lambda r: (loads[r], (r + __import__("os").getpid()) % dp_size))',
+        ("tests/test_muon.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")

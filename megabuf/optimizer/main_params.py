@@ -107,6 +107,12 @@ def sharded_main_params(
         else:
             main, model_data = param_view.to(torch.float32, copy=True), param_view
         if buffer.layout.owner_of is not None:  # whole params: param-shaped for Muon
+            if piece.numel != param.numel():
+                raise RuntimeError(
+                    f"megabuf: {keys[param]} is split across dp shards (rank {buffer.dp_rank} "
+                    f"holds {piece.numel} of {param.numel()} elements) under whole_param_owners; "
+                    "a matrix optimizer would orthogonalise part of it (a layout bug)"
+                )
             main = main.view(param.shape)
         result.append(
             MainParam(
