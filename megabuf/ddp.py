@@ -29,7 +29,7 @@ from megabuf.devices import params_device
 from megabuf.grad_sync import GradSync
 from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
 from megabuf.hook_registry import CommHookRegistry
-from megabuf.hooks import ParamGatherHooks, register_grad_hooks
+from megabuf.hooks import ParamGatherHooks, register_grad_hooks, remove_hooks_when_collected
 from megabuf.model_plan import plan_model
 from megabuf.nan_check import raise_on_nonfinite_grads
 from megabuf.param_sync import GatheredParams, UnitParams
@@ -156,6 +156,7 @@ class DistributedDataParallel(nn.Module):
         self._grad_hook_handles = register_grad_hooks(
             params, self.param_to_bucket_group, set(grads.linked), self._on_grad
         )
+        remove_hooks_when_collected(self, self._grad_hook_handles)
         for group in self.all_bucket_groups:  # the hooks hold the views: guard the attribute
             if group.sharded_grads is not None:
                 names = [self.param_to_name[p] for p in group.params_list]
