@@ -156,7 +156,6 @@ class DistributedDataParallel(nn.Module):
         self._grad_hook_handles = register_grad_hooks(
             params, self.param_to_bucket_group, set(grads.linked), self._on_grad
         )
-        remove_hooks_when_collected(self, self._grad_hook_handles)
         for group in self.all_bucket_groups:  # the hooks hold the views: guard the attribute
             if group.sharded_grads is not None:
                 names = [self.param_to_name[p] for p in group.params_list]
@@ -165,6 +164,7 @@ class DistributedDataParallel(nn.Module):
         self._param_gather_hooks = ParamGatherHooks(self.module, self.param_to_bucket_group)
         if self.ddp_config.overlap_param_gather:
             self._param_gather_hooks.enable()
+        remove_hooks_when_collected(self, self._grad_hook_handles, self._param_gather_hooks)
         groups, hooks, cfg = self.all_bucket_groups, self._param_gather_hooks, self.ddp_config
         # the param side (megabuf/param_sync.py): what the optimizer tells before and after a
         # step (`before_step()`, `stepped()`) and what the param methods below call

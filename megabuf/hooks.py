@@ -30,7 +30,8 @@ A post-accumulate-grad hook lives in its param's C++ autograd state, which the g
 cannot see into: a hook holding the engine strongly kept every engine (its buffers, on a GPU its
 memory) alive for the life of the process, even after `del model` and `gc.collect()`. So each
 hook holds its bucket group and the engine's callback weakly, does nothing once they are gone (the
-param trains as a plain one again), and the engine removes its hooks when it is collected.
+param trains as a plain one again), and the engine removes its hooks (grad and forward pre-hooks)
+when it is collected, so a module the user kept does not hold the engine's buffers either.
 """
 
 from __future__ import annotations
@@ -105,14 +106,22 @@ def register_grad_hooks(
     return handles
 
 
-def remove_hooks_when_collected(owner: object, handles: Sequence[RemovableHandle]) -> None:
-    """Remove `handles` once `owner` (the engine) is garbage collected: see the Note."""
-    weakref.finalize(owner, _remove_all, list(handles))
+def remove_hooks_when_collected(
+    owner: object, handles: Sequence[RemovableHandle], gather_hooks: ParamGatherHooks
+) -> None:
+    """Remove the grad hooks `handles` and the forward pre-hooks of `gather_hooks` once `owner`
+    (the engine) is garbage collected: see [Note: hooks hold the engine weakly]."""
+    weakref.finalize(owner, _remove_all, list(handles), weakref.ref(gather_hooks))
 
 
-def _remove_all(handles: list[RemovableHandle]) -> None:
+def _remove_all(
+    handles: list[RemovableHandle], gather_hooks: weakref.ref[ParamGatherHooks]
+) -> None:
     for handle in handles:
         handle.remove()
+    hooks = gather_hooks()  # alive only while a module the user kept holds its pre-hooks
+    if hooks is not None:
+        hooks.disable()
 
 
 class _ReadRecorder(TorchFunctionMode):

@@ -22,13 +22,14 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(6, 8, generator=gen), torch.randn(6, 4, generator=gen)
 
 
-def dropped_engine_case(strategy: str) -> dict[str, Any]:
+def dropped_engine_case(strategy: str, gather: bool = False) -> dict[str, Any]:
     """Train one step, drop the engine and its optimizer (keeping the module), collect: is the
     engine gone, and does the kept module train as a plain module afterwards?"""
     module = _module()
     cfg = megabuf.DistributedDataParallelConfig(
-        data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True
-    )
+        data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True,
+        overlap_param_gather=gather,
+    )  # fmt: skip
     model = megabuf.DistributedDataParallel(module, cfg)
     opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig(optimizer="adamw", lr=1e-3))
     x, y = _batch()
@@ -37,7 +38,8 @@ def dropped_engine_case(strategy: str) -> dict[str, Any]:
     opt.step()
     engine, group = weakref.ref(model), weakref.ref(model.all_bucket_groups[0])
     del model, opt
-    gc.collect()
+    gc.collect()  # the engine; its finalizer removes the kept module's hooks (the Note)
+    gc.collect()  # what those hooks held
     out: dict[str, Any] = {"engine_alive": engine() is not None, "group_alive": group() is not None}
     if strategy == "optim_grads_params":  # the kept module holds this rank's shards
         return out

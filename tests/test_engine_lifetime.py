@@ -12,12 +12,17 @@ from lifetime_cases import dropped_engine_case
 
 from megabuf.config import SHARDING_STRATEGIES
 
+CASES = [(s, False) for s in SHARDING_STRATEGIES] + [
+    (s, True)
+    for s in ("optim", "optim_grads")  # overlap_param_gather
+]
 
-@pytest.mark.parametrize("strategy", SHARDING_STRATEGIES)
+
+@pytest.mark.parametrize(("strategy", "gather"), CASES)
 def test_a_dropped_engine_is_collected_and_its_module_trains_plain(
-    pools: Any, strategy: str
+    pools: Any, strategy: str, gather: bool
 ) -> None:
-    results = pools(2).run(dropped_engine_case, strategy)
+    results = pools(2).run(dropped_engine_case, strategy, gather)
     for rank, res in enumerate(results):
         assert not res["engine_alive"], f"{strategy}: rank {rank} kept the dropped engine alive"
         assert not res["group_alive"], f"{strategy}: rank {rank} kept a bucket group alive"
