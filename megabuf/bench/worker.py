@@ -187,7 +187,7 @@ def _timed_steps(
         engine.collectives.stats.reset()
     if engine.ddp is not None:
         engine.ddp.enable_timeline()
-        engine.ddp.comm_hook_report(reset=True)
+        engine.ddp.engine.hooks.comm_hook_report(reset=True)
     dist.barrier()
     phases = []
     busy, process, wall = system_busy_s(), time.process_time(), time.perf_counter()
@@ -222,7 +222,7 @@ def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, A
         "notes": engine.notes,
     }
     if engine.ddp is not None:  # the same ring figure over megabuf's padded buffers
-        buckets = [b for g in engine.ddp.all_bucket_groups for b in g.buckets]
+        buckets = [b for g in engine.ddp.engine.all_bucket_groups for b in g.buckets]
         padded = sum(b.numel * b.grad_data.element_size() for b in buckets)
         out["theoretical_bytes_layout"] = 2 * (job_dp_size() - 1) * padded // job_dp_size()
     if engine.collectives is not None:
@@ -232,9 +232,11 @@ def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, A
         out["bytes_per_step"] = stats.total_ring_nbytes // job.steps
         out["bytes_by_op"] = {k: v // job.steps for k, v in stats.ring_nbytes.items()}
         out["handed_bytes_by_op"] = {k: v // job.steps for k, v in stats.input_nbytes.items()}
-    if engine.ddp is not None and engine.ddp.comm_hook_report().buckets:
+    if engine.ddp is not None and engine.ddp.engine.hooks.comm_hook_report().buckets:
         # what the comm hook itself issued ([Note: hook wire bytes]); per hook call = per step
-        out["hook_wire_bytes_per_step"] = engine.ddp.comm_hook_report().ring_nbytes_per_step
+        out["hook_wire_bytes_per_step"] = (
+            engine.ddp.engine.hooks.comm_hook_report().ring_nbytes_per_step
+        )
     if engine.ddp is not None and engine.ddp.timeline is not None:
         out["overlap"] = analyze(engine.ddp.timeline.events).to_dict()
         out["timeline_events"] = list(engine.ddp.timeline.events)
