@@ -12,12 +12,11 @@ an upper bound.
 start of the system, so it counts only tensors allocated (not cached blocks), but it also counts
 whatever an earlier system of the same launch left allocated: `cuda_bytes_at_start` records
 that, after `gc.collect()`. With `isolate` (the default) every system runs in fresh processes
-and it is 0. Without it (`--no-isolate`), megabuf systems leave their model state alive after
-they end (measured on CPU at world 1: each megabuf system's buffers stay allocated, kept by the
-post-accumulate-grad hooks megabuf registers on the params, which `gc.collect()` does not
-free; clearing those hooks frees them; torch DDP and FSDP2 leave nothing), which is why the
-first GPU run's peaks climbed system after system; the report flags such rows rather than
-subtracting (a later allocation may reuse none of that memory).
+and it is 0. Without it (`--no-isolate`) it should be 0 too: no system leaves anything allocated
+after it ends (measured on CPU at world 1). megabuf systems did until [Note: hooks hold the
+engine weakly] (their grad hooks kept every engine alive), which is why the first GPU run's peaks
+climbed system after system; the report still flags such rows rather than subtracting (a later
+allocation may reuse none of that memory).
 """
 
 from __future__ import annotations
