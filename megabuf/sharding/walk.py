@@ -44,23 +44,18 @@ def _chunk_tensors(chunk: nn.Module) -> Iterator[Tensor]:
             if isinstance(extra, Tensor):
                 yield extra
     yield from module.buffers()
-    grad_buffers: list[Any] = []
-    for name in ("buffers", "expert_parallel_buffers"):  # a plain module's `buffers` is a method
-        held = getattr(chunk, name, None)
-        grad_buffers += list(held) if isinstance(held, list) else []
-    for buf in grad_buffers:
+    engine = getattr(chunk, "engine", None)  # a megabuf DistributedDataParallel's parts
+    for buf in engine.buffers if engine is not None else []:
         yield from _tensors_in(buf)
-        for bucket in getattr(buf, "buckets", []):
+        for bucket in buf.buckets:
             yield from _tensors_in(bucket)
-    for group in getattr(chunk, "all_bucket_groups", []):
+    for group in engine.all_bucket_groups if engine is not None else []:
         yield from _tensors_in(group)
 
 
 def _optimizer_tensors(optimizer: Any) -> Iterator[Tensor]:
-    if not hasattr(optimizer, "domains"):  # a torch optimizer (ZeroRedundancyOptimizer: .optim)
-        inner = getattr(optimizer, "optim", optimizer)
-        for state in getattr(inner, "state", {}).values():
-            yield from (v for v in state.values() if isinstance(v, Tensor))
+    if not hasattr(optimizer, "domains"):
+        yield from _foreign_optimizer_tensors(optimizer)
         return
     for domain in optimizer.domains:
         for mp in domain.main_params:
@@ -72,6 +67,21 @@ def _optimizer_tensors(optimizer: Any) -> Iterator[Tensor]:
                 yield mp.model_data
         for state in domain.optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, Tensor))
+
+
+def _foreign_optimizer_tensors(optimizer: Any) -> Iterator[Tensor]:
+    """A torch optimizer's params and state; ZeroRedundancyOptimizer's (`.optim`) and
+    megatron-core's (`.chained_optimizers`, each wrapping a torch `.optimizer` whose params are
+    its fp32 main params; its `state` is a mapping without `.values()`, so read by key)."""
+    for chained in getattr(optimizer, "chained_optimizers", None) or []:
+        yield from _foreign_optimizer_tensors(chained)
+    inner = getattr(optimizer, "optim", optimizer)
+    inner = getattr(inner, "optimizer", inner)
+    for group in getattr(inner, "param_groups", []):
+        yield from (p for p in group["params"] if isinstance(p, Tensor))
+    state = getattr(inner, "state", {})
+    for key in list(state):
+        yield from (v for v in state[key].values() if isinstance(v, Tensor))
 
 
 def unique_storage_nbytes(tensors: Iterable[Tensor]) -> dict[str, int]:
