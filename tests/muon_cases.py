@@ -242,7 +242,7 @@ def misuse_case(label: str) -> str:
             )
             model = megabuf.DistributedDataParallel(net, cfg)
             if dist.get_rank() == 1:  # as if this rank had planned other owners
-                buf = model.plan.buffers[0]
+                buf = model.engine.plan.buffers[0]
                 flipped = tuple((r + 1) % 2 for r in buf.layout.owner_of or ())
                 object.__setattr__(buf.layout, "owner_of", flipped)
             build_optimizer(model, OptimizerConfig(optimizer="muon"))

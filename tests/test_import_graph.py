@@ -29,9 +29,10 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pure", (
         "megabuf.sharding_strategy", "megabuf.strategy", "megabuf.layout", "megabuf.units",
-        "megabuf.timeline", "megabuf.overlap", "megabuf.owners", "megabuf.sharding", "megabuf.sharding.ledger",
-        "megabuf.sharding.walk", "megabuf.comm_hooks.lowrank", "megabuf.optimizer.grad_scaler",
-        "megabuf.optimizer.implementation", "megabuf.optimizer.state_layout",
+        "megabuf.timeline", "megabuf.overlap", "megabuf.owners", "megabuf.sharding",
+        "megabuf.sharding.ledger", "megabuf.sharding.walk", "megabuf.comm_hooks.lowrank",
+        "megabuf.optimizer.grad_scaler", "megabuf.optimizer.implementation",
+        "megabuf.optimizer.state_layout",
         "megabuf.pipeline.order", "megabuf.checkpoint.files",
     )),
     ("plan", (

@@ -33,7 +33,7 @@ EQUAL: dict[str, dict[str, Any]] = {
             "bucket_size": 100,
         },
         "micro": 2,
-    },  # fmt: skip
+    },
     "optim_grads_params_overlap": {"ddp": {**Z3, "overlap_grad_reduce": True}},
     "bf16_fp32_main": {"bf16": True, "ddp": {"grad_reduce_in_fp32": True}},
     "builder_clip": {"builder": True, "clip": 0.5},

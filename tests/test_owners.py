@@ -4,6 +4,7 @@ bound, deterministic; and the planner and config around it."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -56,7 +57,7 @@ def test_every_param_owned_once_whole_inside_its_owners_shard(seed, dp_size, buc
             seen[piece.param_id] = rank
     assert sorted(seen) == list(range(len(numels)))
     spans = sorted((s.start, s.end) for s in layout.params)
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
     for slot in layout.params:
         assert slot.start % PARAM_ALIGN_NUMEL == 0
     pad = bucket_pad_multiple(dp_size, seed % 5 == 0)

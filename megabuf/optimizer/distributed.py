@@ -54,7 +54,7 @@ class DistributedOptimizer(MegabufOptimizer):
                     "with that flag, or use MixedPrecisionOptimizer / FP32Optimizer"
                 )
         if any(chunk.ddp_config.whole_param_owners for chunk in chunks):
-            check_owners_agree(chunks, chunks[0].collectives)  # [Note: whole-param owners]
+            check_owners_agree(chunks, chunks[0].engine.collectives)  # [Note: whole-param owners]
 
     def _whole_params(self) -> bool:
         return all(chunk.ddp_config.whole_param_owners for chunk in self.model_chunks)

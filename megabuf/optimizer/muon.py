@@ -114,7 +114,7 @@ def muon_param_groups(
     muon: list[nn.Parameter] = []
     adam: list[nn.Parameter] = []
     for chunk in chunks:
-        for param in chunk.param_to_name:
+        for param in chunk.engine.param_to_name:
             (muon if param.dim() == 2 and id(param) not in embeddings else adam).append(param)
     extra = {} if muon_lr is None else {"lr": muon_lr}
     return [{"params": muon, MUON_KEY: True, **extra}, {"params": adam, MUON_KEY: False}]
@@ -157,9 +157,10 @@ def check_owners_agree(chunks: Sequence[DistributedDataParallel], collectives: C
     """Every dp rank must hold the same owner table ([Note: whole-param owners]); raise on
     every rank naming the first param whose owner differs."""
     for i, chunk in enumerate(chunks):
+        pgs, buffers = chunk.engine.process_groups, chunk.engine.plan.buffers
         for expert in (False, True):
-            group = chunk.process_groups.expt_dp if expert else chunk.process_groups.dp
-            mine = [(b.index, b.layout.owner_of) for b in chunk.plan.buffers if b.expert == expert]
+            group = pgs.expt_dp if expert else pgs.dp
+            mine = [(b.index, b.layout.owner_of) for b in buffers if b.expert == expert]
             if mine:
                 _compare_owner_tables(i, chunk, collectives.all_gather_object(mine, group))
 
@@ -175,10 +176,10 @@ def _compare_owner_tables(i: int, chunk: DistributedDataParallel, everyone: list
 
 
 def _first_owner_difference(chunk: DistributedDataParallel, ref: list, theirs: list) -> str:
-    names = list(chunk.param_to_name.values())
+    names = list(chunk.engine.param_to_name.values())
     for (bi, a), (_, b) in zip(ref, theirs, strict=False):
         for j, (ra, rb) in enumerate(zip(a or (), b or (), strict=False)):
             if ra != rb:
-                spec = chunk.plan.buffers[bi].param_ids[j]
+                spec = chunk.engine.plan.buffers[bi].param_ids[j]
                 return f"{names[spec]!r}: rank {ra} vs rank {rb}"
     return "the tables differ in length"
