@@ -191,6 +191,11 @@ class DistributedDataParallelConfig:
     matrices. Owners are balanced by Newton-Schulz cost; each bucket's shards follow params and
     are padded to the largest ([Note: whole-param owners] in megabuf/owners.py)."""
 
+    whole_param_max_nbytes: int | None = None
+    """With `whole_param_owners`: the most bytes (numel x param itemsize) one param may bring to
+    its owner; a larger param raises at construction naming it, instead of running one rank out
+    of memory. None: no limit."""
+
     pad_buckets_for_high_nccl_busbw: bool = False
     """Pad buckets to a multiple of 2**16 elements as well (NCCL reaches higher bus bandwidth
     for such sizes at large dp). Only meaningful with `use_distributed_optimizer`."""
@@ -324,6 +329,8 @@ class DistributedDataParallelConfig:
             ),
             "cpu_offload": (bool(self.cpu_offload), names("shards_optimizer")),
             "whole_param_owners": (bool(self.whole_param_owners), names("shards_optimizer")),
+            "whole_param_max_nbytes": (self.whole_param_max_nbytes is not None,
+                                       names("shards_optimizer")),
         }  # fmt: skip
         for name, (is_set, strategies) in applies.items():
             if is_set and strategy not in strategies:

@@ -185,6 +185,7 @@ def _owner_buffers(
 ) -> tuple[tuple[BufferPlan, ...], tuple[OwnerBalance, ...]]:
     """Every buffer re-laid with whole-param owners, loads carried over the buffers of one
     reduction group (dense, then expert); see [Note: whole-param owners]."""
+    _check_owner_nbytes(specs, config.whole_param_max_nbytes)
     out: list[BufferPlan] = []
     balances: list[OwnerBalance] = []
     for expert in (False, True):
@@ -206,6 +207,18 @@ def _owner_buffers(
         if loads is not None:
             balances.append(OwnerBalance(loads))
     return tuple(sorted(out, key=lambda b: b.index)), tuple(balances)
+
+
+def _check_owner_nbytes(specs: Sequence[ParamSpec], limit: int | None) -> None:
+    big = [(s.name, s.numel * s.dtype.itemsize) for s in specs]
+    big = [(n, b) for n, b in big if limit is not None and b > limit]
+    if big:
+        raise ValueError(
+            f"megabuf: params {big[:5]} (name, bytes) are larger than "
+            f"DistributedDataParallelConfig.whole_param_max_nbytes={limit}, and under "
+            "whole_param_owners one rank holds each param whole; raise the limit, or split or "
+            "shard those params another way (e.g. tensor parallelism)"
+        )
 
 
 def _unit_of_spec(

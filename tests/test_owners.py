@@ -136,3 +136,13 @@ def test_plan_lays_out_owners_under_every_sharded_strategy(strategy):
 def test_whole_param_owners_needs_a_sharded_strategy():
     with pytest.raises(ValueError, match="whole_param_owners=True only applies to"):
         DistributedDataParallelConfig(whole_param_owners=True)
+
+
+def test_param_larger_than_the_stated_bytes_per_rank_is_refused_by_name():
+    cfg = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, whole_param_owners=True, whole_param_max_nbytes=700
+    )
+    with pytest.raises(ValueError, match=r"\('w1', 768\).*whole_param_max_nbytes=700"):
+        build_plan(_specs(), cfg, dp_size=2, expt_dp_size=2, expert_shares_dp_group=True)
+    with pytest.raises(ValueError, match="whole_param_max_nbytes=100 only applies to"):
+        DistributedDataParallelConfig(whole_param_max_nbytes=100)
