@@ -1,7 +1,8 @@
 """Muon + AdamW under megabuf's whole-param owners ([Note: whole-param owners]) against
 single-process `torch.optim.Muon` + `torch.optim.AdamW` on the global batch (gloo ranks, dp
 1/2/4): every sharded strategy, grad-reduce and param-gather overlap, micro-batches, a tied
-embedding, a frozen param, bf16 params with fp32 main params, clipping, the replicated
+embedding, a frozen param, bf16 params with fp32 main params, deterministic_reduction,
+clipping, the replicated
 (no_shard) path; a checkpoint saved at dp 4 resumed at dp 2 under another strategy; the named
 errors. Bitwise except where clipping's norm is summed in another order ([Note: Muon
 reference] in muon_cases.py)."""
@@ -36,6 +37,7 @@ EQUAL: dict[str, dict[str, Any]] = {
     },
     "optim_grads_params_overlap": {"ddp": {**Z3, "overlap_grad_reduce": True}},
     "bf16_fp32_main": {"bf16": True, "ddp": {"grad_reduce_in_fp32": True}},
+    "deterministic_reduction": {"ddp": {"deterministic_reduction": True, "bucket_size": 100}},
     "builder_clip": {"builder": True, "clip": 0.5},
     "replicated_no_shard": {"ddp": {"data_parallel_sharding_strategy": "no_shard"}},
 }
