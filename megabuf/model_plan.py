@@ -13,7 +13,7 @@ from torch import nn
 
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.plan import Plan, build_plan
-from megabuf.replicas import param_specs
+from megabuf.replicas import embedding_weights, param_specs
 from megabuf.units import UnitPlan, plan_units
 
 
@@ -38,8 +38,9 @@ def plan_model(
     unit_plan = None
     if config.sharding.shards_params:
         unit_plan = plan_units(module, config.shard_units, list(trainable))
+    specs = param_specs(trainable, embedding_weights(module))
     plan = build_plan(
-        param_specs(trainable), config, dp_size=dp_size, expt_dp_size=expt_dp_size,
+        specs, config, dp_size=dp_size, expt_dp_size=expt_dp_size,
         expert_shares_dp_group=expert_shares_dp_group, disable_bucketing=disable_bucketing,
         unit_of_param=unit_plan.unit_ids([n for n, _ in trainable]) if unit_plan else None,
     )  # fmt: skip

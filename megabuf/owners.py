@@ -9,18 +9,28 @@ With `DistributedDataParallelConfig(whole_param_owners=True)` each param is owne
 dp rank, and the sharded machinery is otherwise untouched:
 - Owners: bucket by bucket (the buckets of the plain sharded layout, so bucket membership and the
   overlap with backward are unchanged), each bucket's params in decreasing cost, each going to
-  the rank with the least cost so far (ties: the lowest rank). Cost (`owner_cost`) is one
+  the rank where the larger of two loads stays smallest (params taken in decreasing larger share
+  of the two): its cost so far over the mean cost per
+  rank, and its elements in this bucket over the bucket's mean per rank (ties: the lesser cost,
+  then the lower rank). Balancing cost alone would leave one rank's shard of a bucket much
+  larger than the others', and every shard is padded to the largest. Cost (`owner_cost`) is one
   Newton-Schulz iteration on an m x n matrix, m*n*min(m, n) multiply-adds, plus the numel (the
-  bytes of state and grad it brings, in elements); 1-D and other params cost their numel. Any
-  least-loaded-first order keeps max load <= mean load + largest single cost (checked by
-  `tests/test_owners.py`). The carried load continues over the buffers of one reduction group.
+  bytes of state and grad it brings, in elements); 1-D and other params, and embedding weights
+  (AdamW's in the usual recipe: `ParamSpec.shape` is None), cost their numel. Bound (checked
+  by `tests/test_owners.py`): the rank with the least sum of the two normalised loads always
+  qualifies, and those sums total at most 2 per rank on average, so the largest cost load is at
+  most 2 x the mean + the largest single cost, and a bucket's largest shard holds at most 2 x its
+  mean + its largest param (in practice both ratios stay near 1: BENCHMARKS.md). The cost load
+  continues over the buffers of one reduction group.
 - Shards: within a bucket, rank r's shard holds exactly the params rank r owns (in buffer order,
   each starting at a multiple of PARAM_ALIGN_NUMEL); every shard of the bucket has the size of
   the largest, rounded up to OWNER_SHARD_ALIGN_NUMEL (2**16 for high NCCL bus bandwidth), so the
   bucket still splits into dp_size equal shards and the existing reduce-scatter leaves each
   param's full reduced grad on its owner, and the existing all-gather brings the updated param
   from its owner to every rank (overlapped as before). The price is padding: a bucket's
-  unevenness in elements is sent and stored; `OwnerBalance.padding_numel` reports it.
+  unevenness in elements is sent and stored. A param larger than a bucket's mean share forces
+  it, so the default bucket size under owners is at least dp_size x the largest param
+  (`megabuf.plan.resolve_bucket_size`); an explicit `bucket_size` is kept.
 - Every rank computes the same table from the same plan; the distributed optimizer compares the
   tables across dp ranks at construction (an owner chosen differently on two ranks would send a
   param's grad to one rank and expect it on another) and raises naming the param.
@@ -63,23 +73,55 @@ def assign_owners(
     bucket_costs: Sequence[Sequence[int]],
     dp_size: int,
     start_loads: Sequence[int] | None = None,
+    bucket_numels: Sequence[Sequence[int]] | None = None,
 ) -> tuple[tuple[tuple[int, ...], ...], OwnerBalance]:
     """Owner rank of every param of every bucket (same order as `bucket_costs`) and the loads;
-    see [Note: whole-param owners]. `start_loads` carries loads from earlier buffers."""
+    see [Note: whole-param owners]. `start_loads` carries loads from earlier buffers;
+    `bucket_numels` (default: the costs) are what each bucket's shards must hold."""
     if dp_size < 1:
         raise ValueError(f"megabuf: dp_size must be >= 1, got {dp_size}")
     loads = list(start_loads) if start_loads is not None else [0] * dp_size
     if len(loads) != dp_size:
         raise ValueError(f"megabuf: start_loads has {len(loads)} entries for dp_size={dp_size}")
+    numels = bucket_numels if bucket_numels is not None else bucket_costs
+    cost_mean = max(1, sum(loads) + sum(sum(c) for c in bucket_costs)) / dp_size
     owners: list[tuple[int, ...]] = []
-    for costs in bucket_costs:
+    for costs, sizes in zip(bucket_costs, numels, strict=True):
         mine = [0] * len(costs)
-        for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-            rank = min(range(dp_size), key=lambda r: (loads[r], r))
+        held = [0] * dp_size  # elements of this bucket per rank
+        numel_mean = max(1, sum(sizes)) / dp_size
+
+        def weight(
+            i: int, c: Sequence[int] = costs, n: Sequence[int] = sizes, m: float = numel_mean
+        ) -> float:
+            return max(c[i] / cost_mean, n[i] / m)
+
+        for i in sorted(range(len(costs)), key=lambda i: (-weight(i), i)):
+            rank = _best_rank(loads, held, costs[i] / cost_mean, sizes[i] / numel_mean,
+                              cost_mean, numel_mean)  # fmt: skip
             mine[i] = rank
             loads[rank] += costs[i]
+            held[rank] += sizes[i]
         owners.append(tuple(mine))
     return tuple(owners), OwnerBalance(tuple(loads))
+
+
+def _best_rank(
+    loads: Sequence[int],
+    held: Sequence[int],
+    cost: float,
+    size: float,
+    cost_mean: float,
+    numel_mean: float,
+) -> int:
+    """The rank where the larger normalised load after adding (cost, size) is least; ties: the
+    lesser cost load, then the lower rank ([Note: whole-param owners])."""
+
+    def after(r: int) -> tuple[float, int, int]:
+        worst = max(loads[r] / cost_mean + cost, held[r] / numel_mean + size)
+        return worst, loads[r], r
+
+    return min(range(len(loads)), key=after)
 
 
 def _round_up(value: int, multiple: int) -> int:

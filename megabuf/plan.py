@@ -71,8 +71,9 @@ class ParamSpec:
     own_bucket: bool = False
     """`param.shared_embedding`: the param gets a bucket of its own (tied embeddings)."""
     shape: tuple[int, ...] | None = None
-    """The param's shape (None: 1-D); whole-param owners weigh 2-D params by their Newton-Schulz
-    cost ([Note: whole-param owners] in megabuf/owners.py)."""
+    """The param's shape, or None for a param no matrix optimizer orthogonalises (embedding
+    weights); whole-param owners weigh 2-D shapes by their Newton-Schulz cost, the rest by
+    numel ([Note: whole-param owners] in megabuf/owners.py)."""
 
 
 @dataclass(frozen=True)
@@ -127,16 +128,22 @@ def resolve_bucket_size(
     config: DistributedDataParallelConfig,
     dp_size: int,
     disable_bucketing: bool = False,
+    largest_param_numel: int = 0,
 ) -> int | None:
     """None with disable_bucketing; else the explicit size; else one bucket per buffer without
-    overlap; else the default sized by dp_size and the largest buffer (unpadded numel)."""
+    overlap; else the default sized by dp_size and the largest buffer (unpadded numel), and
+    under whole_param_owners at least dp_size x the largest param ([Note: whole-param
+    owners])."""
     if disable_bucketing:
         return None
     if config.bucket_size is not None:
         return config.bucket_size
     if not config.overlap_grad_reduce:
         return None
-    return default_bucket_size(dp_size, max(buffer_numels, default=0))
+    size = default_bucket_size(dp_size, max(buffer_numels, default=0))
+    if config.whole_param_owners:  # a bucket's shards pad to its largest param's
+        size = max(size, dp_size * largest_param_numel)
+    return size
 
 
 def build_plan(
@@ -155,7 +162,8 @@ def build_plan(
     units = _unit_of_spec(specs, config, unit_of_param)
     keyed = _buffer_params(specs, config)
     numels = [sum(specs[i].numel for i in ids) for _, _, ids in keyed]
-    bucket_size = resolve_bucket_size(numels, config, dp_size, disable_bucketing)
+    largest = max((s.numel for s in specs), default=0)
+    bucket_size = resolve_bucket_size(numels, config, dp_size, disable_bucketing, largest)
     buffers = tuple(
         _buffer_plan(i, expert, key, ids, specs, config, bucket_size,
                      expt_dp_size if expert else dp_size, units)
@@ -193,7 +201,9 @@ def _owner_buffers(
         for buf in (b for b in buffers if b.expert == expert):
             costs = [owner_cost(specs[i].shape or (specs[i].numel,)) for i in buf.param_ids]
             per_bucket = [[costs[p] for p in k.param_ids] for k in buf.layout.buckets]
-            owners, balance = assign_owners(per_bucket, buf.dp_size, loads)
+            sizes = [[specs[buf.param_ids[p]].numel for p in k.param_ids]
+                     for k in buf.layout.buckets]  # fmt: skip
+            owners, balance = assign_owners(per_bucket, buf.dp_size, loads, sizes)
             loads = balance.loads
             owner_of = [0] * len(buf.param_ids)
             for k, ranks in zip(buf.layout.buckets, owners, strict=True):

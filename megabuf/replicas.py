@@ -26,9 +26,13 @@ def mark_expert_parallel(params: Iterable[nn.Parameter]) -> None:
         param.allreduce = False  # type: ignore[attr-defined]
 
 
-def param_specs(trainable: Sequence[tuple[str, nn.Parameter]]) -> tuple[ParamSpec, ...]:
-    """The planner's view of trainable params (registration order): numel, dtype, and the two
-    markers megabuf reads, `allreduce is False` (expert) and `shared_embedding` (own bucket)."""
+def param_specs(
+    trainable: Sequence[tuple[str, nn.Parameter]], embeddings: frozenset[int] = frozenset()
+) -> tuple[ParamSpec, ...]:
+    """The planner's view of trainable params (registration order): numel, dtype, the two
+    markers megabuf reads, `allreduce is False` (expert) and `shared_embedding` (own bucket), and
+    the shape whole-param owners weigh (None for the ids in `embeddings`, weights of
+    `nn.Embedding` modules, which no matrix optimizer orthogonalises)."""
     return tuple(
         ParamSpec(
             name,
@@ -36,10 +40,15 @@ def param_specs(trainable: Sequence[tuple[str, nn.Parameter]]) -> tuple[ParamSpe
             p.dtype,
             expert=is_expert_parallel(p),
             own_bucket=bool(getattr(p, "shared_embedding", False)),
-            shape=tuple(p.shape),
+            shape=None if id(p) in embeddings else tuple(p.shape),
         )
         for name, p in trainable
     )
+
+
+def embedding_weights(module: nn.Module) -> frozenset[int]:
+    """ids of the weights of `module`'s `nn.Embedding` modules (a tied output head included)."""
+    return frozenset(id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding))
 
 
 def check_devices(named: Sequence[tuple[str, nn.Parameter]]) -> None:

@@ -399,8 +399,8 @@ MUTANTS = (
         "owner-differs-across-ranks",
         "whole-param owners: every rank chooses the same owner for every param",
         "megabuf/owners.py",
-        "key=lambda r: (loads[r], r))",
-        'key=lambda r: (loads[r], (r + __import__("os").getpid()) % dp_size))',
+        "        return worst, loads[r], r\n",
+        '        return worst, loads[r], (r + __import__("os").getpid()) % len(loads)\n',
         ("tests/test_muon.py",),
     ),
 )
