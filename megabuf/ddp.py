@@ -36,6 +36,7 @@ from megabuf.param_sync import GatheredParams, UnitParams
 from megabuf.param_units import ParamUnits, unit_modules
 from megabuf.plan import Plan
 from megabuf.process_groups import ProcessGroups
+from megabuf.residency import Residency
 from megabuf.replicas import (
     ParamStructure,
     check_devices,
@@ -97,6 +98,7 @@ class DistributedDataParallel(nn.Module):
         self.rank = self.process_groups.topology.rank
         self._sharding = self.ddp_config.sharding  # [Note: sharding strategy objects]
         self.memory_ledger = MemoryLedger()  # [Note: sharded grad lifecycle]
+        self._residency = Residency(self.rank)  # [Note: offloaded engine] in residency.py
         self._build(options.init_sync)
         self._hooks = CommHookRegistry(
             self.all_bucket_groups, self.plan, self.ddp_config, self.memory_ledger, self.rank
@@ -175,6 +177,7 @@ class DistributedDataParallel(nn.Module):
                 units, self.plan, self.all_bucket_groups, self.param_to_name, self.ddp_config,
                 self.memory_ledger, self.rank,
             )  # fmt: skip
+            runtime.runtime.entry_guard = self._residency.check
             self.param_side = UnitParams(groups, hooks, cfg, runtime)
         for buf in self._all_buffers:
             logger.debug("megabuf: %s", buf.describe())
@@ -213,12 +216,14 @@ class DistributedDataParallel(nn.Module):
         self._before_forward(torch.compiler.is_compiling())
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
+            self._residency.watch(output)  # first: it raises before anything is queued
             self._sync.watch(output)
         return output
 
     @torch.compiler.disable
     def _before_forward(self, compiling: bool) -> None:
         """Runs eagerly even when this model is compiled (`compiling`: it is being traced)."""
+        self._residency.check("forward")
         self._sync.before_forward(torch.is_grad_enabled())
         self.param_side.before_forward(self.module, compiling)
         sync_on = self._sync.require_sync
@@ -249,6 +254,7 @@ class DistributedDataParallel(nn.Module):
 
     def _on_grad(self) -> None:
         """Every param grad hook's first step (hot path)."""
+        self._residency.check("backward (a param's grad hook)")
         self._hooks.backward_seen = True
         self._sync.on_grad()
 
@@ -263,6 +269,7 @@ class DistributedDataParallel(nn.Module):
     def start_grad_sync(self) -> None:
         """Dispatch every reduction not yet dispatched, in chain order (e.g. from a pipeline's
         grad_sync_func). Collective: every dp rank must call it."""
+        self._residency.check("start_grad_sync()")
         self._sync.start()
 
     def finish_grad_sync(self) -> None:
@@ -270,6 +277,7 @@ class DistributedDataParallel(nn.Module):
         reduction, and hand out the grads: see [Note: grad contract]. Collective: every dp rank
         must call it once per iteration, unless backward already did (sync_grads_at_backward_end
         outside deferred_grad_sync()): it is a no-op while every group is synced."""
+        self._residency.check("finish_grad_sync()")
         self._sync.finish()
 
     def unsynced_group(self) -> BucketGroup | None:
@@ -360,6 +368,7 @@ class DistributedDataParallel(nn.Module):
         no-op: params are shards between forwards, and forward, `state_dict()` and
         `summon_full_params()` gather them ([Note: who gathers when])."""
         del unused, force_dispatch
+        self._residency.check("start_param_sync()")
         self.param_side.start(force_sync)
 
     def publish_params(self) -> None:
@@ -382,6 +391,7 @@ class DistributedDataParallel(nn.Module):
         Read or edit params outside forward inside it: a released param has a 0-byte storage
         and reading it fails (a RuntimeError, or a crash of the process for some CPU kernels).
         Collective under optim_grads_params; elsewhere it publishes params (not collective)."""
+        self._residency.check("summon_full_params()")
         with self.param_side.summon(writeback=writeback):
             yield
 
@@ -405,6 +415,7 @@ class DistributedDataParallel(nn.Module):
         params (not collective: rank 0 may call it alone, see publish_params). Under
         optim_grads_params the params are gathered unit by unit and copied out: collective
         (every dp rank calls it), keyword arguments only."""
+        self._residency.check("state_dict()")
         return self.param_side.state_dict(self.module, args, kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -413,6 +424,7 @@ class DistributedDataParallel(nn.Module):
         Every dp rank must call it with the same state dict, or replicas differ. Under
         optim_grads_params every unit is gathered around the load (a full param copy at the
         peak) and the loaded values are written into the shards."""
+        self._residency.check("load_state_dict()")
         if assign:
             raise ValueError(
                 "megabuf: load_state_dict(assign=True) would detach params from the buffers; "
