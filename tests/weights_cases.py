@@ -89,7 +89,11 @@ def storage_nbytes(model: Any, opt: Any) -> int:
     tensors: list[torch.Tensor] = []
     for buf in model.buffers + model.expert_parallel_buffers:
         for b in buf.buckets:
-            tensors += [t for t in (b.grad_data, b.grad_shard, b.param_data, b.param_shard) if t is not None]
+            held = (b.grad_data, b.grad_shard, b.param_data, b.param_shard, b.scratch)
+            tensors += [t for t in held if t is not None]
+    for group in model.all_bucket_groups:
+        if group.sharded_grads is not None:
+            tensors += group.sharded_grads.scratch
     tensors += [p.data for p in model.module.parameters()]
     tensors += [mp.main for mp in opt.main_params]
     for d in opt.domains:
@@ -113,6 +117,10 @@ def formula(strategy: str, model: Any, opt: Any, dtype: torch.dtype) -> dict[str
     grad_item = torch.finfo(bufs[0].grad_dtype).bits // 8
     sharded_grads = strategy in ("optim_grads", "optim_grads_params")
     grads = (padded // dp if sharded_grads else padded) * grad_item
+    # gloo's reduce-scatter landing zones (full bucket size) where the reduction made them;
+    # optim_grads* releases its own after each reduction
+    scratch = [b.scratch for buf in bufs for b in buf.buckets if b.scratch is not None]
+    grad_scratch = sum(t.numel() for t in scratch) * grad_item
     if strategy == "no_shard":
         params = params_numel * item
     elif strategy == "optim_grads_params":
@@ -125,7 +133,7 @@ def formula(strategy: str, model: Any, opt: Any, dtype: torch.dtype) -> dict[str
         main_numels = [mp.numel for mp in opt.main_params]
     mains = sum(main_numels) * 4 if dtype != torch.float32 else 0
     state = sum(2 * 4 * n + 4 for n in main_numels)  # AdamW: exp_avg, exp_avg_sq, step
-    return {"grads": grads, "params": params, "module_buffers": 0, "main_params": mains,
+    return {"grads": grads, "grad_scratch": grad_scratch, "params": params, "module_buffers": 0, "main_params": mains,
             "optimizer_state": state}  # fmt: skip
 
 

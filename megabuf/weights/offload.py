@@ -2,7 +2,8 @@
 
 [Note: what offload releases]
 For every model chunk: the grad memory (the contiguous `grad_data`, or under optim_grads* the
-grad shards and any full bucket holding grads, the gloo scratch, exposed `.grad` tensors), the
+grad shards and any full bucket holding grads, exposed `.grad` tensors; "grad_scratch": gloo's
+reduce-scatter landing zones, never kept), the
 param memory (`param_data`, or under optim_grads_params the param shards, after every unit's
 full params were released; under no_shard the params' own storages) and the module's buffers;
 with the optimizer: its fp32 main params (those that are copies; fp32 main params that *are*
@@ -40,7 +41,7 @@ SHARDED_CATEGORIES = (
 )  # fmt: skip
 """The ledger categories whose storages offload releases (the others stay, e.g. comm hooks')."""
 HOST_CATEGORY = "offloaded_host"
-CATEGORIES = ("grads", "params", "module_buffers", "main_params", "optimizer_state")
+CATEGORIES = ("grads", "grad_scratch", "params", "module_buffers", "main_params", "optimizer_state")
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ def _collect(
         for group in chunk.all_bucket_groups:
             if group.sharded_grads is not None:
                 scratch += group.sharded_grads.scratch
-        yield "grads", scratch, False  # landing zones: contents never outlive a reduction
+        yield "grad_scratch", scratch, False  # landing zones: contents never outlive a reduction
         params: list[Tensor | None] = [b.param_data for b in buckets]
         params += [b.param_shard for b in buckets]
         params += [p.data for p in chunk.module.parameters()]
