@@ -36,13 +36,13 @@ from megabuf.param_sync import GatheredParams, UnitParams
 from megabuf.param_units import ParamUnits, unit_modules
 from megabuf.plan import Plan
 from megabuf.process_groups import ProcessGroups
-from megabuf.residency import Residency
 from megabuf.replicas import (
     ParamStructure,
     check_devices,
     check_replicas_match,
     is_expert_parallel,
 )
+from megabuf.residency import Residency
 from megabuf.sharding.ledger import MemoryLedger
 
 logger = logging.getLogger(__name__)

@@ -38,8 +38,13 @@ def ddp_config(strategy: str, *, overlap: bool = False) -> megabuf.DistributedDa
 
 
 def build(
-    strategy: str, dtype: torch.dtype, overlap: bool = False, group: Any = None
+    strategy: str,
+    dtype: torch.dtype,
+    overlap: bool = False,
+    group: Any = None,
+    frozen_first: bool = False,
 ) -> tuple[megabuf.DistributedDataParallel, megabuf.MegabufOptimizer]:
+    """`frozen_first`: the first layer trains with lr 0 (its buckets never change)."""
     model = MLPStack(DIM, LAYERS, seed=0, dtype=dtype)
     pgs = megabuf.ProcessGroups.for_dp_group(group) if group is not None else None
     ddp = megabuf.DistributedDataParallel(
@@ -48,7 +53,12 @@ def build(
     cfg = megabuf.OptimizerConfig(
         optimizer="adamw", lr=1e-2, weight_decay=0.1, bf16=dtype == torch.bfloat16
     )
-    return ddp, megabuf.build_optimizer(ddp, cfg)
+    groups = None
+    if frozen_first:
+        first = list(model.layers[0].parameters())
+        rest = [p for layer in model.layers[1:] for p in layer.parameters()]
+        groups = [{"params": first, "lr": 0.0, "weight_decay": 0.0}, {"params": rest}]
+    return ddp, megabuf.build_optimizer(ddp, cfg, groups)
 
 
 def batch(step: int, micro: int, rank: int, size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -133,8 +143,10 @@ def formula(strategy: str, model: Any, opt: Any, dtype: torch.dtype) -> dict[str
         main_numels = [mp.numel for mp in opt.main_params]
     mains = sum(main_numels) * 4 if dtype != torch.float32 else 0
     state = sum(2 * 4 * n + 4 for n in main_numels)  # AdamW: exp_avg, exp_avg_sq, step
-    return {"grads": grads, "grad_scratch": grad_scratch, "params": params, "module_buffers": 0, "main_params": mains,
-            "optimizer_state": state}  # fmt: skip
+    return {
+        "grads": grads, "grad_scratch": grad_scratch, "params": params, "module_buffers": 0,
+        "main_params": mains, "optimizer_state": state,
+    }  # fmt: skip
 
 
 def _raises(fn: Callable[[], Any]) -> str:
@@ -159,7 +171,9 @@ def entry_points(model: Any, opt: Any, x: torch.Tensor) -> dict[str, str]:
     }
 
 
-def continue_case(strategy: str, dtype_name: str, keep_grads: bool, overlap: bool) -> dict[str, Any]:
+def continue_case(
+    strategy: str, dtype_name: str, keep_grads: bool, overlap: bool
+) -> dict[str, Any]:
     """Offloaded twin vs never offloaded: bitwise params after STEPS AdamW steps."""
     import torch.distributed as dist
 
@@ -176,6 +190,7 @@ def continue_case(strategy: str, dtype_name: str, keep_grads: bool, overlap: boo
         if where == "forward":  # the forward's saved tensors: backward refuses, then works
             out["backward"] = _raises(lambda: loss.backward(retain_graph=True))
         restore(model, opt)
+
     for step in range(STEPS):
         train_step(ref, ref_opt, step, rank, size, dtype)
         train_step(model, opt, step, rank, size, dtype, between)

@@ -132,11 +132,15 @@ class MegabufOptimizer(torch.optim.Optimizer):
 
     def _model_wide_kinds(self) -> tuple[DomainKind, ...]:
         """Kinds present on *any* rank. Every rank must join every norm reduction, even a
-        pipeline stage without expert params, or the stages that have them wait forever."""
+        pipeline stage without expert params, or the stages that have them wait forever. The max
+        runs over pp, then dp: the model's pp x dp grid, not the world (ranks outside the model,
+        e.g. inference workers receiving its weights, take no part)."""
         mine = {d.kind for d in self.domains}
         flags = torch.tensor([float(k in mine) for k in DOMAIN_KINDS], device=self.device)
-        if self.process_groups.topology.world_size > 1:
-            self.collectives.all_reduce_max(flags, None)
+        pgs = self.process_groups
+        for group, size in ((pgs.pp, pgs.pp_size), (pgs.dp, pgs.dp_size)):
+            if size > 1:
+                self.collectives.all_reduce_max(flags, group)
         return tuple(k for k, f in zip(DOMAIN_KINDS, flags.tolist(), strict=True) if f > 0)
 
     # ---- subclass hooks -----------------------------------------------------------------------

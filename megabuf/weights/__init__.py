@@ -4,6 +4,21 @@ full weights out bucket by bucket (`export_weights`), and publish them to consum
 do not train (`publish`, `WeightReceiver`)."""
 
 from megabuf.residency import EngineOffloadedError
+from megabuf.weights.export import WeightBucket, export_weights, weight_version
 from megabuf.weights.offload import OffloadReport, is_offloaded, offload, restore
+from megabuf.weights.publish import Publisher, PublishGroup, WeightReceiver, publish_group
 
-__all__ = ["EngineOffloadedError", "OffloadReport", "is_offloaded", "offload", "restore"]
+__all__ = [
+    "EngineOffloadedError",
+    "OffloadReport",
+    "PublishGroup",
+    "Publisher",
+    "WeightBucket",
+    "WeightReceiver",
+    "export_weights",
+    "is_offloaded",
+    "offload",
+    "publish_group",
+    "restore",
+    "weight_version",
+]

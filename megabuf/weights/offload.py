@@ -178,7 +178,8 @@ def _collect(
 ) -> Iterator[tuple[str, list[Tensor | None], bool]]:
     """(category, tensors, keep) in counting order; see [Note: what offload releases]."""
     for chunk in chunks:
-        buckets = [b for buf in chunk.buffers + chunk.expert_parallel_buffers for b in buf.buckets]
+        buffers = [*chunk.buffers, *chunk.expert_parallel_buffers]  # type: ignore[misc]
+        buckets = [b for buf in buffers for b in buf.buckets]
         grads: list[Tensor | None] = [b.grad_data for b in buckets]
         grads += [b.grad_shard for b in buckets]
         grads += [p.grad for p in chunk.module.parameters()]
@@ -198,7 +199,7 @@ def _collect(
     mains = optimizer.main_params
     yield "main_params", [mp.main for mp in mains], True
     yield "grads", [mp.main.grad for mp in mains], keep_grads
-    state = [
+    state: list[Tensor | None] = [
         value
         for domain in optimizer.domains
         for per_param in domain.optimizer.state.values()

@@ -85,4 +85,4 @@ class StorageStash:
                     e.storage.copy_(e.host.untyped_storage())
                     e.host = None
                 else:
-                    e.storage.fill_(0)
+                    e.storage.fill_(0)  # type: ignore[attr-defined]
