@@ -377,6 +377,55 @@ MUTANTS = (
         "    if True:\n",
         ("tests/test_matrix.py",),
     ),
+
+    Mutant(
+        "restore-zeroes-kept-grads",
+        "offload(keep_grads=True) / restore brings every storage back bitwise",
+        "megabuf/weights/stash.py",
+        "                if e.host is not None:",
+        '                if e.host is not None and e.category != "grads":',
+        ("tests/test_weights.py",),
+    ),
+    Mutant(
+        "offload-forgets-optimizer-state",
+        "offload releases the optimizer's state with the model (bytes = the formula)",
+        "megabuf/weights/offload.py",
+        '    yield "optimizer_state", state, True',
+        '    yield "optimizer_state", [], True',
+        ("tests/test_weights.py",),
+    ),
+    Mutant(
+        "step-not-guarded-while-offloaded",
+        "every entry point of an offloaded engine raises EngineOffloadedError",
+        "megabuf/optimizer/base.py",
+        '        self._check_resident("optimizer step()")\n',
+        "",
+        ("tests/test_weights.py",),
+    ),
+    Mutant(
+        "export-skips-gather-wait",
+        "exported weights are the last step's, never a param whose gather is in flight",
+        "megabuf/weights/export.py",
+        "        chunk.param_side.publish()  # no param is read mid-gather\n",
+        "",
+        ("tests/test_weights_publish.py",),
+    ),
+    Mutant(
+        "changed-only-trusts-dp-rank-0",
+        "changed-only publish sends every bucket whose slice changed on any trainer",
+        "megabuf/weights/transfer.py",
+        "if any(t.changed[i] for t in trainers)",
+        "if lead.changed[i]",
+        ("tests/test_weights_publish.py",),
+    ),
+    Mutant(
+        "receiver-swaps-trainer-slices",
+        "a consumer rebuilds each bucket from every trainer's own slice",
+        "megabuf/weights/publish.py",
+        "lo, hi = send_range(flat.numel(), r, len(trainers))",
+        "lo, hi = send_range(flat.numel(), len(trainers) - 1 - r, len(trainers))",
+        ("tests/test_weights_publish.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")
