@@ -377,7 +377,6 @@ MUTANTS = (
         "    if True:\n",
         ("tests/test_matrix.py",),
     ),
-
     Mutant(
         "restore-zeroes-kept-grads",
         "offload(keep_grads=True) / restore brings every storage back bitwise",

@@ -98,6 +98,12 @@ def publish_case(strategy: str, dtype_name: str | None, late: bool) -> dict[str,
         out["versions"].append(params_of(model))
         out["sent"].append(transfer.send)
     out["buckets"] = len(publisher.buckets)
+    out["publish_peak"] = model.memory_ledger.peak("weight_publish")
+    item = torch.finfo(dtype or torch.float32).bits // 8
+    copies = dtype is not None or strategy == "no_shard"  # else a view of this rank's shard
+    out["publish_peak_formula"] = (
+        max(b.numel // 2 for _, b in publisher.buckets) * item if copies else 0
+    )
     return out
 
 

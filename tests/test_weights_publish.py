@@ -90,6 +90,8 @@ def test_consumer_receives_every_version_bitwise(published: Any, name: str) -> N
     assert trainer0["sent"][1] == ()
     assert () < trainer0["sent"][2] < every  # some buckets (the first layer's) did not change
     assert consumer["sent"] == trainer0["sent"] == trainer1["sent"]
+    for trainer in (trainer0, trainer1):  # at most one slice copy held: the largest
+        assert trainer["publish_peak"] == trainer["publish_peak_formula"]
 
 
 def test_version_mismatch_raises_on_every_rank(published: Any) -> None:

@@ -34,6 +34,9 @@ from megabuf.weights.transfer import (
     wire_dtype,
 )
 
+PUBLISH_CATEGORY = "weight_publish"
+"""Ledger category: the slice copy (cast, packed or moved to the host) held while it is sent."""
+
 
 @dataclass(frozen=True)
 class PublishGroup:
@@ -128,12 +131,18 @@ class Publisher:
         consumers = [self.group.group_rank(c) for c in self.group.consumers]
         self.sent_nbytes = 0
         for index in transfer.send:  # one bucket's slice materialised at a time
-            piece = self._slice(*self.buckets[index], dtype)
+            buf, bucket = self.buckets[index]
+            piece = self._slice(buf, bucket, dtype)
+            copied = 0 if _views_model(piece, buf, bucket) else _nbytes(piece)
+            model.memory_ledger.alloc(PUBLISH_CATEGORY, copied)
             pending = [
                 self.collectives.send(piece, c, self.group.group, tag=index) for c in consumers
             ]
-            _wait(pending, self.group, f"sending bucket {index} to the consumers", topo.rank)
-            self.sent_nbytes += piece.numel() * piece.element_size() * len(consumers)
+            try:
+                _wait(pending, self.group, f"sending bucket {index} to the consumers", topo.rank)
+            finally:
+                model.memory_ledger.free(PUBLISH_CATEGORY, copied)
+            self.sent_nbytes += _nbytes(piece) * len(consumers)
             if self.track_changes:
                 self._sent[index] = piece.clone()
         self.previous = number
@@ -155,7 +164,7 @@ class Publisher:
         if buf.param_data is not None or buf.bucket_params is not None:
             piece = buf.param_shard_view(bucket.offset + lo, bucket.offset + hi)
         else:  # no_shard: the params live in their own storages; pack this bucket
-            piece = _pack(buf, bucket)[lo:hi]
+            piece = _pack(buf, bucket)[lo:hi].clone()  # the packed bucket is freed here
         if dtype is not None and dtype != piece.dtype:
             piece = piece.to(dtype)
         return piece.cpu()  # the publish group is gloo's: messages leave from host memory
@@ -214,6 +223,17 @@ class WeightReceiver:
                 tensor = flat[p.offset : p.offset + numel].view(p.shape)
                 out.update(self.name_map(p.name, tensor) if self.name_map else [(p.name, tensor)])
         return out
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _views_model(piece: Tensor, buf: _ParamAndGradBuffer, bucket: _ParamAndGradBucket) -> bool:
+    """`piece` is a view of the model's own param memory (no copy was made for it)."""
+    homes = [t for t in (bucket.param_data, bucket.param_shard) if t is not None]
+    ptr = piece.untyped_storage().data_ptr()
+    return any(ptr == t.untyped_storage().data_ptr() for t in homes)
 
 
 def _dense_buffers(model: DistributedDataParallel) -> list[_ParamAndGradBuffer]:

@@ -16,7 +16,10 @@ dp-rank order) and consumer ranks (inference workers that do not train):
 3. data: bucket by bucket, trainer `r` of `n` sends elements [numel*r//n, numel*(r+1)//n) of the
    flat bucket (its own shard under the sharded strategies: nothing is gathered) to every
    consumer, one flat message each, in the publish dtype; consumers receive straight into their
-   flat copy of the bucket and rebuild named tensors as views of it. Every wait is bounded by
+   flat copy of the bucket and rebuild named tensors as views of it. A trainer holds at most
+   one slice copy at a time (when it casts, packs a no_shard bucket or moves it to the host:
+   the ledger's "weight_publish", whose peak is the largest such slice); a view of its own
+   shard is sent as it is. Every wait is bounded by
    the group's timeout, and a missing message raises naming the bucket and the trainer.
 """
 
