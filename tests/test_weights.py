@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 from dist_pool import case_result, run_each
-from weights_cases import STRATEGIES, continue_case
+from weights_cases import STRATEGIES, continue_case, refusal_case
 
 CONTINUE = {
     f"{s}-{dtype}-{'keep' if keep else 'drop'}": (continue_case, s, dtype, keep, s != "no_shard")
@@ -19,7 +19,7 @@ CONTINUE = {
 
 @pytest.fixture(scope="module")
 def results(pools: Any) -> list[dict[str, Any]]:
-    return pools(2).run(run_each, dict(CONTINUE))
+    return pools(2).run(run_each, {**CONTINUE, "refusal": (refusal_case,)})
 
 
 @pytest.mark.parametrize("name", list(CONTINUE))
@@ -52,3 +52,10 @@ def test_every_entry_point_raises_while_offloaded(results: Any, name: str) -> No
             assert "backward on rank" in out["backward"]
         ledger = out["ledger_offloaded"]
         assert all(ledger.get(c, 0) == 0 for c in ("param_shard", "grad_shard"))
+
+
+def test_offload_refuses_a_grad_reduction_in_flight_and_dropped_grads_need_a_backward(results: Any) -> None:
+    for out in case_result(results, "refusal"):
+        assert "has a grad reduction in flight" in out["refused"]
+        assert "finish_grad_sync()" in out["refused"]
+        assert "not SYNCED" in out["step_after_dropped_grads"]  # dropped grads: a new backward

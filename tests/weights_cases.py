@@ -206,3 +206,30 @@ def continue_case(
     out["ref"] = params_of(ref)
     out["got"] = params_of(model)
     return out
+
+
+def refusal_case() -> dict[str, str]:
+    """Offload with a grad reduction in flight (overlap_grad_reduce, backward inside
+    deferred_grad_sync()) is refused by name; after finish_grad_sync() it goes through."""
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model, opt = build("optim", torch.float32, overlap=True)
+    train_step(model, opt, 0, rank, size, torch.float32)  # arrivals learned: hooks dispatch
+    opt.zero_grad()
+    with model.deferred_grad_sync():
+        _loss(model, batch(0, 0, rank, size, torch.float32)).backward()
+    try:
+        offload(model, opt)
+        refused = "did not raise"
+    except RuntimeError as e:
+        refused = str(e)
+    model.finish_grad_sync()
+    offload(model, opt)  # grads dropped: the restored engine starts a new iteration
+    restore(model, opt)
+    try:
+        opt.step()
+        stepped = "did not raise"
+    except RuntimeError as e:
+        stepped = str(e)
+    return {"refused": refused, "step_after_dropped_grads": stepped}
