@@ -54,7 +54,9 @@ def test_every_entry_point_raises_while_offloaded(results: Any, name: str) -> No
         assert all(ledger.get(c, 0) == 0 for c in ("param_shard", "grad_shard"))
 
 
-def test_offload_refuses_a_grad_reduction_in_flight_and_dropped_grads_need_a_backward(results: Any) -> None:
+def test_offload_refuses_a_grad_reduction_in_flight_and_dropped_grads_need_a_backward(
+    results: Any,
+) -> None:
     for out in case_result(results, "refusal"):
         assert "has a grad reduction in flight" in out["refused"]
         assert "finish_grad_sync()" in out["refused"]
