@@ -52,7 +52,12 @@ def export_case(strategy: str) -> dict[str, Any]:
         for item in export_weights(model, version=7, dtype=torch.bfloat16, name_map=_split_halves)
         for n, t in item.named
     ]
+    early = export_weights(model, version=9, max_buckets=2)
+    next(early)
+    early.close()  # a consumer that stops after one item: the prefetched group is released too
+    states = [g.sharded_params.state.name for g in model.all_bucket_groups if g.sharded_params]
     return {
+        "states_after_close": states,
         "items": items, "twin": params_of(twin), "before": before, "in_flight": in_flight,
         "peak": peak, "formula_peak": max(pairs) if pairs else 0, "cast": cast,
         "export_ledger_now": model.memory_ledger.now("weight_export"),

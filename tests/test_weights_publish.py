@@ -56,6 +56,7 @@ def test_export_after_overlapped_step_is_the_fresh_params(exported: Any, name: s
         assert [i for _, i, _ in out["items"]] == list(range(len(out["items"])))
         assert out["peak"] == out["formula_peak"]  # ZeRO-3: at most 2 groups gathered
         assert out["export_ledger_now"] == 0
+        assert set(out["states_after_close"]) <= {"SHARDED"}
 
 
 @pytest.mark.parametrize("name", list(EXPORT))

@@ -96,23 +96,25 @@ def _stream(
     max_buckets: int,
 ) -> Iterator[WeightBucket]:
     gathered: set[int] = set()
-    for index, (chunk, group) in enumerate(groups):
-        for ahead in range(index, min(index + max_buckets, len(groups))):
-            if ahead not in gathered:
-                _gather(groups[ahead][1])
-                gathered.add(ahead)
-        _wait(group)
-        named = _named(chunk, group, dtype, name_map)
-        copied = sum(t.numel() * t.element_size() for t in _copies(group, named))
-        chunk.memory_ledger.alloc(EXPORT_CATEGORY, copied)
-        try:
-            yield WeightBucket(version, index, named)
-        finally:
-            chunk.memory_ledger.free(EXPORT_CATEGORY, copied)
-            _release(group)
-            gathered.discard(index)
-    for ahead in sorted(gathered):  # a consumer that stopped early: nothing stays gathered
-        _release(groups[ahead][1])
+    try:
+        for index, (chunk, group) in enumerate(groups):
+            for ahead in range(index, min(index + max_buckets, len(groups))):
+                if ahead not in gathered:
+                    _gather(groups[ahead][1])
+                    gathered.add(ahead)
+            _wait(group)
+            named = _named(chunk, group, dtype, name_map)
+            copied = sum(t.numel() * t.element_size() for t in _copies(group, named))
+            chunk.memory_ledger.alloc(EXPORT_CATEGORY, copied)
+            try:
+                yield WeightBucket(version, index, named)
+            finally:
+                chunk.memory_ledger.free(EXPORT_CATEGORY, copied)
+                _release(group)
+                gathered.discard(index)
+    finally:  # a consumer that stopped early (close(), break): nothing stays gathered
+        for ahead in sorted(gathered):
+            _release(groups[ahead][1])
 
 
 def _gather(group: BucketGroup) -> None:
