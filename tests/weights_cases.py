@@ -195,6 +195,8 @@ def continue_case(
         train_step(ref, ref_opt, step, rank, size, dtype)
         train_step(model, opt, step, rank, size, dtype, between)
         before = storage_nbytes(model, opt)
+        if step == 0:  # overlap_param_gather: the step left its gathers in flight
+            out["in_flight"] = [g.param_state.name for g in model.all_bucket_groups]
         report = offload(model, opt)
         out["walk"].append((before, storage_nbytes(model, opt)))
         out["released"].append(report.released_nbytes)
