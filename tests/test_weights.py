@@ -63,3 +63,4 @@ def test_offload_refuses_a_grad_reduction_in_flight_and_dropped_grads_need_a_bac
         assert "has a grad reduction in flight" in out["refused"]
         assert "finish_grad_sync()" in out["refused"]
         assert "not SYNCED" in out["step_after_dropped_grads"]  # dropped grads: a new backward
+        assert "backward (a param's grad hook) on rank" in out["grad_hook"]

@@ -234,4 +234,14 @@ def refusal_case() -> dict[str, str]:
         stepped = "did not raise"
     except RuntimeError as e:
         stepped = str(e)
-    return {"refused": refused, "step_after_dropped_grads": stepped}
+    # a backward that never reaches the engine's outputs still meets a param's grad hook
+    plain, plain_opt = build("no_shard", torch.float32)
+    train_step(plain, plain_opt, 0, rank, size, torch.float32)
+    seen: list[torch.Tensor] = []
+    handle = plain.module.layers[0].register_forward_hook(lambda m, i, o: seen.append(o))
+    plain(batch(1, 0, rank, size, torch.float32))
+    handle.remove()
+    offload(plain, plain_opt, keep_grads=True)
+    hook = _raises(lambda: seen[0].sum().backward())  # reads the input, not the weight
+    restore(plain, plain_opt)
+    return {"refused": refused, "step_after_dropped_grads": stepped, "grad_hook": hook}

@@ -2,17 +2,19 @@
 
 [Note: what offload releases]
 For every model chunk: the grad memory (the contiguous `grad_data`, or under optim_grads* the
-grad shards and any full bucket holding grads, exposed `.grad` tensors; "grad_scratch": gloo's
-reduce-scatter landing zones, never kept), the
-param memory (`param_data`, or under optim_grads_params the param shards, after every unit's
-full params were released; under no_shard the params' own storages) and the module's buffers;
-with the optimizer: its fp32 main params (those that are copies; fp32 main params that *are*
-`param_data` views were counted as params) and every state tensor on the device. Released
-bytes per category are `OffloadReport.released_nbytes`; tests check them against the layout
-(`tests/weights_cases.py`). Storages are released in place ([Note: release in place] in
-stash.py). With `keep_grads=True` the grads are copied to the host and restored bitwise (offload
-between micro-batches); without, they are dropped, `restore` zero-fills them and starts a new
-iteration (`zero_grad_buffer()`): the next step needs a new backward, which the optimizer
+grad shards and any full bucket holding grads; exposed `.grad` tensors; "grad_scratch": gloo's
+reduce-scatter landing zones, never kept), the param memory (`param_data`, or under
+optim_grads_params the param shards, after every unit's full params were released; under
+no_shard the params' own storages) and the module's buffers; with the optimizer: its fp32 main
+params (those that are copies; fp32 main params that *are* `param_data` views were counted as
+params) and every state tensor on the device. Released bytes per category are
+`OffloadReport.released_nbytes`; tests check them against the layout (`tests/weights_cases.py`).
+Storages are released in place ([Note: release in place] in stash.py); exposed `.grad` tensors
+are detached from their params meanwhile, so a backward run while offloaded creates new ones
+instead of adding into released memory (it then raises at the param's grad hook), and are put
+back on restore. With `keep_grads=True` the grads are copied to the host and restored bitwise
+(offload between micro-batches); without, they are dropped, `restore` zero-fills them and starts
+a new iteration (`zero_grad_buffer()`): the next step needs a new backward, which the optimizer
 checks. Before releasing anything, gathers in flight are waited for (`publish_params()`; under
 optim_grads_params `reshard_params()`); a grad reduction in flight, or a micro-batch reduction
 still owed, is refused by name: finish the grad sync first. The engine's ledger drops by the
@@ -65,6 +67,8 @@ class Offloaded:
     keep_grads: bool
     stash: StorageStash
     ledger_freed: list[dict[str, int]] = field(default_factory=list)  # per chunk
+    # exposed `.grad` tensors, detached from their params while offloaded
+    grads: list[tuple[torch.nn.Parameter, Tensor]] = field(default_factory=list)
 
 
 def offload(
@@ -86,6 +90,11 @@ def offload(
     with torch.profiler.record_function("megabuf::offload"):
         stash.release()
     record = Offloaded(chunks, optimizer, keep_grads, stash)
+    for chunk in chunks:  # autograd's AccumulateGrad must not write into a released `.grad`
+        for param in chunk.module.parameters():
+            if param.grad is not None:
+                record.grads.append((param, param.grad))
+                param.grad = None
     for chunk in chunks:
         ledger = chunk.memory_ledger
         freed = {c: ledger.now(c) for c in SHARDED_CATEGORIES if ledger.now(c) > 0}
@@ -124,6 +133,8 @@ def restore(
         )
     with torch.profiler.record_function("megabuf::restore"):
         record.stash.restore()
+    for param, grad in record.grads:
+        param.grad = grad
     chunks[0].memory_ledger.free(HOST_CATEGORY, record.stash.host_nbytes)
     for chunk, freed in zip(chunks, record.ledger_freed, strict=True):
         for category, nbytes in freed.items():
