@@ -39,13 +39,15 @@ def export_case(strategy: str) -> dict[str, Any]:
         before = params_of(twin)
         train_step(twin, twin_opt, step, rank, size, torch.float32)
         train_step(model, opt, step, rank, size, torch.float32)
-    in_flight = sum(g.param_state.name == "DISPATCHED" for g in model.all_bucket_groups)
-    model.memory_ledger.reset_peaks()
+    in_flight = sum(g.param_state.name == "DISPATCHED" for g in model.engine.all_bucket_groups)
+    model.engine.memory_ledger.reset_peaks()
     items = []
     for item in export_weights(model, optimizer=opt, max_buckets=2):
         items.append((item.version, item.index, [(n, t.clone()) for n, t in item.named]))
-    peak = model.memory_ledger.peak("unsharded_params")
-    full = [g.sharded_params.full_nbytes for g in model.all_bucket_groups if g.sharded_params]
+    peak = model.engine.memory_ledger.peak("unsharded_params")
+    full = [
+        g.sharded_params.full_nbytes for g in model.engine.all_bucket_groups if g.sharded_params
+    ]
     pairs = [a + b for a, b in itertools.pairwise(full)] or full
     cast = [
         (n, t.clone())
@@ -55,12 +57,14 @@ def export_case(strategy: str) -> dict[str, Any]:
     early = export_weights(model, version=9, max_buckets=2)
     next(early)
     early.close()  # a consumer that stops after one item: the prefetched group is released too
-    states = [g.sharded_params.state.name for g in model.all_bucket_groups if g.sharded_params]
+    states = [
+        g.sharded_params.state.name for g in model.engine.all_bucket_groups if g.sharded_params
+    ]
     return {
         "states_after_close": states,
         "items": items, "twin": params_of(twin), "before": before, "in_flight": in_flight,
         "peak": peak, "formula_peak": max(pairs) if pairs else 0, "cast": cast,
-        "export_ledger_now": model.memory_ledger.now("weight_export"),
+        "export_ledger_now": model.engine.memory_ledger.now("weight_export"),
     }  # fmt: skip
 
 
@@ -103,7 +107,7 @@ def publish_case(strategy: str, dtype_name: str | None, late: bool) -> dict[str,
         out["versions"].append(params_of(model))
         out["sent"].append(transfer.send)
     out["buckets"] = len(publisher.buckets)
-    out["publish_peak"] = model.memory_ledger.peak("weight_publish")
+    out["publish_peak"] = model.engine.memory_ledger.peak("weight_publish")
     item = torch.finfo(dtype or torch.float32).bits // 8
     copies = dtype is not None or strategy == "no_shard"  # else a view of this rank's shard
     out["publish_peak_formula"] = (

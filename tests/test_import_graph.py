@@ -39,25 +39,25 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "megabuf.sharding.memory_table", "megabuf.optimizer.config",
     )),
     ("transport", (
-        "megabuf.collectives", "megabuf.devices", "megabuf.process_groups", "megabuf.replicas",
-        "megabuf.torch_compat", "megabuf.pipeline.p2p", "megabuf.model_plan",
+        "megabuf.collectives", "megabuf.comm_records", "megabuf.devices",
+        "megabuf.process_groups", "megabuf.replicas", "megabuf.torch_compat",
+        "megabuf.pipeline.p2p", "megabuf.model_plan",
     )),
     ("hook_lib", ("megabuf.comm_hooks", "megabuf.comm_hooks.*")),
     ("storage", (
         "megabuf.buffer", "megabuf.sharding.grads", "megabuf.sharding.params",
         "megabuf.sharding.read_guard", "megabuf.sharding.units_runtime",
     )),
-    ("group", ("megabuf.bucket_group",)),
+    ("group", ("megabuf.bucket_group", "megabuf.dispatch", "megabuf.grad_math")),
     ("engine", (
         "megabuf.nan_check", "megabuf.hooks", "megabuf.grads", "megabuf.backward_sync",
         "megabuf.hook_registry", "megabuf.param_units", "megabuf.grad_sync",
-        "megabuf.param_sync", "megabuf.assembly", "megabuf.residency",
+        "megabuf.param_sync", "megabuf.assembly", "megabuf.engine", "megabuf.residency",
     )),
     ("wrapper", ("megabuf.ddp",)),
     ("above", (
         "megabuf.finalize", "megabuf.reproducible", "megabuf.optimizer", "megabuf.optimizer.*",
         "megabuf.checkpoint", "megabuf.checkpoint.*", "megabuf.pipeline", "megabuf.pipeline.*",
-        "megabuf.weights", "megabuf.weights.*",
     )),
     ("tools", (
         "megabuf", "megabuf.cli", "megabuf.inspect", "megabuf.bench", "megabuf.bench.*",

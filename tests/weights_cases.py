@@ -97,11 +97,11 @@ def params_of(model: Any) -> dict[str, torch.Tensor]:
 def storage_nbytes(model: Any, opt: Any) -> int:
     """An independent walk: bytes of every distinct storage the engine and optimizer hold."""
     tensors: list[torch.Tensor] = []
-    for buf in model.buffers + model.expert_parallel_buffers:
+    for buf in model.engine.buffers:
         for b in buf.buckets:
             held = (b.grad_data, b.grad_shard, b.param_data, b.param_shard, b.scratch)
             tensors += [t for t in held if t is not None]
-    for group in model.all_bucket_groups:
+    for group in model.engine.all_bucket_groups:
         if group.sharded_grads is not None:
             tensors += group.sharded_grads.scratch
     tensors += [p.data for p in model.module.parameters()]
@@ -120,7 +120,7 @@ def storage_nbytes(model: Any, opt: Any) -> int:
 def formula(strategy: str, model: Any, opt: Any, dtype: torch.dtype) -> dict[str, int]:
     """Bytes an offload after a step releases on this rank, from the layout alone."""
     item = torch.finfo(dtype).bits // 8
-    bufs = model.buffers + model.expert_parallel_buffers
+    bufs = model.engine.buffers
     dp = bufs[0].dp_size
     padded = sum(buf.numel for buf in bufs)
     params_numel = sum(p.numel() for p in model.module.parameters())
@@ -196,14 +196,14 @@ def continue_case(
         train_step(model, opt, step, rank, size, dtype, between)
         before = storage_nbytes(model, opt)
         if step == 0:  # overlap_param_gather: the step left its gathers in flight
-            out["in_flight"] = [g.param_state.name for g in model.all_bucket_groups]
+            out["in_flight"] = [g.param_state.name for g in model.engine.all_bucket_groups]
         report = offload(model, opt)
         out["walk"].append((before, storage_nbytes(model, opt)))
         out["released"].append(report.released_nbytes)
         out["formula"].append(formula(strategy, model, opt, dtype))
         if step == 0:
             out["entry"] = entry_points(model, opt, batch(0, 0, rank, size, dtype))
-            out["ledger_offloaded"] = dict(model.memory_ledger.current())
+            out["ledger_offloaded"] = dict(model.engine.memory_ledger.current())
         restore(model, opt)
     out["ref"] = params_of(ref)
     out["got"] = params_of(model)

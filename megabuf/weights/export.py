@@ -81,10 +81,10 @@ def export_weights(
         raise ValueError(f"megabuf: export_weights(max_buckets={max_buckets}) must be >= 1")
     number = resolve_version(optimizer, version)
     for chunk in chunks:
-        chunk._residency.check("export_weights()")
-        chunk.param_side.publish()  # no param is read mid-gather
-        chunk.param_side.reshard()
-    groups = [(chunk, g) for chunk in chunks for g in chunk.all_bucket_groups]
+        chunk.engine.residency.check("export_weights()")
+        chunk.engine.param_side.publish()  # no param is read mid-gather
+        chunk.engine.param_side.reshard()
+    groups = [(chunk, g) for chunk in chunks for g in chunk.engine.all_bucket_groups]
     return _stream(groups, number, dtype, name_map, max_buckets)
 
 
@@ -105,11 +105,11 @@ def _stream(
             _wait(group)
             named = _named(chunk, group, dtype, name_map)
             copied = sum(t.numel() * t.element_size() for t in _copies(group, named))
-            chunk.memory_ledger.alloc(EXPORT_CATEGORY, copied)
+            chunk.engine.memory_ledger.alloc(EXPORT_CATEGORY, copied)
             try:
                 yield WeightBucket(version, index, named)
             finally:
-                chunk.memory_ledger.free(EXPORT_CATEGORY, copied)
+                chunk.engine.memory_ledger.free(EXPORT_CATEGORY, copied)
                 _release(group)
                 gathered.discard(index)
     finally:  # a consumer that stopped early (close(), break): nothing stays gathered
@@ -140,7 +140,7 @@ def _named(
 ) -> list[tuple[str, Tensor]]:
     out: list[tuple[str, Tensor]] = []
     for param in group.params_list:
-        name = chunk.param_to_name[param]
+        name = chunk.engine.param_to_name[param]
         tensor = param.detach()
         if dtype is not None and tensor.dtype != dtype:
             tensor = tensor.to(dtype)

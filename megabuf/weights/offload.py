@@ -82,8 +82,8 @@ def offload(
     chunks = as_model_chunks(model_or_chunks, "megabuf.weights.offload")
     _check_can_offload(chunks, optimizer)
     for chunk in chunks:
-        chunk.param_side.publish()  # gathers in flight land first ([Note: who waits ...])
-        chunk.param_side.reshard()
+        chunk.engine.param_side.publish()  # gathers in flight land first ([Note: who waits ...])
+        chunk.engine.param_side.reshard()
     stash = StorageStash(_device(chunks))
     for category, tensors, keep in _collect(chunks, optimizer, keep_grads):
         stash.add(category, tensors, keep=keep)
@@ -96,13 +96,13 @@ def offload(
                 record.grads.append((param, param.grad))
                 param.grad = None
     for chunk in chunks:
-        ledger = chunk.memory_ledger
+        ledger = chunk.engine.memory_ledger
         freed = {c: ledger.now(c) for c in SHARDED_CATEGORIES if ledger.now(c) > 0}
         for category, nbytes in freed.items():
             ledger.free(category, nbytes)
         record.ledger_freed.append(freed)
-        chunk._residency.offloaded = record
-    chunks[0].memory_ledger.alloc(HOST_CATEGORY, stash.host_nbytes)
+        chunk.engine.residency.offloaded = record
+    chunks[0].engine.memory_ledger.alloc(HOST_CATEGORY, stash.host_nbytes)
     released = {c: 0 for c in CATEGORIES} | stash.nbytes()
     return OffloadReport(released, stash.host_nbytes)
 
@@ -115,10 +115,10 @@ def restore(
     a new iteration starts). `model_or_chunks` must be what was offloaded; `optimizer`, if
     given, the optimizer offloaded with it (restored in any case). Not collective."""
     chunks = as_model_chunks(model_or_chunks, "megabuf.weights.restore")
-    record = chunks[0]._residency.offloaded
+    record = chunks[0].engine.residency.offloaded
     if record is None:
         raise RuntimeError(
-            f"megabuf: restore() on rank {chunks[0].rank}: the model is not offloaded "
+            f"megabuf: restore() on rank {chunks[0].engine.rank}: the model is not offloaded "
             "(offload it with megabuf.weights.offload, or skip the restore)"
         )
     if [id(c) for c in record.chunks] != [id(c) for c in chunks]:
@@ -135,18 +135,18 @@ def restore(
         record.stash.restore()
     for param, grad in record.grads:
         param.grad = grad
-    chunks[0].memory_ledger.free(HOST_CATEGORY, record.stash.host_nbytes)
+    chunks[0].engine.memory_ledger.free(HOST_CATEGORY, record.stash.host_nbytes)
     for chunk, freed in zip(chunks, record.ledger_freed, strict=True):
         for category, nbytes in freed.items():
-            chunk.memory_ledger.alloc(category, nbytes)
-        chunk._residency.offloaded = None
+            chunk.engine.memory_ledger.alloc(category, nbytes)
+        chunk.engine.residency.offloaded = None
     if not record.keep_grads:
         for chunk in chunks:
             chunk.zero_grad_buffer()
 
 
 def is_offloaded(model: DistributedDataParallel) -> bool:
-    return model._residency.offloaded is not None
+    return model.engine.residency.offloaded is not None
 
 
 def _check_can_offload(
@@ -154,18 +154,18 @@ def _check_can_offload(
 ) -> None:
     """Refuse what cannot be released now, by name (nothing is released yet)."""
     for i, chunk in enumerate(chunks):
-        chunk._residency.check(f"offload() of model chunk {i}")
-        for group in chunk.all_bucket_groups:
+        chunk.engine.residency.check(f"offload() of model chunk {i}")
+        for group in chunk.engine.all_bucket_groups:
             if group.grad_state is GradSyncState.DISPATCHED:
                 raise RuntimeError(
-                    f"megabuf: offload() on rank {chunk.rank}: model chunk {i}, bucket group "
-                    f"{group.group_id} has a grad reduction in flight; call "
+                    f"megabuf: offload() on rank {chunk.engine.rank}: model chunk {i}, bucket "
+                    f"group {group.group_id} has a grad reduction in flight; call "
                     "model.finish_grad_sync() (or let backward finish it) before offloading"
                 )
-        if chunk._sync.phase is SyncPhase.MICROBATCH_OWED:
+        if chunk.engine.sync.phase is SyncPhase.MICROBATCH_OWED:
             raise RuntimeError(
-                f"megabuf: offload() on rank {chunk.rank}: model chunk {i} owes a micro-batch "
-                "reduction (reduce_each_microbatch inside no_sync()); call "
+                f"megabuf: offload() on rank {chunk.engine.rank}: model chunk {i} owes a "
+                "micro-batch reduction (reduce_each_microbatch inside no_sync()); call "
                 "model.finish_microbatch() before offloading"
             )
     if optimizer is not None:
@@ -189,14 +189,14 @@ def _collect(
 ) -> Iterator[tuple[str, list[Tensor | None], bool]]:
     """(category, tensors, keep) in counting order; see [Note: what offload releases]."""
     for chunk in chunks:
-        buffers = [*chunk.buffers, *chunk.expert_parallel_buffers]  # type: ignore[misc]
+        buffers = chunk.engine.buffers
         buckets = [b for buf in buffers for b in buf.buckets]
         grads: list[Tensor | None] = [b.grad_data for b in buckets]
         grads += [b.grad_shard for b in buckets]
         grads += [p.grad for p in chunk.module.parameters()]
         yield "grads", grads, keep_grads
         scratch: list[Tensor | None] = [b.scratch for b in buckets]
-        for group in chunk.all_bucket_groups:
+        for group in chunk.engine.all_bucket_groups:
             if group.sharded_grads is not None:
                 scratch += group.sharded_grads.scratch
         yield "grad_scratch", scratch, False  # landing zones: contents never outlive a reduction

@@ -81,7 +81,7 @@ class Publisher:
     ) -> None:
         """`track_changes`: keep a host copy of every slice sent (this rank's share of the
         model, in the publish dtype), which `publish(changed_only=True)` compares against."""
-        topo = model.process_groups.topology
+        topo = model.engine.process_groups.topology
         if topo.pp_size > 1 or topo.ep_size > 1:
             raise ValueError(
                 f"megabuf: Publisher supports dp-only models (pp_size={topo.pp_size}, "
@@ -94,7 +94,7 @@ class Publisher:
             )
         self.model = model
         self.group = group
-        self.collectives = collectives if collectives is not None else model.collectives
+        self.collectives = collectives if collectives is not None else model.engine.collectives
         self.buckets = [(buf, b) for buf in _dense_buffers(model) for b in buf.buckets]
         self.manifest = tuple(_entry(model, buf, b) for buf, b in self.buckets)
         self.previous: int | None = None
@@ -112,14 +112,14 @@ class Publisher:
     ) -> Transfer:
         """Send the weights of the last completed step (gathers in flight are waited for).
         Collective over the publish group. Returns what was sent."""
-        model, topo = self.model, self.model.process_groups.topology
-        model._residency.check("publish()")
+        model, topo = self.model, self.model.engine.process_groups.topology
+        model.engine.residency.check("publish()")
         if changed_only and not self.track_changes:
             raise ValueError(
                 "megabuf: publish(changed_only=True) needs Publisher(..., track_changes=True) "
                 "(host copies of what was sent, to compare against)"
             )
-        model.param_side.publish()
+        model.engine.param_side.publish()
         number = resolve_version(optimizer, version)
         changed = tuple(self._changed(i, dtype) for i in range(len(self.buckets)))
         header = TrainerHeader(
@@ -134,14 +134,14 @@ class Publisher:
             buf, bucket = self.buckets[index]
             piece = self._slice(buf, bucket, dtype)
             copied = 0 if _views_model(piece, buf, bucket) else _nbytes(piece)
-            model.memory_ledger.alloc(PUBLISH_CATEGORY, copied)
+            model.engine.memory_ledger.alloc(PUBLISH_CATEGORY, copied)
             pending = [
                 self.collectives.send(piece, c, self.group.group, tag=index) for c in consumers
             ]
             try:
                 _wait(pending, self.group, f"sending bucket {index} to the consumers", topo.rank)
             finally:
-                model.memory_ledger.free(PUBLISH_CATEGORY, copied)
+                model.engine.memory_ledger.free(PUBLISH_CATEGORY, copied)
             self.sent_nbytes += _nbytes(piece) * len(consumers)
             if self.track_changes:
                 self._sent[index] = piece.clone()
@@ -237,7 +237,7 @@ def _views_model(piece: Tensor, buf: _ParamAndGradBuffer, bucket: _ParamAndGradB
 
 
 def _dense_buffers(model: DistributedDataParallel) -> list[_ParamAndGradBuffer]:
-    return list(model.buffers)  # type: ignore[call-overload]  # a list that is also callable
+    return list(model.engine.dense_buffers)
 
 
 def _entry(
@@ -245,7 +245,9 @@ def _entry(
 ) -> BucketEntry:
     params = tuple(
         ParamEntry(
-            model.param_to_name[p], tuple(p.shape), buf.param_index_map[p].start - bucket.offset
+            model.engine.param_to_name[p],
+            tuple(p.shape),
+            buf.param_index_map[p].start - bucket.offset,
         )
         for p in bucket.params_list
     )
