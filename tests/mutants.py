@@ -405,7 +405,7 @@ MUTANTS = (
         "export-skips-gather-wait",
         "exported weights are the last step's, never a param whose gather is in flight",
         "megabuf/weights/export.py",
-        "        chunk.param_side.publish()  # no param is read mid-gather\n",
+        "        chunk.engine.param_side.publish()  # no param is read mid-gather\n",
         "",
         ("tests/test_weights_publish.py",),
     ),

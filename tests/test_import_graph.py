@@ -58,6 +58,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("above", (
         "megabuf.finalize", "megabuf.reproducible", "megabuf.optimizer", "megabuf.optimizer.*",
         "megabuf.checkpoint", "megabuf.checkpoint.*", "megabuf.pipeline", "megabuf.pipeline.*",
+        "megabuf.weights", "megabuf.weights.*",
     )),
     ("tools", (
         "megabuf", "megabuf.cli", "megabuf.inspect", "megabuf.bench", "megabuf.bench.*",
