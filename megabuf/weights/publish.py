@@ -95,7 +95,7 @@ class Publisher:
         self.model = model
         self.group = group
         self.collectives = collectives if collectives is not None else model.engine.collectives
-        self.buckets = [(buf, b) for buf in _dense_buffers(model) for b in buf.buckets]
+        self.buckets = [(buf, b) for buf in _buffers(model) for b in buf.buckets]
         self.manifest = tuple(_entry(model, buf, b) for buf, b in self.buckets)
         self.previous: int | None = None
         self.track_changes = track_changes
@@ -236,8 +236,9 @@ def _views_model(piece: Tensor, buf: _ParamAndGradBuffer, bucket: _ParamAndGradB
     return any(ptr == t.untyped_storage().data_ptr() for t in homes)
 
 
-def _dense_buffers(model: DistributedDataParallel) -> list[_ParamAndGradBuffer]:
-    return list(model.engine.dense_buffers)
+def _buffers(model: DistributedDataParallel) -> list[_ParamAndGradBuffer]:
+    """Every buffer, plan order: at ep_size 1 the expert buffers' dp group is the dp group."""
+    return list(model.engine.buffers)
 
 
 def _entry(
