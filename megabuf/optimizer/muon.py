@@ -26,13 +26,6 @@ from megabuf.collectives import Collectives
 from megabuf.ddp import DistributedDataParallel
 
 MUON_KEY = "use_muon"
-_MUON_DEFAULTS: dict[str, Any] = {
-    "momentum": 0.95,
-    "nesterov": True,
-    "ns_coefficients": (3.4445, -4.775, 2.0315),
-    "ns_steps": 5,
-    "adjust_lr_fn": None,
-}
 MUON_EPS = 1e-7  # Newton-Schulz stabiliser (torch.optim.Muon's `eps`)
 
 
