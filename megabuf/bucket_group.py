@@ -46,6 +46,7 @@ from megabuf.comm_hooks.contract import GradBucket, HookWork, Waitable
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.sharding.grads import REDUCING_GROUPS_LIMIT, GradBucketState, ShardedGrads
 from megabuf.sharding.params import ShardedParams
+from megabuf.sharding.replicate import ReplicaStage
 from megabuf.timeline import Timeline  # re-exported: ddp.py and users import it from here
 
 
@@ -80,6 +81,7 @@ class DispatchChain:
     def __init__(self) -> None:
         self.groups: list[BucketGroup] = []
         self.next_index = 0
+        self.next_replica = 0  # the next group whose replicate all-reduce may be issued
         self._ordered = False
 
     def set_order(self, groups: Sequence[BucketGroup]) -> None:
@@ -95,8 +97,27 @@ class DispatchChain:
         while self.next_index < len(self.groups) and self.groups[self.next_index].all_ready:
             self.groups[self.next_index].start_grad_sync()
             self.next_index += 1
+            self.progress_replicas()
             if self.groups[0].sharded_grads is not None:
                 self._bound_reducing()
+
+    def progress_replicas(self) -> None:
+        """Issue, in chain order, the replicate all-reduces whose reduce-scatter has landed,
+        stopping at the first that has not (never waits; [Note: two-level reduction])."""
+        while self.next_replica < self.next_index:
+            group = self.groups[self.next_replica]
+            if group.replicas.owed and not group.first_level_completed():
+                return
+            group.start_replica_sync()
+            self.next_replica += 1
+
+    def start_replicas_upto(self, group: BucketGroup) -> None:
+        """Issue every owed replicate all-reduce up to and including `group`'s, in chain order
+        (waiting for their reduce-scatters)."""
+        stop = self.groups.index(group) + 1
+        for earlier in self.groups[:stop]:  # from the head: a sync may re-owe any of them
+            earlier.start_replica_sync()
+        self.next_replica = max(self.next_replica, stop)
 
     def _bound_reducing(self) -> None:
         """optim_grads*: finish the reductions in flight that already completed (no wait), and
@@ -120,6 +141,7 @@ class DispatchChain:
 
     def reset(self) -> None:
         self.next_index = 0
+        self.next_replica = 0
 
 
 class BucketGroup:
@@ -145,6 +167,7 @@ class BucketGroup:
         chain: DispatchChain | None = None,
         sharded_params: ShardedParams | None = None,
         sharded_grads: ShardedGrads | None = None,
+        replicate_group: ProcessGroup | None = None,
     ) -> None:
         self.buckets = list(buckets)
         self.ddp_config = ddp_config
@@ -160,6 +183,13 @@ class BucketGroup:
         self.sharded_params = sharded_params
         # optim_grads*: the buckets' grad storages ([Note: sharded grad lifecycle]); else None
         self.sharded_grads = sharded_grads
+        # hybrid: the all-reduce of the reduced shards across replicas ([Note: two-level
+        # reduction]); flat: a stage that never arms
+        self.replicas = ReplicaStage(
+            replicate_group, collectives, average=ddp_config.average_in_collective,
+            group_id=group_id, rank=rank,
+        )  # fmt: skip
+        self.is_final_microbatch = True  # this backward ends the step (set by the grad sync)
         self.params_list = [p for b in self.buckets for p in b.params_list]
         self.params = set(self.params_list)
         self._index = {p: i for i, p in enumerate(self.params_list)}
@@ -208,6 +238,14 @@ class BucketGroup:
 
     def set_comm_hook(self, hook: object, buckets: Sequence[GradBucket]) -> None:
         """Reduce with `hook` from now on, one call per bucket ([Note: comm hook contract])."""
+        if self.replicas.active:
+            raise ValueError(
+                f"megabuf: communication hooks (and deterministic_reduction) are not supported "
+                f"under hybrid sharding (bucket group {self.group_id}, rank {self.rank}): a hook "
+                "replaces the reduction inside the shard group, and what it would mean across "
+                "the replicate group (a second compression, a hierarchical fixed-order sum) is "
+                "not defined yet; use flat process groups with a hook"
+            )
         if len(buckets) != len(self.buckets):
             raise ValueError(
                 f"megabuf: bucket group {self.group_id} has {len(self.buckets)} buckets, "
@@ -231,6 +269,7 @@ class BucketGroup:
             )
         if self.sharded_grads is not None:
             self.sharded_grads.zero()
+        self.replicas.new_step()
         self._clear_iteration()
 
     def next_microbatch(self) -> None:
@@ -383,6 +422,7 @@ class BucketGroup:
         if self.ddp_config.check_for_nan_in_grad:
             self._record_nonfinite()
         self._grad_work = SyncWork(self._reduce(self.ddp_config.overlap_grad_reduce))
+        self.replicas.arm(self.is_final_microbatch)
         self.grad_state = GradSyncState.DISPATCHED
         if self.timeline is not None:
             self.timeline.record(self.group_id, "dispatch")
@@ -433,26 +473,70 @@ class BucketGroup:
         return [HookWork(self.comm_hook, bucket, timeout) for bucket in self.hook_buckets]
 
     def finish_grad_sync(self) -> None:
-        """Wait for the reduction; if nobody dispatched it yet, dispatch it first."""
-        if self.grad_state is GradSyncState.SYNCED:
+        """Wait for the reduction; if nobody dispatched it yet, dispatch it first. Under hybrid
+        a group SYNCED as a non-final micro-batch may still owe its replicate all-reduce."""
+        if self.grad_state is GradSyncState.SYNCED and not self.replicas.owed:
             return
         if self.grad_state is GradSyncState.IDLE:
             self.start_grad_sync()
+        if self.replicas.owed:
+            if self.chain is not None:
+                self.chain.start_replicas_upto(self)
+            else:
+                self.start_replica_sync()
+        self._finish_first_level()
+        self.replicas.wait()
+        self.grad_state = GradSyncState.SYNCED
+        if self.timeline is not None:
+            self.timeline.record(self.group_id, "finish")
+
+    def end_step_at_sync(self) -> None:
+        """The grad sync that ends the step begins: every later reduction is final, and one
+        that already ran (or runs) as a non-final micro-batch owes its replicate all-reduce."""
+        self.is_final_microbatch = True
+        if self.grad_state is not GradSyncState.IDLE:
+            self.replicas.owe_at_sync()
+
+    def _finish_first_level(self) -> None:
+        """Wait for the reduction in the group's own collective group (the reduce-scatter
+        inside the shard group under hybrid) and, under optim_grads*, land it in the shards."""
         if self._grad_work is None:
+            if self.replicas.active and self.grad_state is not GradSyncState.IDLE:
+                return  # landed already (start_replica_sync, or a non-final micro-batch)
             raise RuntimeError(f"megabuf: bucket group {self.group_id} has no grad sync work")
         self._grad_work.wait()
         self._grad_work = None
         if self.sharded_grads is not None:
             self.sharded_grads.finish()  # into the grad shards; the buckets are released
             self._unwritten[:] = self._all_unwritten  # their contents are gone
-        self.grad_state = GradSyncState.SYNCED
-        if self.timeline is not None:
-            self.timeline.record(self.group_id, "finish")
+
+    def start_replica_sync(self) -> None:
+        """Hybrid, a final micro-batch: finish the first level and issue the all-reduce of
+        this rank's reduced shards across replicas ([Note: two-level reduction]). Only the
+        dispatch chain calls it, in chain order; a no-op when nothing is owed."""
+        if not self.replicas.owed:
+            return
+        self._finish_first_level()
+        if self.sharded_grads is not None:
+            shards = self.sharded_grads.shards
+        else:
+            shards = [self.local_shard(b.grad_data) for b in self.buckets]
+        self.replicas.start(shards)
+
+    def first_level_completed(self) -> bool:
+        """The reduction in the group's own collective group has landed (never waits)."""
+        work = self._grad_work
+        return work is None or all(_completed(w) for w in work.pending)
 
     def grad_sync_completed(self) -> bool:
-        """The dispatched reduction has landed (finish_grad_sync would not wait); False when
-        unknown (a comm hook's work)."""
+        """The dispatched reduction has landed, both levels under hybrid (finish_grad_sync would
+        not wait); False when unknown (a comm hook's work)."""
         work = self._grad_work
+        if self.replicas.active:
+            owed_or_flying = self.replicas.owed or not self.replicas.completed()
+            return self.grad_state is GradSyncState.DISPATCHED and not owed_or_flying and (
+                work is None or all(_completed(w) for w in work.pending)
+            )
         return work is not None and all(_completed(w) for w in work.pending)
 
     def abandon_grad_sync(self) -> None:
@@ -461,6 +545,7 @@ class BucketGroup:
         if self._grad_work is not None:
             self._grad_work.wait()
             self._grad_work = None
+        self.replicas.abandon()
         if self.sharded_grads is not None:
             self.sharded_grads.abandon()
         self.grad_state = GradSyncState.IDLE

@@ -35,7 +35,7 @@ from megabuf.nan_check import raise_on_nonfinite_grads
 from megabuf.param_sync import GatheredParams, UnitParams
 from megabuf.param_units import ParamUnits, unit_modules
 from megabuf.plan import Plan
-from megabuf.process_groups import ProcessGroups
+from megabuf.process_groups import ProcessGroups, resolve_split
 from megabuf.replicas import (
     ParamStructure,
     check_devices,
@@ -90,9 +90,12 @@ class DistributedDataParallel(nn.Module):
         options = torch_compat.resolve(module, ddp_config, process_groups, torch_ddp_args)
         self.module = module
         self.ddp_config = options.ddp_config
-        self.process_groups = options.process_groups or ProcessGroups.default()
+        self.process_groups = resolve_split(
+            options.process_groups or ProcessGroups.default(), self.ddp_config
+        )
         self._disable_bucketing = disable_bucketing
         self.collectives = collectives if collectives is not None else Collectives()
+        self.collectives.name_groups(self.process_groups.named())
         self._sync_buffers_in_forward = options.sync_buffers_in_forward
         self.rank = self.process_groups.topology.rank
         self._sharding = self.ddp_config.sharding  # [Note: sharding strategy objects]
@@ -120,8 +123,8 @@ class DistributedDataParallel(nn.Module):
         check_devices(named)
         check_replicas_match(named, pgs.dp, self.collectives)
         planned = plan_model(  # the same path as `megabuf inspect`
-            self.module, self.ddp_config, dp_size=pgs.dp_size,
-            expt_dp_size=pgs.topology.expt_dp_size, expert_shares_dp_group=pgs.expt_dp is pgs.dp,
+            self.module, self.ddp_config, dp_size=pgs.topology.sharding(False)[1],
+            expt_dp_size=pgs.topology.sharding(True)[1], expert_shares_dp_group=pgs.expt_dp is pgs.dp,
             disable_bucketing=self._disable_bucketing,
         )  # fmt: skip
         trainable = planned.trainable
