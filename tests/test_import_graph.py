@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "megabuf.timeline", "megabuf.overlap", "megabuf.sharding", "megabuf.sharding.ledger",
         "megabuf.sharding.walk", "megabuf.comm_hooks.lowrank", "megabuf.optimizer.grad_scaler",
         "megabuf.optimizer.implementation", "megabuf.optimizer.state_layout",
-        "megabuf.pipeline.order", "megabuf.checkpoint.files",
+        "megabuf.pipeline.order", "megabuf.checkpoint.files", "megabuf.hybrid",
     )),
     ("plan", (
         "megabuf.config", "megabuf.plan", "megabuf.sharding.formula",
@@ -46,6 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("storage", (
         "megabuf.buffer", "megabuf.sharding.grads", "megabuf.sharding.params",
         "megabuf.sharding.read_guard", "megabuf.sharding.units_runtime",
+        "megabuf.sharding.replicate",
     )),
     ("group", ("megabuf.bucket_group",)),
     ("engine", (
