@@ -534,8 +534,10 @@ class BucketGroup:
         work = self._grad_work
         if self.replicas.active:
             owed_or_flying = self.replicas.owed or not self.replicas.completed()
-            return self.grad_state is GradSyncState.DISPATCHED and not owed_or_flying and (
-                work is None or all(_completed(w) for w in work.pending)
+            return (
+                self.grad_state is GradSyncState.DISPATCHED
+                and not owed_or_flying
+                and (work is None or all(_completed(w) for w in work.pending))
             )
         return work is not None and all(_completed(w) for w in work.pending)
 

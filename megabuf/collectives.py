@@ -347,7 +347,7 @@ class Collectives:
         ring = (size - 1) * _nbytes(input)
         with torch.profiler.record_function("megabuf::all_gather"):
             if self.strategy(group, input.device).all_gather != "p2p":
-                self._record(group, 
+                self._record(group,
                     "all_gather", input_nbytes=_nbytes(input), output_nbytes=_nbytes(output),
                     ring_nbytes=ring,
                 )  # fmt: skip
@@ -373,7 +373,9 @@ class Collectives:
                     ops.append(dist.P2POp(dist.isend, input, peer_global, group, tag))
                     ops.append(dist.P2POp(dist.irecv, chunks[peer], peer_global, group, tag))
                     sent, received = sent + _nbytes(input), received + _nbytes(chunks[peer])
-        self._record(group, "all_gather", input_nbytes=sent, output_nbytes=received, ring_nbytes=ring)
+        self._record(
+            group, "all_gather", input_nbytes=sent, output_nbytes=received, ring_nbytes=ring
+        )
         with torch.profiler.record_function("megabuf::all_gather"):
             handles = dist.batch_isend_irecv(ops) if ops else []
         pending = PendingCollective("all_gather", list(handles))
@@ -474,7 +476,9 @@ class Collectives:
         src = dist.get_global_rank(group, src_group_rank) if group else src_group_rank
         nbytes = _nbytes(tensor)
         if dist.get_rank() == src:
-            self._record(group, "broadcast", input_nbytes=nbytes, output_nbytes=0, ring_nbytes=nbytes)
+            self._record(
+                group, "broadcast", input_nbytes=nbytes, output_nbytes=0, ring_nbytes=nbytes
+            )
         else:
             self._record(group, "broadcast", input_nbytes=0, output_nbytes=nbytes, ring_nbytes=0)
         with torch.profiler.record_function("megabuf::broadcast"):
@@ -503,7 +507,7 @@ class Collectives:
                 )
         row_nbytes = _nbytes(input) // max(1, input.shape[0]) if input.dim() else 0
         kept = input_split_sizes[rank] if input_split_sizes is not None else input.shape[0] // size
-        self._record(group, 
+        self._record(group,
             "all_to_all", input_nbytes=_nbytes(input), output_nbytes=_nbytes(output),
             ring_nbytes=(input.shape[0] - kept) * row_nbytes,
         )  # fmt: skip
@@ -553,7 +557,9 @@ class Collectives:
                 sent += _nbytes(m.tensor)
             else:
                 received += _nbytes(m.tensor)
-        self._record(group, "batch_p2p", input_nbytes=sent, output_nbytes=received, ring_nbytes=sent)
+        self._record(
+            group, "batch_p2p", input_nbytes=sent, output_nbytes=received, ring_nbytes=sent
+        )
         with torch.profiler.record_function("megabuf::batch_p2p"):
             handles = dist.batch_isend_irecv(ops) if ops else []
         return PendingCollective("batch_p2p", list(handles))
@@ -573,7 +579,7 @@ class Collectives:
         """Every rank's `obj`, in group-rank order (pickled; for set-up checks, not hot paths)."""
         # torch pickles `obj` itself; its pickle is the closest count of what is handed over
         size, nbytes = dist.get_world_size(group), len(pickle.dumps(obj))
-        self._record(group, 
+        self._record(group,
             "all_gather_object", input_nbytes=nbytes, output_nbytes=0,
             ring_nbytes=(size - 1) * nbytes,
         )  # fmt: skip

@@ -124,7 +124,8 @@ class DistributedDataParallel(nn.Module):
         check_replicas_match(named, pgs.dp, self.collectives)
         planned = plan_model(  # the same path as `megabuf inspect`
             self.module, self.ddp_config, dp_size=pgs.topology.sharding(False)[1],
-            expt_dp_size=pgs.topology.sharding(True)[1], expert_shares_dp_group=pgs.expt_dp is pgs.dp,
+            expt_dp_size=pgs.topology.sharding(True)[1],
+            expert_shares_dp_group=pgs.expt_dp is pgs.dp,
             disable_bucketing=self._disable_bucketing,
         )  # fmt: skip
         trainable = planned.trainable

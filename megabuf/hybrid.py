@@ -73,7 +73,9 @@ def node_shard_size(env: Mapping[str, str] | None = None) -> int:
     return int(value)
 
 
-def hybrid_layout(dp_groups: Sequence[Sequence[int]], split: HybridSplit) -> dict[str, list[list[int]]]:
+def hybrid_layout(
+    dp_groups: Sequence[Sequence[int]], split: HybridSplit
+) -> dict[str, list[list[int]]]:
     """Pure: the global ranks of every shard and every replicate group of the dp groups
     `dp_groups` (each in dp-rank order); see [Note: hybrid rank order]."""
     s, r = split.shard_size, split.replicate_size

@@ -17,20 +17,16 @@ expt_dp [0,2] [1,3] [4,6] [5,7]; pp [0,4] [1,5] [2,6] [3,7].
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.hybrid import HybridSplit, hybrid_layout, node_shard_size, split_for
-from megabuf.strategy import backend_for_device
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -97,7 +93,9 @@ class ProcessGroups:
 
     def __post_init__(self) -> None:
         if (self.dp_shard is None) != (self.dp_replicate is None):
-            raise ValueError("megabuf: ProcessGroups needs both dp_shard and dp_replicate, or neither")
+            raise ValueError(
+                "megabuf: ProcessGroups needs both dp_shard and dp_replicate, or neither"
+            )
 
     def named(self) -> dict[str, ProcessGroup | None]:
         """Every group by name, the hybrid levels first ([Note: wire accounting by group])."""
@@ -138,9 +136,8 @@ class ProcessGroups:
 
     def _split_topology(self) -> dict[str, int]:
         if self.dp_shard is None or self.dp_replicate is None:
-            return {
-                "dp_shard_rank": dist.get_rank(self.dp), "dp_shard_size": dist.get_world_size(self.dp),
-            }  # fmt: skip
+            return {"dp_shard_rank": dist.get_rank(self.dp),
+                    "dp_shard_size": dist.get_world_size(self.dp)}  # fmt: skip
         return {
             "dp_shard_rank": dist.get_rank(self.dp_shard),
             "dp_shard_size": dist.get_world_size(self.dp_shard),
@@ -194,16 +191,9 @@ class ProcessGroups:
         dp_ranks = group_ranks(self.dp)
         layout = hybrid_layout([dp_ranks], split)
         rank = dist.get_rank()
-        mine = {
-            kind: next(g for g in groups if rank in g) for kind, groups in layout.items()
-        }  # fmt: skip
-        made = {
-            kind: _cached(("split", tuple(r)), lambda r=r: new_subgroup(None, r))
-            for kind, r in mine.items()
-        }  # fmt: skip
-        return dataclasses.replace(
-            self, dp_shard=made["dp_shard"], dp_replicate=made["dp_replicate"]
-        )
+        made = [_split_group(next(g for g in layout[kind] if rank in g)) for kind in
+                ("dp_shard", "dp_replicate")]  # fmt: skip
+        return dataclasses.replace(self, dp_shard=made[0], dp_replicate=made[1])
 
     @classmethod
     def from_device_mesh(cls, mesh: DeviceMesh) -> ProcessGroups:
@@ -307,6 +297,11 @@ def resolve_split(pgs: ProcessGroups, config: DistributedDataParallelConfig) -> 
     return pgs
 
 
+def _split_group(ranks: list[int]) -> ProcessGroup:
+    """One shard or replicate group, made by its members only (once per world)."""
+    return _cached(("split", tuple(ranks)), lambda: new_subgroup(None, ranks))
+
+
 def _refuse_expert_split(pgs: ProcessGroups) -> None:
     if pgs.expt_dp is not pgs.dp:
         raise ValueError(
@@ -405,68 +400,3 @@ def _cached(key: object, make: Callable[[], _G]) -> _G:
     if key not in _GROUP_CACHE:
         _GROUP_CACHE[key] = make()
     return _GROUP_CACHE[key]  # type: ignore[return-value]
-
-
-DEFAULT_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl"}
-"""Device type of the model -> the backend `init_distributed` picks for it."""
-
-
-def init_distributed(
-    *,
-    device: str | torch.device = "cpu",
-    backend: str | None = None,
-    timeout_s: float = 600.0,
-    pp_size: int = 1,
-    ep_size: int = 1,
-    dp_shard_size: int | str | None = None,
-) -> ProcessGroups:
-    """Start torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT, LOCAL_RANK) and return the groups.
-
-    `device` is where the model and its batches live, which decides the backend (unless
-    `backend` is given): "cpu" -> gloo, whatever accelerators the machine has; "cuda" -> NCCL,
-    with this rank on GPU LOCAL_RANK, whatever index `device` names (`torch.cuda.set_device`,
-    and `device_id` passed to `init_process_group`, which binds the communicator to that GPU
-    eagerly). If torch.distributed is already initialised, its groups are used as they are,
-    provided a backend of them serves `device`. `dp_shard_size`: see `ProcessGroups.build`."""
-    device_type = torch.device(device).type
-    if backend is None and device_type not in DEFAULT_BACKENDS:
-        raise ValueError(
-            f"megabuf: init_distributed(device={device!r}): known devices are "
-            f"{sorted(DEFAULT_BACKENDS)}; pass backend= for another"
-        )
-    missing = [
-        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
-    ]
-    if missing and not dist.is_initialized():
-        raise RuntimeError(
-            f"megabuf: init_distributed() needs torchrun's environment; missing {missing}. "
-            "Run under torchrun or megabuf.testing.launch.spawn"
-        )
-    if not dist.is_initialized():
-        backend = backend or DEFAULT_BACKENDS[device_type]
-        device_id = _bind_local_gpu() if device_type == "cuda" else None
-        dist.init_process_group(
-            backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id
-        )
-    if backend_for_device(dist.get_backend_config(), device_type) is None:
-        raise ValueError(
-            f"megabuf: init_distributed(device={device!r}): torch.distributed's backend "
-            f"{dist.get_backend_config()!r} serves no {device_type} tensors"
-        )
-    return ProcessGroups.build(pp_size=pp_size, ep_size=ep_size, dp_shard_size=dp_shard_size)
-
-
-def _bind_local_gpu() -> torch.device:
-    """Make GPU LOCAL_RANK this process's current device and return it."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if local_rank >= count:
-        raise RuntimeError(
-            f"megabuf: init_distributed(device='cuda') on LOCAL_RANK {local_rank} needs "
-            f"{local_rank + 1} CUDA devices; this machine shows {count} (run with "
-            "device='cpu', or start one rank per GPU)"
-        )
-    gpu = torch.device("cuda", local_rank)
-    torch.cuda.set_device(gpu)
-    return gpu

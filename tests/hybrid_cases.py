@@ -22,7 +22,7 @@ STEPS = 3
 
 
 def groups(split: str) -> megabuf.ProcessGroups:
-    """"flat", "RxS" (ProcessGroups.build(dp_shard_size=S)), "mesh:RxS" (a DeviceMesh) or
+    """ "flat", "RxS" (ProcessGroups.build(dp_shard_size=S)), "mesh:RxS" (a DeviceMesh) or
     "config:R" (flat groups; the config's num_distributed_optimizer_instances splits them)."""
     if split == "flat" or split.startswith("config:"):
         return megabuf.ProcessGroups.build()
@@ -122,8 +122,9 @@ def hybrid_case(case: dict[str, Any]) -> dict[str, Any]:
     topo = model.process_groups.topology
     return {
         "params": {n: p.numpy().tobytes() for n, p in params.items()},
-        "error": max((p - ref_params[n].detach().float()).abs().max().item()
-                     for n, p in params.items()),  # fmt: skip
+        "error": max(
+            (p - ref_params[n].detach().float()).abs().max().item() for n, p in params.items()
+        ),
         "replicate_calls": replicate_calls,
         "buckets": sum(len(g.buckets) for g in model.all_bucket_groups),
         "split": (topo.dp_replicate_size, topo.dp_shard_size),
@@ -146,9 +147,7 @@ def misuse_errors() -> dict[str, str]:
     world = dist.get_world_size()
     out = {
         "not_divisible": error_of(megabuf.ProcessGroups.build, dp_shard_size=3),
-        "no_shard": error_of(
-            build, {"split": "2x2", "strategy": "no_shard"}
-        ),
+        "no_shard": error_of(build, {"split": "2x2", "strategy": "no_shard"}),
         "hook": error_of(_hook_under_hybrid),
         "config_r_not_dividing": error_of(build, {"split": "config:3", "strategy": "optim"}),
     }

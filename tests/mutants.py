@@ -347,8 +347,8 @@ MUTANTS = (
         "dense-norm-over-expert-dp",
         "global grad norm: dense shards are summed over dp (not the expert-dp group)",
         "megabuf/optimizer/distributed.py",
-        'return (pgs.dp, pgs.pp) if kind == "dense"',
-        'return (pgs.expt_dp, pgs.pp) if kind == "dense"',
+        "return (pgs.shard_group(False), pgs.pp)",
+        "return (pgs.expt_dp, pgs.pp)",
         ("tests/test_matrix.py",),
     ),
     Mutant(

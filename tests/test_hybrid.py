@@ -157,6 +157,8 @@ def test_named_errors(sweep: list[dict[str, Any]]) -> None:
     assert "dp_shard_size=3 does not divide the data-parallel size 4" in errors["not_divisible"]
     assert "needs a strategy that shards the optimizer" in errors["no_shard"]
     assert "not supported under hybrid sharding" in errors["hook"]
-    assert "num_distributed_optimizer_instances=3 does not divide" in errors["config_r_not_dividing"]
+    assert (
+        "num_distributed_optimizer_instances=3 does not divide" in errors["config_r_not_dividing"]
+    )
     assert "expert parallelism (ep_size 2) is not supported" in errors["expert"]
     assert "dims named ('replicate', 'shard')" in errors["unnamed_mesh"]

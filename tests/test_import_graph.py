@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     )),
     ("transport", (
         "megabuf.collectives", "megabuf.devices", "megabuf.process_groups", "megabuf.replicas",
+        "megabuf.distributed_init",
         "megabuf.torch_compat", "megabuf.pipeline.p2p", "megabuf.model_plan",
     )),
     ("hook_lib", ("megabuf.comm_hooks", "megabuf.comm_hooks.*")),
