@@ -166,3 +166,27 @@ def _unnamed_mesh() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     megabuf.ProcessGroups.from_device_mesh(init_device_mesh("cpu", (2, 2)))
+
+
+def checkpoint_case(save: dict[str, Any], load: dict[str, Any], path: str) -> dict[str, Any]:
+    """Two steps at `save`'s split and strategy, a checkpoint, then a fresh model at `load`'s
+    loads it and takes the third step; the params against the reference's three steps."""
+    model, opt = build(save)
+    ref = reference(save)
+    for step in range(2):
+        train(model, opt, step, 1)
+        ref.step(step)
+    megabuf.save_checkpoint(path, model, opt)
+    model, opt = build(load)
+    megabuf.load_checkpoint(path, model, opt)
+    train(model, opt, 2, 1)
+    ref.step(2)
+    state = model.state_dict()
+    ref_params = dict(ref.model.named_parameters())
+    params = {n: state[n].detach().float().clone() for n in ref_params}
+    return {
+        "params": {n: p.numpy().tobytes() for n, p in params.items()},
+        "error": max(
+            (p - ref_params[n].detach().float()).abs().max().item() for n, p in params.items()
+        ),  # fmt: skip
+    }

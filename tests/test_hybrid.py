@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from dist_pool import case_result, run_each
-from hybrid_cases import hybrid_case, misuse_errors
+from hybrid_cases import checkpoint_case, hybrid_case, misuse_errors
 
 from megabuf.hybrid import HybridSplit, hybrid_layout, node_shard_size, place, split_for
 
@@ -162,3 +162,20 @@ def test_named_errors(sweep: list[dict[str, Any]]) -> None:
     )
     assert "expert parallelism (ep_size 2) is not supported" in errors["expert"]
     assert "dims named ('replicate', 'shard')" in errors["unnamed_mesh"]
+
+
+@pytest.mark.parametrize(
+    ("save", "load"),
+    [
+        ({"split": "2x2", "strategy": "optim"}, {"split": "flat", "strategy": "optim"}),
+        ({"split": "flat", "strategy": "optim_grads"}, {"split": "2x2", "strategy": "optim_grads"}),
+        ({"split": "2x2", "strategy": "optim_grads_params"}, {"split": "4x1", "strategy": "optim"}),
+    ],
+    ids=["hybrid-to-flat", "flat-to-hybrid", "hybrid-zero3-to-4x1"],
+)
+def test_checkpoint_moves_between_splits(
+    pools: Any, tmp_path: Any, save: dict[str, Any], load: dict[str, Any]
+) -> None:
+    ranks = pools(4).run(checkpoint_case, save, load, str(tmp_path / "ckpt"))
+    assert all(r["params"] == ranks[0]["params"] for r in ranks), "replicas differ"
+    assert max(r["error"] for r in ranks) < FP32_BOUND
