@@ -188,5 +188,5 @@ def checkpoint_case(save: dict[str, Any], load: dict[str, Any], path: str) -> di
         "params": {n: p.numpy().tobytes() for n, p in params.items()},
         "error": max(
             (p - ref_params[n].detach().float()).abs().max().item() for n, p in params.items()
-        ),  # fmt: skip
+        ),
     }
