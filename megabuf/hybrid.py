@@ -94,3 +94,34 @@ def hybrid_layout(
 def place(dp_rank: int, split: HybridSplit) -> tuple[int, int]:
     """(replicate_rank, shard_rank) of `dp_rank`."""
     return divmod(dp_rank, split.shard_size)
+
+
+def planned_split(
+    dp_size: int, *, shard_size: int | None, replicas: int, ep_size: int, strategy: str | None
+) -> HybridSplit | None:
+    """The split `megabuf inspect` plans at (None: flat): from `shard_size`, else from Megatron's
+    `replicas`; `strategy` is the sharding strategy's name when it shards the optimizer."""
+    if shard_size is None and replicas == 1:
+        return None
+    if ep_size > 1:
+        raise ValueError("megabuf: hybrid sharding with ep_size > 1 is not supported")
+    if shard_size is not None:
+        split = split_for(dp_size, shard_size=shard_size, what="dp_shard_size")
+    else:
+        split = split_for(dp_size, replicas=replicas, what="num_distributed_optimizer_instances")
+    if not split.is_flat and strategy is None:
+        raise ValueError("megabuf: a hybrid split needs a strategy that shards the optimizer")
+    return None if split.is_flat else split
+
+
+def describe_split(split: HybridSplit | None) -> str:
+    """One line's tail for `megabuf inspect`: both groups and what crosses each."""
+    if split is None:
+        return ""
+    r, s = split.replicate_size, split.shard_size
+    return (
+        f" as {r} replicas x {s}-way shard (hybrid): dp_shard groups of {s} ranks "
+        f"(reduce-scatter, param gathers, optimizer state / {s}), dp_replicate groups of {r} "
+        "ranks (all-reduce of each reduced shard, once per step); buffers below are laid out "
+        f"at dp {s}"
+    )

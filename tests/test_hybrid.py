@@ -179,3 +179,26 @@ def test_checkpoint_moves_between_splits(
     ranks = pools(4).run(checkpoint_case, save, load, str(tmp_path / "ckpt"))
     assert all(r["params"] == ranks[0]["params"] for r in ranks), "replicas differ"
     assert max(r["error"] for r in ranks) < FP32_BOUND
+
+
+def test_inspect_shows_both_groups_and_lays_out_at_the_shard_size() -> None:
+    from torch import nn
+
+    from megabuf import DistributedDataParallelConfig
+    from megabuf.inspect import format_inspection, inspect_model, inspection_to_dict
+
+    model = nn.Sequential(nn.Linear(6, 7), nn.Linear(7, 3))
+    cfg = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads", num_distributed_optimizer_instances=2
+    )
+    info = inspect_model(model, cfg, 8)
+    flat_at_shard = inspect_model(model, DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads"), 4)  # fmt: skip
+    assert [b.layout for b in info.buffers] == [b.layout for b in flat_at_shard.buffers]
+    assert info.memory == flat_at_shard.memory  # per rank: the flat strategy at dp = S
+    as_dict = inspection_to_dict(info)
+    assert (as_dict["dp_size"], as_dict["dp_replicate_size"], as_dict["dp_shard_size"]) == (8, 2, 4)
+    text = format_inspection(info)
+    assert "2 replicas x 4-way shard" in text and "dp_replicate groups of 2 ranks" in text
+    with pytest.raises(ValueError, match="dp_shard_size=3 does not divide"):
+        inspect_model(model, cfg, 8, dp_shard_size=3)
