@@ -127,6 +127,11 @@ def hybrid_case(case: dict[str, Any]) -> dict[str, Any]:
         ),
         "replicate_calls": replicate_calls,
         "buckets": sum(len(g.buckets) for g in model.all_bucket_groups),
+        # padded grad bytes of every bucket (n * g of the wire formula; all fp32 here)
+        "bucket_nbytes": sum(
+            b.layout.numel * b.grad_dtype.itemsize
+            for b in [*model.buffers, *model.expert_parallel_buffers]
+        ),
         "split": (topo.dp_replicate_size, topo.dp_shard_size),
         "group_bytes": {
             name: dict(stats.ring_nbytes) for name, stats in model.collectives.group_stats.items()

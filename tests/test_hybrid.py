@@ -141,15 +141,24 @@ def test_bf16_params_with_fp32_main_params(sweep: list[dict[str, Any]]) -> None:
         assert ((a - b).abs() <= b.abs() * 2.0**-6 + 1e-3).all(), name
 
 
-def test_wire_bytes_per_group(sweep: list[dict[str, Any]]) -> None:
-    """The replicate group carries 2(R-1)/R of a 1/S shard per bucket per step: with R = S = 2,
-    exactly the bytes the shard group's reduce-scatter carries ((S-1)/S of the bucket)."""
-    hybrid = _result(sweep, "optim-2x2-micro2")[0]["group_bytes"]
-    flat = _result(sweep, "optim-flat")[0]["group_bytes"]
-    assert hybrid["dp_replicate"]["all_reduce"] == hybrid["dp_shard"]["reduce_scatter"] > 0
-    assert set(hybrid["dp_replicate"]) == {"all_reduce"}  # no gather crosses replicas
-    # flat reduce-scatter over 4: 3/4 of the (4-padded) buckets vs hybrid's 1/2 of 2-padded ones
-    assert flat["dp"]["reduce_scatter"] > hybrid["dp_shard"]["reduce_scatter"]
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_wire_bytes_per_group_equal_the_formula(sweep: list[dict[str, Any]], strategy: str) -> None:
+    """Ring bytes per rank per step, n * g = the padded grad bytes of the buckets (fp32 params
+    and grads here, so a gather after the step moves n * g too; docs/sharding.md "Hybrid
+    sharding"): shard group (S-1)/S n g reduce-scatter (+ the same gathered), replicate group
+    2(R-1)/R (n/S) g all-reduce and nothing else, whatever the micro-batches; flat
+    (D-1)/D n g."""
+    r = s = 2
+    hybrid = _result(sweep, f"{strategy}-2x2-micro2")[0]
+    flat = _result(sweep, f"{strategy}-flat")[0]
+    n, steps = hybrid["bucket_nbytes"], 3
+    got = hybrid["group_bytes"]
+    assert got["dp_replicate"] == {"all_reduce": steps * 2 * (r - 1) * n // (r * s)}
+    assert got["dp_shard"]["reduce_scatter"] == steps * (s - 1) * n // s
+    d, nf = r * s, flat["bucket_nbytes"]
+    assert flat["group_bytes"]["dp"]["reduce_scatter"] == steps * (d - 1) * nf // d
+    if strategy != "optim_grads_params":  # ZeRO-3 gathers unit by unit, per micro-batch
+        assert got["dp_shard"]["all_gather"] == steps * (s - 1) * n // s
 
 
 def test_named_errors(sweep: list[dict[str, Any]]) -> None:
