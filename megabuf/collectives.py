@@ -216,7 +216,8 @@ class Collectives:
 
     def name_groups(self, groups: Mapping[str, Group]) -> None:
         """Count from now on what each of `groups` is handed in `group_stats[name]`; a group
-        under two names keeps the first. Unnamed groups count under "other"."""
+        under two names keeps the first. Unnamed groups count under "other", the default group
+        (None) under "world"."""
         for name, group in groups.items():
             if group is not None and id(group) not in self._group_names:
                 self._group_names[id(group)] = (name, group)  # the group kept: ids stay unique
@@ -224,7 +225,7 @@ class Collectives:
     def stats_of(self, group: Group) -> CommStats:
         """The counts of `group` (by its name; "other" when unnamed)."""
         named = self._group_names.get(id(group))
-        name = named[0] if named is not None else "other"
+        name = named[0] if named is not None else "world" if group is None else "other"
         if name not in self.group_stats:
             self.group_stats[name] = CommStats()
         return self.group_stats[name]
