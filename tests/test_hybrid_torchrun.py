@@ -48,7 +48,7 @@ def test_two_nodes_of_two_ranks_train_hybrid_and_match_one_process() -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for i in range(2)
     ]
     outs = [node.communicate(timeout=300)[0] for node in nodes]
