@@ -53,6 +53,7 @@ def build(case: dict[str, Any]) -> tuple[megabuf.DistributedDataParallel, Any]:
         overlap_param_gather=case.get("overlap_param_gather", False), bucket_size=40,
         num_distributed_optimizer_instances=replicas,
         sharded_grad_accumulation=case.get("accumulation", "accumulate_unsharded"),
+        **case.get("ddp", {}),
     )  # fmt: skip
     model = megabuf.DistributedDataParallel(net, cfg, process_groups=groups(split))
     opt = megabuf.DistributedOptimizer(
@@ -154,6 +155,9 @@ def misuse_errors() -> dict[str, str]:
         "not_divisible": error_of(megabuf.ProcessGroups.build, dp_shard_size=3),
         "no_shard": error_of(build, {"split": "2x2", "strategy": "no_shard"}),
         "hook": error_of(_hook_under_hybrid),
+        "deterministic": error_of(
+            build, {"split": "2x2", "strategy": "optim", "ddp": {"deterministic_reduction": True}}
+        ),
         "config_r_not_dividing": error_of(build, {"split": "config:3", "strategy": "optim"}),
     }
     if world == 4:
