@@ -63,11 +63,11 @@ def build(strategy: str, split: str, width: int) -> tuple[Any, Any, Any]:
     )  # fmt: skip
     model = megabuf.DistributedDataParallel(make_model(width), cfg, process_groups=pgs)
     opt = megabuf.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
-    return model, opt, model
+    return model, opt, model.engine.collectives
 
 
 def run(strategy: str, split: str, args: argparse.Namespace) -> tuple[float, dict[str, float]]:
-    model, opt, engine = build(strategy, split, args.width)
+    model, opt, counted = build(strategy, split, args.width)
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, args.width, generator=g), torch.randn(64, 8, generator=g)
@@ -75,10 +75,8 @@ def run(strategy: str, split: str, args: argparse.Namespace) -> tuple[float, dic
     xs, ys = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
     times = []
     for step in range(args.steps + 1):
-        if step == 1 and engine is not None:  # after the warm-up step
-            before = {
-                k: sum(s.ring_nbytes.values()) for k, s in engine.collectives.group_stats.items()
-            }
+        if step == 1 and counted is not None:  # after the warm-up step
+            before = {k: sum(s.ring_nbytes.values()) for k, s in counted.group_stats.items()}
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
@@ -87,8 +85,8 @@ def run(strategy: str, split: str, args: argparse.Namespace) -> tuple[float, dic
         dist.barrier()
         times.append(time.perf_counter() - t0)
     per_step: dict[str, float] = {}
-    if engine is not None:
-        for k, s in engine.collectives.group_stats.items():
+    if counted is not None:
+        for k, s in counted.group_stats.items():
             delta = sum(s.ring_nbytes.values()) - before.get(k, 0)
             if delta:
                 per_step[k] = delta / args.steps

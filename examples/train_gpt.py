@@ -230,7 +230,7 @@ def _print_summary(
     tok_s = args.global_batch * seq_len * len(timed) / sum(timed)
     log(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {args.steps} steps")
     log(f"throughput {tok_s:,.0f} tok/s, {1e3 * sum(timed) / len(timed):.1f} ms/step")
-    stats = getattr(getattr(model, "collectives", None), "stats", None)
+    stats = getattr(model.engine.collectives, "stats", None)
     if stats is not None:
         calls = dict(stats.calls)
         log(f"rank 0 sent {stats.total_ring_nbytes / 1e6:.1f} MB in collectives {calls}")

@@ -69,7 +69,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 (((model(xs) - ys) ** 2).mean() / args.micro).backward()
         opt.step()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    sent = {name: sum(s.ring_nbytes.values()) for name, s in model.collectives.group_stats.items()}
+    sent = {
+        name: sum(s.ring_nbytes.values())
+        for name, s in model.engine.collectives.group_stats.items()
+    }
     return {"rank": topo.rank, "split": (topo.dp_replicate_size, topo.dp_shard_size),
             "state": state, "ring_nbytes": sent}  # fmt: skip
 

@@ -71,7 +71,7 @@ def train(config_path: Path, steps_override: int | None) -> list[float]:
     model = megabuf.DistributedDataParallel(
         net, megabuf.DistributedDataParallelConfig.from_toml(config_path), process_groups=pgs
     )
-    net.moe.collectives = model.collectives  # count the token all-to-all bytes with the rest
+    net.moe.collectives = model.engine.collectives  # count the token all-to-all bytes with the rest
     opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig.from_toml(config_path))
     hooks = megabuf.default_schedule_hooks([model])
     m_count, mbs = moe["microbatches"], moe["micro_batch_size"]
@@ -88,14 +88,14 @@ def train(config_path: Path, steps_override: int | None) -> list[float]:
         )  # fmt: skip
         _, grad_norm, _ = opt.step()
         loss = torch.tensor([sum(m["loss"] for m in metrics) / m_count], dtype=torch.float64)
-        model.collectives.all_reduce(loss, pgs.dp, average=True, async_op=False)
+        model.engine.collectives.all_reduce(loss, pgs.dp, average=True, async_op=False)
         losses.append(float(loss.item()))
         if pgs.dp_rank == 0 and (step % 10 == 0 or step == steps - 1):
             print(f"step {step:3d}  loss {losses[-1]:.4f}  grad norm {grad_norm:.4f}", flush=True)
-    sent = model.collectives.stats.ring_nbytes
+    sent = model.engine.collectives.stats.ring_nbytes
     if pgs.dp_rank == 0:
         print(f"rank 0 sent {sent.get('all_to_all', 0)} B of tokens (all-to-all), "
-              f"{model.collectives.stats.total_ring_nbytes} B in all")  # fmt: skip
+              f"{model.engine.collectives.stats.total_ring_nbytes} B in all")  # fmt: skip
     return losses
 
 

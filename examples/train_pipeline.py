@@ -105,7 +105,7 @@ def train(config_path: Path, steps_override: int | None) -> dict[str, Any]:
 
 def _mean_loss(metrics: list[Any], chunk: megabuf.DistributedDataParallel) -> float:
     """Mean loss over micro-batches and dp ranks, known on every rank (last stage broadcasts)."""
-    pgs, coll = chunk.process_groups, chunk.collectives
+    pgs, coll = chunk.process_groups, chunk.engine.collectives
     local = sum(m["loss"] for m in metrics) / max(1, len(metrics))
     value = torch.tensor([local], dtype=torch.float64)
     coll.broadcast(value, pgs.pp_size - 1, pgs.pp)

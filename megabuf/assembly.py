@@ -29,7 +29,7 @@ from megabuf.sharding.params import ShardedParams
 class Assembly:
     buffers: list[_ParamAndGradBuffer]  # plan order: dense first, then expert
     groups: list[BucketGroup]  # plan order
-    chains: list[DispatchChain]
+    chains: list[DispatchChain[BucketGroup]]
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def assemble(
     """`params`: the trainable params the plan's param ids index."""
     ctx = _Context(plan, config, pgs, collectives, ledger, param_to_name, unit_names)
     buffers = _make_buffers(ctx, params)
-    chains = [DispatchChain() for _ in plan.chains]
+    chains: list[DispatchChain[BucketGroup]] = [DispatchChain() for _ in plan.chains]
     groups = [_make_group(ctx, buffers, p, chains[p.chain_id]) for p in plan.groups]
     for chain, group_ids in zip(chains, plan.chains, strict=True):
         chain.set_order([groups[i] for i in group_ids])
@@ -92,7 +92,10 @@ def _make_buffers(ctx: _Context, params: Sequence[nn.Parameter]) -> list[_ParamA
 
 
 def _make_group(
-    ctx: _Context, buffers: list[_ParamAndGradBuffer], planned: GroupPlan, chain: DispatchChain
+    ctx: _Context,
+    buffers: list[_ParamAndGradBuffer],
+    planned: GroupPlan,
+    chain: DispatchChain[BucketGroup],
 ) -> BucketGroup:
     pgs = ctx.pgs
     dp_rank, dp_size = pgs.topology.sharding(planned.expert)

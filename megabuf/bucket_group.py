@@ -8,33 +8,14 @@ Param lifecycle (distributed optimizer only):
 
 A group never asks torch.distributed anything: its ranks, sizes and the `Collectives` it issues
 through are given at construction, so its state machines run under a recording fake in tests.
-
-[Note: dispatch order]
-Collectives on one process group must be issued in the same order on every rank, or gloo/NCCL
-pair up the wrong buffers. Readiness order comes from autograd and can differ between ranks (or
-between buffers of different dtypes), so groups are dispatched strictly in the order of their
-`DispatchChain`: a group that becomes ready early waits until every group before it has been
-dispatched. The chain is ordered by expected backward order, so in practice nothing waits. Dense
-and expert groups that reduce over the same process group share one chain.
-
-[Note: grad readiness]
-With overlap_grad_reduce a group dispatches during backward once every one of its params has
-received all of its gradients for the iteration. How many arrivals that is per param is learned
-on the first iteration (the learning iteration dispatches nothing during backward, only at
-finish_grad_sync): a param used inside two reentrant activation-checkpointed regions, or a module
-called twice under reentrant checkpointing, accumulates its grad more than once per backward,
-and its group must wait for the last arrival. A param that gets fewer arrivals than learned
-(unused this iteration, on this rank) keeps its group waiting until `finish_grad_sync()`, which
-dispatches every remaining group in chain order on every rank, zero-filling unwritten grads: no
-rank waits for a collective another rank never issues. A gradient that arrives after its group
-was dispatched is an error (a second backward without no_sync(), or more arrivals than learned).
+The states and the `DispatchChain` ([Note: dispatch order], [Note: grad readiness]) are in
+dispatch.py.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -44,107 +25,21 @@ from megabuf.buffer import _ParamAndGradBucket
 from megabuf.collectives import Collectives
 from megabuf.comm_hooks.contract import GradBucket, HookWork, Waitable
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.sharding.grads import REDUCING_GROUPS_LIMIT, GradBucketState, ShardedGrads
+from megabuf.dispatch import (  # re-exported: users import them from here
+    DispatchChain,
+    GradSyncState,
+    ParamSyncState,
+    SyncWork,
+)
+from megabuf.grad_math import NonfiniteFlags, by_dtype, foreach_scale
+from megabuf.sharding.grads import GradBucketState, ShardedGrads
 from megabuf.sharding.params import ShardedParams
 from megabuf.sharding.replicate import ReplicaStage
 from megabuf.timeline import Timeline  # re-exported: ddp.py and users import it from here
+from megabuf.two_level import TwoLevelReduction
 
 
-class GradSyncState(enum.Enum):
-    IDLE = "idle"
-    DISPATCHED = "dispatched"
-    SYNCED = "synced"
-
-
-class ParamSyncState(enum.Enum):
-    VALID = "valid"
-    STALE = "stale"
-    DISPATCHED = "dispatched"
-
-
-@dataclass
-class SyncWork:
-    """In-flight collectives of one group, one per bucket (or a comm hook's work per bucket)."""
-
-    pending: Sequence[Waitable]
-
-    def wait(self) -> None:
-        for work in self.pending:
-            work.wait()
-
-
-class DispatchChain:
-    """Dispatches bucket groups strictly in order; see [Note: dispatch order].
-
-    Created empty, handed to each `BucketGroup` at construction, then given the order once."""
-
-    def __init__(self) -> None:
-        self.groups: list[BucketGroup] = []
-        self.next_index = 0
-        self.next_replica = 0  # the next group whose replicate all-reduce may be issued
-        self._ordered = False
-
-    def set_order(self, groups: Sequence[BucketGroup]) -> None:
-        if self._ordered:
-            raise RuntimeError("megabuf: DispatchChain.set_order() called twice")
-        if any(g.chain is not self for g in groups) or len(set(map(id, groups))) != len(groups):
-            raise ValueError("megabuf: a dispatch chain's order must list its own groups once")
-        self.groups = list(groups)
-        self._ordered = True
-
-    def on_ready(self) -> None:
-        """Dispatch every group at the head of the chain that is ready."""
-        while self.next_index < len(self.groups) and self.groups[self.next_index].all_ready:
-            self.groups[self.next_index].start_grad_sync()
-            self.next_index += 1
-            self.progress_replicas()
-            if self.groups[0].sharded_grads is not None:
-                self._bound_reducing()
-
-    def progress_replicas(self) -> None:
-        """Issue, in chain order, the replicate all-reduces whose reduce-scatter has landed,
-        stopping at the first that has not (never waits; [Note: two-level reduction])."""
-        while self.next_replica < self.next_index:
-            group = self.groups[self.next_replica]
-            if group.replicas.owed and not group.first_level_completed():
-                return
-            group.start_replica_sync()
-            self.next_replica += 1
-
-    def start_replicas_upto(self, group: BucketGroup) -> None:
-        """Issue every owed replicate all-reduce up to and including `group`'s, in chain order
-        (waiting for their reduce-scatters)."""
-        stop = self.groups.index(group) + 1
-        for earlier in self.groups[:stop]:  # from the head: a sync may re-owe any of them
-            earlier.start_replica_sync()
-        self.next_replica = max(self.next_replica, stop)
-
-    def _bound_reducing(self) -> None:
-        """optim_grads*: finish the reductions in flight that already completed (no wait), and
-        the oldest beyond REDUCING_GROUPS_LIMIT (waiting), so their full buckets are released
-        during backward ([Note: sharded grad lifecycle])."""
-        dispatched = [
-            g for g in self.groups[: self.next_index] if g.grad_state is GradSyncState.DISPATCHED
-        ]
-        excess = len(dispatched) - REDUCING_GROUPS_LIMIT
-        for i, group in enumerate(dispatched):
-            if i < excess or group.grad_sync_completed():
-                group.finish_grad_sync()
-
-    def dispatch_rest(self) -> None:
-        """Dispatch every group not yet dispatched, in order, ready or not ([Note: grad
-        readiness]: unwritten grads are zero-filled)."""
-        for group in self.groups[self.next_index :]:
-            if group.grad_state is GradSyncState.IDLE:
-                group.start_grad_sync()
-        self.next_index = len(self.groups)
-
-    def reset(self) -> None:
-        self.next_index = 0
-        self.next_replica = 0
-
-
-class BucketGroup:
+class BucketGroup(TwoLevelReduction):
     """Buckets (possibly of several buffers) reduced together over one group.
 
     Built whole: ranks and sizes (`dp_rank`/`dp_size` in `collective_group`, the global `rank`
@@ -164,7 +59,7 @@ class BucketGroup:
         dp_size: int,
         rank: int,
         param_to_name: Mapping[torch.nn.Parameter, str],
-        chain: DispatchChain | None = None,
+        chain: DispatchChain[BucketGroup] | None = None,
         sharded_params: ShardedParams | None = None,
         sharded_grads: ShardedGrads | None = None,
         replicate_group: ProcessGroup | None = None,
@@ -211,6 +106,10 @@ class BucketGroup:
         self._unwritten = bytearray(self._all_unwritten)
         self._arrivals = list(self._no_arrivals)
         self.is_last_microbatch = True
+        self.nonfinite = NonfiniteFlags(  # [Note: NaN check] in nan_check.py
+            self.params_list, [len(b.params_list) for b in self.buckets], self.name_of,
+            keep_across_microbatches=self.sharded_grads is not None,
+        )  # fmt: skip
         self._clear_iteration()
 
     # ---- lifecycle guards -------------------------------------------------------------------
@@ -238,14 +137,7 @@ class BucketGroup:
 
     def set_comm_hook(self, hook: object, buckets: Sequence[GradBucket]) -> None:
         """Reduce with `hook` from now on, one call per bucket ([Note: comm hook contract])."""
-        if self.replicas.active:
-            raise ValueError(
-                f"megabuf: communication hooks (and deterministic_reduction) are not supported "
-                f"under hybrid sharding (bucket group {self.group_id}, rank {self.rank}): a hook "
-                "replaces the reduction inside the shard group, and what it would mean across "
-                "the replicate group (a second compression, a hierarchical fixed-order sum) is "
-                "not defined yet; use flat process groups with a hook"
-            )
+        self.refuse_hook_if_hybrid()
         if len(buckets) != len(self.buckets):
             raise ValueError(
                 f"megabuf: bucket group {self.group_id} has {len(self.buckets)} buckets, "
@@ -284,7 +176,7 @@ class BucketGroup:
         self.is_last_microbatch = True
         self._unwritten[:] = self._all_unwritten
         self.unused_indices: tuple[int, ...] = ()  # unwritten when dispatched (zero-filled)
-        self._nonfinite_params: Tensor | None = None  # see _record_nonfinite
+        self.nonfinite.clear()
 
     def _clear_readiness(self) -> None:
         self._arrivals[:] = self._no_arrivals
@@ -331,7 +223,7 @@ class BucketGroup:
             i = self._unwritten.find(1, i + 1)
         self.unused_indices = tuple(unused)
         grads = [self.params_list[i].main_grad for i in unused]  # type: ignore[attr-defined]
-        for same_dtype in _by_dtype(grads):
+        for same_dtype in by_dtype(grads):
             torch._foreach_zero_(same_dtype)
 
     # ---- readiness ([Note: grad readiness]) ---------------------------------------------------
@@ -420,7 +312,7 @@ class BucketGroup:
             self.sharded_grads.acquire()  # no grad since the release: all zero-filled below
         self.zero_unwritten_grads()
         if self.ddp_config.check_for_nan_in_grad:
-            self._record_nonfinite()
+            self.nonfinite.record(self.buckets[0].grad_data.device)
         self._grad_work = SyncWork(self._reduce(self.ddp_config.overlap_grad_reduce))
         self.replicas.arm(self.is_final_microbatch)
         self.grad_state = GradSyncState.DISPATCHED
@@ -438,7 +330,7 @@ class BucketGroup:
         grads = [b.grad_data for b in self.buckets]
         scales = [b.gradient_scaling_factor for b in self.buckets]
         pre = [strategy.prescales(g.dtype) for g in grads]
-        _foreach_scale([g for g, p in zip(grads, pre) if p], [f for f, p in zip(scales, pre) if p])
+        foreach_scale([g for g, p in zip(grads, pre) if p], [f for f, p in zip(scales, pre) if p])
         group, average = self.collective_group, cfg.average_in_collective
         if strategy.reduction == "all_reduce":
             return self.collectives.all_reduce_many(
@@ -468,7 +360,7 @@ class BucketGroup:
         `finish_grad_sync` waits for the rest, each wait bounded ([Note: bounded hook wait])."""
         if getattr(self.comm_hook, "prescaled", True):
             grads = [b.grad_data for b in self.buckets]
-            _foreach_scale(grads, [b.gradient_scaling_factor for b in self.buckets])
+            foreach_scale(grads, [b.gradient_scaling_factor for b in self.buckets])
         timeout = self.ddp_config.comm_hook_timeout_s
         return [HookWork(self.comm_hook, bucket, timeout) for bucket in self.hook_buckets]
 
@@ -479,106 +371,12 @@ class BucketGroup:
             return
         if self.grad_state is GradSyncState.IDLE:
             self.start_grad_sync()
-        if self.replicas.owed:
-            if self.chain is not None:
-                self.chain.start_replicas_upto(self)
-            else:
-                self.start_replica_sync()
+        self._issue_owed_replicas()
         self._finish_first_level()
         self.replicas.wait()
         self.grad_state = GradSyncState.SYNCED
         if self.timeline is not None:
             self.timeline.record(self.group_id, "finish")
-
-    def end_step_at_sync(self) -> None:
-        """The grad sync that ends the step begins: every later reduction is final, and one
-        that already ran (or runs) as a non-final micro-batch owes its replicate all-reduce."""
-        self.is_final_microbatch = True
-        if self.grad_state is not GradSyncState.IDLE:
-            self.replicas.owe_at_sync()
-
-    def _finish_first_level(self) -> None:
-        """Wait for the reduction in the group's own collective group (the reduce-scatter
-        inside the shard group under hybrid) and, under optim_grads*, land it in the shards."""
-        if self._grad_work is None:
-            if self.replicas.active and self.grad_state is not GradSyncState.IDLE:
-                return  # landed already (start_replica_sync, or a non-final micro-batch)
-            raise RuntimeError(f"megabuf: bucket group {self.group_id} has no grad sync work")
-        self._grad_work.wait()
-        self._grad_work = None
-        if self.sharded_grads is not None:
-            self.sharded_grads.finish()  # into the grad shards; the buckets are released
-            self._unwritten[:] = self._all_unwritten  # their contents are gone
-
-    def start_replica_sync(self) -> None:
-        """Hybrid, a final micro-batch: finish the first level and issue the all-reduce of
-        this rank's reduced shards across replicas ([Note: two-level reduction]). Only the
-        dispatch chain calls it, in chain order; a no-op when nothing is owed."""
-        if not self.replicas.owed:
-            return
-        self._finish_first_level()
-        if self.sharded_grads is not None:
-            shards = self.sharded_grads.shards
-        else:
-            shards = [self.local_shard(b.grad_data) for b in self.buckets]
-        self.replicas.start(shards)
-
-    def first_level_completed(self) -> bool:
-        """The reduction in the group's own collective group has landed (never waits)."""
-        work = self._grad_work
-        return work is None or all(_completed(w) for w in work.pending)
-
-    def grad_sync_completed(self) -> bool:
-        """The dispatched reduction has landed, both levels under hybrid (finish_grad_sync would
-        not wait); False when unknown (a comm hook's work)."""
-        work = self._grad_work
-        if self.replicas.active:
-            owed_or_flying = self.replicas.owed or not self.replicas.completed()
-            return (
-                self.grad_state is GradSyncState.DISPATCHED
-                and not owed_or_flying
-                and (work is None or all(_completed(w) for w in work.pending))
-            )
-        return work is not None and all(_completed(w) for w in work.pending)
-
-    def abandon_grad_sync(self) -> None:
-        """After an exception mid-iteration: wait out an in-flight reduction (its result is
-        dropped) and return to IDLE with nothing written."""
-        if self._grad_work is not None:
-            self._grad_work.wait()
-            self._grad_work = None
-        self.replicas.abandon()
-        if self.sharded_grads is not None:
-            self.sharded_grads.abandon()
-        self.grad_state = GradSyncState.IDLE
-        self._clear_iteration()
-
-    def _record_nonfinite(self) -> None:
-        """check_for_nan_in_grad, at dispatch: flag, on the device and unread, the params whose
-        grads are NaN/Inf before the reduction ([Note: NaN check] in nan_check.py)."""
-        grads = [p.main_grad for p in self.params_list]  # type: ignore[attr-defined]
-        # 1-D, float32, len(params_list) (bucket by bucket)
-        flags = nonfinite_flags(grads, self.buckets[0].grad_data.device)
-        if self.sharded_grads is not None and self._nonfinite_params is not None:
-            # reduce_each_microbatch: flagged if any micro-batch's grads were not finite
-            flags = torch.maximum(flags, self._nonfinite_params)
-        self._nonfinite_params = flags
-
-    def bucket_nonfinite_flags(self) -> Tensor:
-        """Per bucket, 1.0 if its grads were NaN/Inf when last dispatched (zeros if not checked
-        since zero_grad_buffer()). Stays on the device."""
-        if self._nonfinite_params is None:
-            device = self.buckets[0].grad_data.device
-            return torch.zeros(len(self.buckets), dtype=torch.float32, device=device)
-        per_bucket = self._nonfinite_params.split([len(b.params_list) for b in self.buckets])
-        return torch.stack([f.sum() for f in per_bucket]).clamp_(max=1.0)
-
-    def nonfinite_param_names(self) -> list[str]:
-        """Names of this rank's params flagged at dispatch (reads the flags: error path only)."""
-        if self._nonfinite_params is None:
-            return []
-        flags = self._nonfinite_params.tolist()
-        return [self.name_of(p) for p, f in zip(self.params_list, flags, strict=True) if f > 0]
 
     # ---- param sync (distributed optimizer) -------------------------------------------------
     def mark_params_stale(self) -> None:
@@ -630,6 +428,9 @@ class BucketGroup:
             nxt.start_param_sync()
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _full_grads(self) -> list[Tensor]:
+        return [b.grad_data for b in self.buckets]
+
     def local_shard(self, data: torch.Tensor) -> torch.Tensor:
         shard_numel = data.numel() // self.dp_size
         return data[self.dp_rank * shard_numel : (self.dp_rank + 1) * shard_numel]
@@ -642,46 +443,3 @@ class BucketGroup:
     def name_of(self, param: torch.nn.Parameter) -> str:
         """`param`'s name in the wrapped module (for messages)."""
         return self.param_to_name.get(param, f"<param of shape {tuple(param.shape)}>")
-
-
-def _completed(work: Waitable) -> bool:
-    """A megabuf collective whose torch.distributed works all report completion."""
-    handles = getattr(work, "handles", None)
-    if handles is None:
-        return False
-    return all(hasattr(h, "is_completed") and h.is_completed() for h in handles)
-
-
-def _by_dtype(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
-    """`tensors` split into lists of one (device, dtype) each, as the foreach ops want them."""
-    lists: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for t in tensors:
-        lists.setdefault((t.device, t.dtype), []).append(t)
-    return list(lists.values())
-
-
-def _foreach_scale(tensors: Sequence[Tensor], factors: Sequence[float]) -> None:
-    """tensors[i] *= factors[i] in place: one `_foreach_mul_` per (device, dtype, factor);
-    factors of 1.0 are skipped."""
-    lists: dict[tuple[torch.device, torch.dtype, float], list[Tensor]] = {}
-    for t, f in zip(tensors, factors, strict=True):
-        if f != 1.0:
-            lists.setdefault((t.device, t.dtype, f), []).append(t)
-    for (_, _, factor), same in lists.items():
-        torch._foreach_mul_(same, factor)
-
-
-def build_chain(groups: Sequence[BucketGroup], order_key: Callable[[BucketGroup], int]) -> None:
-    """Give the groups' shared chain its order (groups sorted by `order_key`)."""
-    if groups and groups[0].chain is not None:
-        groups[0].chain.set_order(sorted(groups, key=order_key))
-
-
-def nonfinite_flags(grads: Sequence[Tensor], device: torch.device) -> Tensor:
-    """1-D float32 on `device`, one per grad: 1.0 where it holds NaN or Inf. No host read
-    ([Note: NaN check] in nan_check.py)."""
-    if not grads:
-        return torch.zeros(0, dtype=torch.float32, device=device)
-    zero = torch.zeros(1, dtype=grads[0].dtype, device=device)  # stands in for empty grads
-    norms = torch._foreach_norm([g if g.numel() > 0 else zero for g in grads], float("inf"))
-    return torch.stack([n.float() for n in norms]).isfinite().logical_not().float()

@@ -1,16 +1,16 @@
 """`DistributedDataParallel`: wraps any nn.Module with contiguous grad buffers and bucket groups.
 
-Its parts ([Note: import layers] in tests/test_import_graph.py; docs/ARCHITECTURE.md): the plan
-(model_plan.py) and its allocation (assembly.py), the grad sync (grad_sync.py, [Note: step
-phase]; what `.grad` holds: [Note: grad contract] in grads.py), the param side (param_sync.py,
-[Note: who waits for param gathers]) and the comm-hook registry (hook_registry.py). The methods
-here are construction, `forward` and thin calls into those parts.
+Its parts live in one `Engine` (engine.py), reachable as `model.engine`: the plan (model_plan.py)
+and its allocation (assembly.py), the grad sync (grad_sync.py, [Note: step phase]; what `.grad`
+holds: [Note: grad contract] in grads.py), the param side (param_sync.py, [Note: who waits for
+param gathers]) and the comm-hook registry (hook_registry.py); [Note: import layers] in
+tests/test_import_graph.py and docs/ARCHITECTURE.md. The methods here are `forward` and one
+thin door per act into those parts.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -18,33 +18,12 @@ import torch
 from torch import nn
 
 from megabuf import torch_compat
-from megabuf.assembly import assemble
-from megabuf.bucket_group import BucketGroup, Timeline
+from megabuf.bucket_group import Timeline
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
-from megabuf.comm_hooks import build as build_comm_hook
-from megabuf.comm_hooks.telemetry import HookReport
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.devices import params_device
-from megabuf.grad_sync import GradSync
-from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
-from megabuf.hook_registry import CommHookRegistry
-from megabuf.hooks import ParamGatherHooks, register_grad_hooks, remove_hooks_when_collected
-from megabuf.model_plan import plan_model
-from megabuf.nan_check import raise_on_nonfinite_grads
-from megabuf.param_sync import GatheredParams, UnitParams
-from megabuf.param_units import ParamUnits, unit_modules
-from megabuf.plan import Plan
+from megabuf.engine import Engine
 from megabuf.process_groups import ProcessGroups, resolve_split
-from megabuf.replicas import (
-    ParamStructure,
-    check_devices,
-    check_replicas_match,
-    is_expert_parallel,
-)
-from megabuf.sharding.ledger import MemoryLedger
-
-logger = logging.getLogger(__name__)
 
 
 class DistributedDataParallel(nn.Module):
@@ -90,172 +69,49 @@ class DistributedDataParallel(nn.Module):
         options = torch_compat.resolve(module, ddp_config, process_groups, torch_ddp_args)
         self.module = module
         self.ddp_config = options.ddp_config
-        self.process_groups = resolve_split(
+        self.process_groups = resolve_split(  # a hybrid split the config asks for
             options.process_groups or ProcessGroups.default(), self.ddp_config
         )
-        self._disable_bucketing = disable_bucketing
-        self.collectives = collectives if collectives is not None else Collectives()
-        self.collectives.name_groups(self.process_groups.named())
         self._sync_buffers_in_forward = options.sync_buffers_in_forward
-        self.rank = self.process_groups.topology.rank
-        self._sharding = self.ddp_config.sharding  # [Note: sharding strategy objects]
-        self.memory_ledger = MemoryLedger()  # [Note: sharded grad lifecycle]
-        self._build(options.init_sync)
-        self._hooks = CommHookRegistry(
-            self.all_bucket_groups, self.plan, self.ddp_config, self.memory_ledger, self.rank
-        )
-        if self.ddp_config.comm_hook is not None:
-            spec = dict(self.ddp_config.comm_hook)
-            buffers = spec.pop("buffers", "all")
-            self.register_comm_hook(build_comm_hook(spec), buffers=buffers)
-        if self.ddp_config.deterministic_reduction:
-            self._hooks.install_deterministic()
-
-    @property
-    def all_bucket_groups(self) -> list[BucketGroup]:
-        """Dense then expert bucket groups."""
-        return self.bucket_groups + self.expert_parallel_bucket_groups
-
-    # ---- construction -------------------------------------------------------------------------
-    def _build(self, init_sync: bool) -> None:
-        pgs = self.process_groups
-        named = _unique_named_parameters(self.module)
-        check_devices(named)
-        check_replicas_match(named, pgs.dp, self.collectives)
-        planned = plan_model(  # the same path as `megabuf inspect`
-            self.module, self.ddp_config, dp_size=pgs.topology.sharding(False)[1],
-            expt_dp_size=pgs.topology.sharding(True)[1],
-            expert_shares_dp_group=pgs.expt_dp is pgs.dp,
-            disable_bucketing=self._disable_bucketing,
+        self.engine = Engine(
+            module, self.ddp_config, self.process_groups,
+            collectives if collectives is not None else Collectives(),
+            disable_bucketing=disable_bucketing, init_sync=options.init_sync,
         )  # fmt: skip
-        trainable = planned.trainable
-        self.param_to_name = {p: n for n, p in trainable}
-        params = [p for _, p in trainable]
-        self.plan: Plan = planned.plan
-        # (name, module) per shard unit, the root first ([Note: shard units])
-        units = unit_modules(self.module, planned.unit_plan)
-        built = assemble(
-            self.plan, params, self.ddp_config, pgs, self.collectives, self.memory_ledger,
-            self.param_to_name, [name for name, _ in units],
-        )  # fmt: skip
-        self._all_buffers: list[_ParamAndGradBuffer] = built.buffers  # plan order
-        expert = [planned.expert for planned in self.plan.buffers]
         # Megatron's attribute name. It would shadow nn.Module.buffers(), so the list is also
-        # callable: `model.buffers` is the grad buffers, `model.buffers()` the module buffers.
-        self.buffers = _BufferList(  # type: ignore[method-assign,assignment]
-            [b for b, e in zip(self._all_buffers, expert) if not e], self
-        )
-        self.expert_parallel_buffers = [b for b, e in zip(self._all_buffers, expert) if e]
-        expert_group = [planned.expert for planned in self.plan.groups]
-        self.bucket_groups = [g for g, e in zip(built.groups, expert_group) if not e]
-        self.expert_parallel_bucket_groups = [g for g, e in zip(built.groups, expert_group) if e]
-        self.param_to_bucket_group = {p: g for g in built.groups for p in g.params_list}
-        chains = built.chains
-        grads = self._exposed_grads(params)
-        structure = ParamStructure(self.module)
-        self._sync = GradSync(
-            self.all_bucket_groups, chains, self.ddp_config, grads,
-            before_sync=lambda: structure.check(self.rank), checks=self._sync_checks(),
-        )  # fmt: skip
-        self._grad_hook_handles = register_grad_hooks(
-            params, self.param_to_bucket_group, set(grads.linked), self._on_grad
-        )
-        for group in self.all_bucket_groups:  # the hooks hold the views: guard the attribute
-            if group.sharded_grads is not None:
-                names = [self.param_to_name[p] for p in group.params_list]
-                group.sharded_grads.guard_main_grads(group.params_list, names)
-        self._module_buffers = list(self.module.buffers())
-        self._param_gather_hooks = ParamGatherHooks(self.module, self.param_to_bucket_group)
-        if self.ddp_config.overlap_param_gather:
-            self._param_gather_hooks.enable()
-        remove_hooks_when_collected(self, self._grad_hook_handles, self._param_gather_hooks)
-        groups, hooks, cfg = self.all_bucket_groups, self._param_gather_hooks, self.ddp_config
-        # the param side (megabuf/param_sync.py): what the optimizer tells before and after a
-        # step (`before_step()`, `stepped()`) and what the param methods below call
-        self.param_side: GatheredParams = GatheredParams(groups, hooks, cfg)
-        if init_sync:
-            self.broadcast_params()
-        if self._sharding.shards_params:
-            runtime = ParamUnits.build(  # shards filled, full params released
-                units, self.plan, self.all_bucket_groups, self.param_to_name, self.ddp_config,
-                self.memory_ledger, self.rank,
-            )  # fmt: skip
-            self.param_side = UnitParams(groups, hooks, cfg, runtime)
-        for buf in self._all_buffers:
-            logger.debug("megabuf: %s", buf.describe())
-
-    def _exposed_grads(self, params: Sequence[nn.Parameter]) -> ExposedGrads:
-        """[Note: grad contract]: nothing is exposed with the distributed optimizer."""
-        if not self._sharding.exposes_grads:
-            refuse_foreign_optimizers(self.param_to_name)
-            return ExposedGrads([], [], self.param_to_bucket_group)
-        same = [p for p in params if p.main_grad.dtype == p.dtype]  # type: ignore[attr-defined]
-        other = [p for p in params if p.main_grad.dtype != p.dtype]  # type: ignore[attr-defined]
-        return ExposedGrads(same, other, self.param_to_bucket_group)
-
-    def _sync_checks(self) -> list[Callable[[], None]]:
-        """What the grad sync checks once every reduction landed (each raises on every rank)."""
-        checks: list[Callable[[], None]] = []
-        if self.ddp_config.check_for_nan_in_grad:
-            checks.append(self._raise_on_nonfinite_grads)
-        if self.ddp_config.error_on_unused_params:
-            checks.append(self._raise_on_unused_params)
-        return checks
-
-    def _raise_on_nonfinite_grads(self) -> None:
-        pgs = self.process_groups
-        raise_on_nonfinite_grads(
-            self.all_bucket_groups, self.collectives, pgs.dp,
-            dp_rank=pgs.dp_rank, dp_size=pgs.dp_size, rank=self.rank,
-            pp_group=pgs.pp, pp_rank=pgs.pp_rank, pp_size=pgs.pp_size,
-        )  # fmt: skip
+        # callable: `model.buffers` is the dense grad buffers, `model.buffers()` the module's.
+        self.buffers = _BufferList(self.engine.dense_buffers, self)  # type: ignore[method-assign,assignment]
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward. A training forward (grad enabled, grad sync on) first
         broadcasts dp-rank 0's module buffers (`broadcast_buffers`, torch's default; collective),
         and its outputs arm the end-of-backward grad sync."""
-        self._before_forward(torch.compiler.is_compiling())
+        self.engine.before_forward(torch.compiler.is_compiling(), self._sync_buffers_in_forward)
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
-            self._sync.watch(output)
+            self.engine.sync.watch(output)
         return output
-
-    @torch.compiler.disable
-    def _before_forward(self, compiling: bool) -> None:
-        """Runs eagerly even when this model is compiled (`compiling`: it is being traced)."""
-        self._sync.before_forward(torch.is_grad_enabled())
-        self.param_side.before_forward(self.module, compiling)
-        sync_on = self._sync.require_sync
-        if self._sync_buffers_in_forward and torch.is_grad_enabled() and sync_on:
-            with torch.no_grad():
-                for tensor in self._module_buffers:
-                    self.collectives.broadcast(tensor, 0, self.process_groups.dp)
 
     # ---- grad sync: thin calls into GradSync ([Note: step phase] in grad_sync.py) ------------
     @property
     def require_backward_grad_sync(self) -> bool:
         """torch DDP's flag: False makes backward only accumulate (as inside `no_sync()`)."""
-        return self._sync.require_sync
+        return self.engine.sync.require_sync
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        self._sync.require_sync = value
+        self.engine.sync.require_sync = value
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Accumulate grads without reducing (all micro-batches but the last)."""
-        return self._sync.no_sync()
+        return self.engine.sync.no_sync()
 
     def deferred_grad_sync(self) -> AbstractContextManager[None]:
         """Backwards ending inside this block leave the grad sync to `finish_grad_sync()` (the
         last buckets' reductions overlap whatever runs before it; pipeline schedules use it).
         See [Note: grad sync at backward end]."""
-        return self._sync.deferred()
-
-    def _on_grad(self) -> None:
-        """Every param grad hook's first step (hot path)."""
-        self._hooks.backward_seen = True
-        self._sync.on_grad()
+        return self.engine.sync.deferred()
 
     def finish_microbatch(self) -> None:
         """optim_grads* with reduce_each_microbatch, a micro-batch inside no_sync(): dispatch
@@ -263,36 +119,24 @@ class DistributedDataParallel(nn.Module):
         the full buckets ([Note: sharded grad lifecycle]). Runs at the end of such a backward
         (or, when that backward's sync is deferred, at the next forward or finish_grad_sync);
         a no-op otherwise. Collective: every dp rank runs the same forwards."""
-        self._sync.finish_microbatch()
+        self.engine.sync.finish_microbatch()
 
     def start_grad_sync(self) -> None:
         """Dispatch every reduction not yet dispatched, in chain order (e.g. from a pipeline's
         grad_sync_func). Collective: every dp rank must call it."""
-        self._sync.start()
+        self.engine.sync.start()
 
     def finish_grad_sync(self) -> None:
         """Dispatch what backward did not (unused params are zero-filled), wait for every
         reduction, and hand out the grads: see [Note: grad contract]. Collective: every dp rank
         must call it once per iteration, unless backward already did (sync_grads_at_backward_end
         outside deferred_grad_sync()): it is a no-op while every group is synced."""
-        self._sync.finish()
-
-    def unsynced_group(self) -> BucketGroup | None:
-        """A bucket group whose grads are not this iteration's reduced grads (its sync is not
-        SYNCED: no finish_grad_sync() since zero_grad_buffer() or since a backward), or None."""
-        return self._sync.unsynced_group()
-
-    def _raise_on_unused_params(self) -> None:
-        device = params_device(self.param_to_name, self.process_groups.dp)
-        raise_on_unused_params(
-            self.all_bucket_groups, self.param_to_name, self.process_groups, self.collectives,
-            device, self.rank,
-        )  # fmt: skip
+        self.engine.sync.finish()
 
     @property
     def timeline(self) -> Timeline | None:
         """The timeline `enable_timeline()` made, or None."""
-        return self._sync.timeline
+        return self.engine.sync.timeline
 
     def enable_timeline(self) -> Timeline:
         """Record when every bucket group became ready, was dispatched and finished, and a
@@ -300,14 +144,12 @@ class DistributedDataParallel(nn.Module):
         shared `Timeline` (also `self.timeline`); `megabuf.overlap` turns it into a report.
         On CUDA params the events are timed CUDA events, resolved when `timeline.events` is
         read: see [Note: timeline on CUDA] in timeline.py."""
-        timeline = Timeline(params_device(self.param_to_name, self.process_groups.dp))
-        self._sync.enable_timeline(timeline)
-        return timeline
+        return self.engine.enable_timeline()
 
     def zero_grad_buffer(self) -> None:
         """Start a new iteration's grads: lazily, see [Note: grad accumulation into main_grad]
         (no pass over the buffer; each param's first grad overwrites its main_grad)."""
-        self._sync.zero()
+        self.engine.sync.zero()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Same as zero_grad_buffer(): grads live in the buffers, see [Note: grad accumulation
@@ -321,11 +163,11 @@ class DistributedDataParallel(nn.Module):
         grad reductions and param gathers are waited for (their grads are dropped), grads are
         zeroed and no_sync is left. Every dp rank must call it at the same point, like any
         other step of the loop, so the collectives already issued pair up."""
-        self.param_side.reset()
-        self._sync.abandon()
+        self.engine.param_side.reset()
+        self.engine.sync.abandon()
 
     def scale_gradients(self, scaling_factor: float) -> None:
-        for buf in self._all_buffers:
+        for buf in self.engine.buffers:
             buf.scale_gradients(scaling_factor)
 
     # ---- params -------------------------------------------------------------------------------
@@ -333,19 +175,7 @@ class DistributedDataParallel(nn.Module):
         """Copy dp-rank-0's params (expert params: expt_dp-rank-0's) and buffers to all ranks.
         Collective: every rank must call it. Under optim_grads_params the params are gathered,
         broadcast and written back into the shards."""
-        with self.summon_full_params(writeback=True):  # waits for gathers in flight
-            self._broadcast_params()
-
-    def _broadcast_params(self) -> None:
-        pgs = self.process_groups
-        with torch.no_grad():
-            for _, param in _unique_named_parameters(self.module):
-                group = pgs.expt_dp if is_expert_parallel(param) else pgs.dp
-                self.collectives.broadcast(param.data, 0, group)
-                # tell fp32 main-param holders the values changed (see reload_model_params)
-                torch.autograd.graph.increment_version(param)
-            for tensor in self.module.buffers():
-                self.collectives.broadcast(tensor, 0, pgs.dp)
+        self.engine.broadcast_params()  # waits for gathers in flight
 
     def start_param_sync(
         self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False
@@ -365,20 +195,20 @@ class DistributedDataParallel(nn.Module):
         no-op: params are shards between forwards, and forward, `state_dict()` and
         `summon_full_params()` gather them ([Note: who gathers when])."""
         del unused, force_dispatch
-        self.param_side.start(force_sync)
+        self.engine.param_side.start(force_sync)
 
     def publish_params(self) -> None:
         """Wait for every param gather in flight: call before reading params outside forward
         (evaluation code that bypasses forward, checkpoint saving); state_dict() calls it.
         Not collective: the step dispatched every gather on every rank, so one rank may call
         it alone (evaluation or saving on rank 0 only)."""
-        self.param_side.publish()
+        self.engine.param_side.publish()
 
     def reshard_params(self) -> None:
         """optim_grads_params: finish every gather in flight and release every unit's full
         params (the optimizer does it before writing the shards). Not collective; a no-op under
         the other strategies."""
-        self.param_side.reshard()
+        self.engine.param_side.reshard()
 
     @contextmanager
     def summon_full_params(self, *, writeback: bool = False) -> Iterator[None]:
@@ -387,13 +217,13 @@ class DistributedDataParallel(nn.Module):
         Read or edit params outside forward inside it: a released param has a 0-byte storage
         and reading it fails (a RuntimeError, or a crash of the process for some CPU kernels).
         Collective under optim_grads_params; elsewhere it publishes params (not collective)."""
-        with self.param_side.summon(writeback=writeback):
+        with self.engine.param_side.summon(writeback=writeback):
             yield
 
     def enable_forward_pre_hook(self) -> None:
         """Megatron's: forwards wait for each param gather just before its first reader again
         (overlap_param_gather)."""
-        self._param_gather_hooks.enable()
+        self.engine.gather_hooks.enable()
 
     def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
         """Megatron's, before evaluation or checkpointing: no per-module waits in forward. With
@@ -401,7 +231,7 @@ class DistributedDataParallel(nn.Module):
         (`start_param_sync(force_sync=True)`); with False params are left as they are, and
         the next forward still waits for every gather in flight before running the module, so
         it never reads a param mid-gather ([Note: who waits for param gathers])."""
-        self._param_gather_hooks.disable()
+        self.engine.gather_hooks.disable()
         if param_sync:
             self.start_param_sync(force_sync=True)
 
@@ -410,7 +240,7 @@ class DistributedDataParallel(nn.Module):
         params (not collective: rank 0 may call it alone, see publish_params). Under
         optim_grads_params the params are gathered unit by unit and copied out: collective
         (every dp rank calls it), keyword arguments only."""
-        return self.param_side.state_dict(self.module, args, kwargs)
+        return self.engine.param_side.state_dict(self.module, args, kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Copy values into the wrapped module's params and buffers (its keys). megabuf's
@@ -431,32 +261,13 @@ class DistributedDataParallel(nn.Module):
         """Reduce the `buffers` ("dense", "expert" or "all") buckets with `hook` instead of the
         engine's collective (the built-ins: `megabuf.comm_hooks`). Once per kind, before the
         first backward; every rank must register the same hook."""
-        self._hooks.register_comm_hook(hook, buffers=buffers)
+        self.engine.hooks.register_comm_hook(hook, buffers=buffers)
 
     def comm_hooks(self) -> dict[str, object]:
         """The registered comm hooks: "dense" / "expert" -> hook (a hook registered for "all"
         appears under both; a kind without a hook or without buffers is absent).
         `save_checkpoint` saves the state of those with `state_dict()`."""
-        return self._hooks.comm_hooks()
-
-    def notify_comm_hooks_step_skipped(self) -> None:
-        """The optimizer skipped the step whose grads the hooks just reduced (inf/NaN): each
-        hook's optional `on_step_skipped()` runs (PowerSGD drops its residuals and Q). megabuf's
-        optimizers call it; with torch's GradScaler, call it on every rank when
-        `scaler.step(opt)` skipped."""
-        self._hooks.notify_comm_hooks_step_skipped()
-
-    def notify_comm_hooks_loss_scale_changed(self, ratio: float) -> None:
-        """The loss scale was multiplied by `ratio` (new / old): each hook's optional
-        `on_loss_scale_change(ratio)` runs (PowerSGD rescales its residuals). megabuf's
-        optimizers call it; with torch's GradScaler, call it on every rank after
-        `scaler.update()` changed `scaler.get_scale()`."""
-        self._hooks.notify_comm_hooks_loss_scale_changed(ratio)
-
-    def comm_hook_report(self, *, reset: bool = False) -> HookReport:
-        """Wire bytes and calls each registered comm hook issued, per bucket, since the last
-        reset ([Note: hook wire bytes] in megabuf/comm_hooks/telemetry.py)."""
-        return self._hooks.comm_hook_report(reset=reset)
+        return self.engine.hooks.comm_hooks()
 
 
 def as_model_chunks(
@@ -485,8 +296,3 @@ class _BufferList(list):  # type: ignore[type-arg]
 
     def __call__(self, recurse: bool = True) -> Iterator[torch.Tensor]:
         return nn.Module.buffers(self._owner, recurse)
-
-
-def _unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """named_parameters() already drops shared params after their first name."""
-    return list(module.named_parameters())

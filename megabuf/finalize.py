@@ -62,20 +62,20 @@ def check_scaling_invariant(model: DistributedDataParallel) -> None:
     pgs = model.process_groups
     dp_size = pgs.dp_size
     ep_size, expt_dp_size = pgs.topology.ep_size, pgs.topology.expt_dp_size
-    if model.expert_parallel_buffers and ep_size * expt_dp_size != dp_size:
+    if model.engine.expert_parallel_buffers and ep_size * expt_dp_size != dp_size:
         raise RuntimeError(
             f"megabuf: ep_size {ep_size} x expt_dp size {expt_dp_size} != dp_size {dp_size} on "
-            f"rank {model.rank}; build the groups with ProcessGroups.build(ep_size=...)"
+            f"rank {model.engine.rank}; build the groups with ProcessGroups.build(ep_size=...)"
         )
     average = model.ddp_config.average_in_collective
-    for buf in _dense_buffers(model) + model.expert_parallel_buffers:
+    for buf in _dense_buffers(model) + model.engine.expert_parallel_buffers:
         # averaged over the shard group, then (hybrid) over the replicas too
         reduced_over = buf.dp_size * pgs.topology.dp_replicate_size
         effective = buf.gradient_scaling_factor / (reduced_over if average else 1)
         factors = {b.gradient_scaling_factor for b in buf.buckets} | {buf.gradient_scaling_factor}
         if len(factors) != 1 or not math.isclose(effective, 1.0 / dp_size, rel_tol=1e-12):
             raise RuntimeError(
-                f"megabuf: {buf.describe()} on rank {model.rank} scales grads by "
+                f"megabuf: {buf.describe()} on rank {model.engine.rank} scales grads by "
                 f"{sorted(factors)} (average_in_collective={average}, reduced over "
                 f"{buf.dp_size} ranks): effective {effective:.6g} != 1/dp_size = "
                 f"{1.0 / dp_size:.6g}; see [Note: gradient scaling] in megabuf/finalize.py"
@@ -94,7 +94,7 @@ def shared_embedding_params(
     return [
         (chunk, p)
         for chunk in chunks
-        for p in chunk.param_to_name
+        for p in chunk.engine.param_to_name
         if getattr(p, "shared_embedding", False)
     ]
 
@@ -110,7 +110,7 @@ def allreduce_embedding_grads(chunks: Sequence[DistributedDataParallel]) -> None
     pgs = chunks[0].process_groups
     if pgs.embd is None or pgs.topology.embd_size == 1:
         return
-    collectives = chunks[0].collectives
+    collectives = chunks[0].engine.collectives
     with torch.profiler.record_function("megabuf::embedding_grad_all_reduce"):
         slices = [_embedding_grad_slice(chunk, p) for chunk, p in shared_embedding_params(chunks)]
         # An empty slice is empty on both stages (same bucket shape), so skipping it is symmetric.
@@ -131,15 +131,15 @@ def _embedding_grad_slice(chunk: DistributedDataParallel, param: nn.Parameter) -
         bucket = buf.layout.buckets[bucket_id]
         if bucket.start != start or len(bucket.param_ids) != 1:
             raise RuntimeError(
-                f"megabuf: shared embedding {chunk.param_to_name[param]!r} does not own its "
-                f"bucket on rank {chunk.rank}; its shard would not line up with the other "
+                f"megabuf: shared embedding {chunk.engine.param_to_name[param]!r} does not own its "
+                f"bucket on rank {chunk.engine.rank}; its shard would not line up with the other "
                 "pipeline stage's. Keep `shared_embedding=True` set before wrapping"
             )
         lo, hi = buf.shard_range(bucket_id)
         return buf.reduced_grad(max(lo, start), max(min(hi, end), max(lo, start)))
     raise RuntimeError(
-        f"megabuf: shared embedding {chunk.param_to_name[param]!r} is in no dense buffer on rank "
-        f"{chunk.rank}; tied embeddings must not be marked expert-parallel"
+        f"megabuf: shared embedding {chunk.engine.param_to_name[param]!r} is in no dense buffer "
+        f"on rank {chunk.engine.rank}; tied embeddings must not be marked expert-parallel"
     )
 
 
@@ -147,10 +147,10 @@ def scale_by_num_tokens(chunks: Sequence[DistributedDataParallel], num_tokens: T
     """Broadcast the last stage's token count over `pp`, sum it over `dp`, and scale all grads
     by dp_size / total (see [Note: gradient scaling])."""
     pgs = chunks[0].process_groups
-    collectives = chunks[0].collectives
+    collectives = chunks[0].engine.collectives
     if num_tokens.numel() != 1:
         raise ValueError(f"megabuf: num_tokens must hold one number, got shape {num_tokens.shape}")
-    params = (p for chunk in chunks for p in chunk.param_to_name)
+    params = (p for chunk in chunks for p in chunk.engine.param_to_name)
     device = params_device(params, pgs.dp)  # [Note: allocation device]
     total = num_tokens.detach().reshape(1).to(device=device, dtype=torch.float64, copy=True)
     if pgs.pp_size > 1:

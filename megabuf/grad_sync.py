@@ -53,7 +53,7 @@ class GradSync:
     def __init__(
         self,
         groups: Sequence[BucketGroup],
-        chains: Sequence[DispatchChain],
+        chains: Sequence[DispatchChain[BucketGroup]],
         config: DistributedDataParallelConfig,
         grads: ExposedGrads,
         *,

@@ -55,7 +55,7 @@ def raise_on_nonfinite_grads(
     if not groups:
         return
     device = groups[0].buckets[0].grad_data.device
-    rows = [g.bucket_nonfinite_flags() for g in groups]
+    rows = [g.nonfinite.per_bucket(g.buckets[0].grad_data.device) for g in groups]
     flags = torch.zeros(sum(len(r) for r in rows), dp_size, dtype=torch.float32, device=device)
     flags[:, dp_rank] = torch.cat(rows)
     collectives.all_reduce_max(flags, dp_group)
@@ -63,7 +63,7 @@ def raise_on_nonfinite_grads(
     stages = _stages_agree(bool(lines), collectives, pp_group, pp_rank, pp_size, device)
     if not stages:
         return
-    mine = [name for g in groups for name in g.nonfinite_param_names()]
+    mine = [name for g in groups for name in g.nonfinite.names()]
     for group in groups:
         group.abandon_grad_sync()  # the reduced grads are NaN: drop them
     where = f"of {'; '.join(lines)}" if lines else f"on pipeline stage(s) {stages}"

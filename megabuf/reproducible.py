@@ -158,17 +158,17 @@ def _param_space_grads(model: DistributedDataParallel) -> tuple[list[str], list[
         raise RuntimeError(
             f"megabuf: the reproducibility check compares full reduced grads, which "
             f"data_parallel_sharding_strategy={strategy.name!r} does not keep (rank "
-            f"{model.rank}); "
+            f"{model.engine.rank}); "
             "run it under 'optim' (bitwise equal to 'optim_grads' at one micro-batch)"
         )
     if strategy.reduction == "reduce_scatter":
-        for group in model.all_bucket_groups:
+        for group in model.engine.all_bucket_groups:
             for bucket in group.buckets:
                 shard = group.local_shard(bucket.grad_data).clone()
                 group.collectives.all_gather(
                     bucket.grad_data, shard, group.collective_group, async_op=False
                 ).wait()
-    named = list(model.param_to_name.items())
+    named = list(model.engine.param_to_name.items())
     return [n for _, n in named], [p.main_grad.detach().clone() for p, _ in named]  # type: ignore[attr-defined]
 
 

@@ -85,11 +85,11 @@ def dispatch_order_case() -> dict[str, Any]:
     for step in range(3):
         model.zero_grad_buffer()
         _permuted_backward(model.module, step, rank)
-        early.append(sum(g.grad_state.name == "DISPATCHED" for g in model.all_bucket_groups))
+        early.append(sum(g.grad_state.name == "DISPATCHED" for g in model.engine.all_bucket_groups))
         model.finish_grad_sync()
         want = _replay(ref, lambda m, r, s=step: _permuted_backward(m, s, r))
-        errors.append(grad_errors(model, model.param_to_name, want))
-    return {"errors": errors, "early": early, "groups": len(model.all_bucket_groups)}
+        errors.append(grad_errors(model, model.engine.param_to_name, want))
+    return {"errors": errors, "early": early, "groups": len(model.engine.all_bucket_groups)}
 
 
 # ---- 2. per-token loss, different token counts per rank -----------------------------------------
@@ -121,7 +121,7 @@ def per_token_case(config: dict[str, Any]) -> dict[str, Any]:
         finalize_model_grads([model], num_tokens=num_tokens)
         summed = _replay(ref, lambda m, r, s=step: _token_backward(m, s, r))  # sum_r g_r / dp
         want = {n: g * (dist.get_world_size() / total) for n, g in summed.items()}
-        errors.append(grad_errors(model, model.param_to_name, want))
+        errors.append(grad_errors(model, model.engine.param_to_name, want))
     return {"errors": errors, "total": total}
 
 
@@ -147,7 +147,7 @@ def moe_clip_case(kind: str) -> dict[str, Any]:
         overlap_grad_reduce=True, bucket_size=64, use_distributed_optimizer=distributed
     )
     model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
-    net.moe.collectives = model.collectives
+    net.moe.collectives = model.engine.collectives
     opt = _make_optimizer(kind, model)
     ref = MoEModel(CFG, seed=3)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
@@ -235,7 +235,7 @@ def micro_batch_case(strict: bool) -> dict[str, Any]:
         except RuntimeError as exc:
             return {"raised": str(exc)}
         want = _replay(ref, lambda m, r, s=step: _accumulate_on_rank(m, s, r))
-        errors.append(grad_errors(model, model.param_to_name, want))
+        errors.append(grad_errors(model, model.engine.param_to_name, want))
     return {"raised": None, "errors": errors, "extra_grad": net.extra.weight.grad.clone()}
 
 

@@ -39,7 +39,7 @@ def _step(model: megabuf.DistributedDataParallel, sharded: bool) -> None:
     model(torch.ones(4)).backward()
     model.finish_grad_sync()
     if sharded:  # what an optimizer does after updating its shard: gather the others
-        for group in model.all_bucket_groups:
+        for group in model.engine.all_bucket_groups:
             group.mark_params_stale()
         model.start_param_sync()
 
@@ -48,11 +48,11 @@ def count_bytes(values: dict[str, Any]) -> dict[str, Any]:
     """One config: bytes and calls per op over STEPS steps, and overlap figures."""
     config = megabuf.DistributedDataParallelConfig(**values)
     model = megabuf.DistributedDataParallel(KnownNet(), config)
-    model.collectives.stats.reset()  # drop the start-up broadcasts
+    model.engine.collectives.stats.reset()  # drop the start-up broadcasts
     timeline = model.enable_timeline()
     for _ in range(STEPS):
         _step(model, config.use_distributed_optimizer)
-    stats = model.collectives.stats
+    stats = model.engine.collectives.stats
     report = analyze(timeline.events)
     return {
         "input": dict(stats.input_nbytes),
@@ -113,7 +113,9 @@ def ddp_layouts(model_name: str, configs: dict[str, dict[str, Any]]) -> dict[str
                 names_in = [names[p] for p in b.params_list]
                 buckets.append((b.offset, b.offset + b.numel, names_in))
             buffers.append((buf.numel, buckets))
-        order = [bucket_of[id(g.buckets[0])] for chain in model._sync.chains for g in chain.groups]
+        order = [
+            bucket_of[id(g.buckets[0])] for chain in model.engine.sync.chains for g in chain.groups
+        ]
         out[name] = {"buffers": buffers, "order": order}
     return out
 

@@ -62,7 +62,7 @@ def _stage_moe(shape: str, ddp: dict[str, Any]) -> Chunks:
     net = MoEModel(CFG, ep_group=pgs.ep, seed=3 + pgs.pp_rank)
     cfg = megabuf.DistributedDataParallelConfig.from_dict({"bucket_size": 300, **ddp})
     model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
-    net.moe.collectives = model.collectives
+    net.moe.collectives = model.engine.collectives
     return [model]
 
 

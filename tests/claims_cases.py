@@ -35,9 +35,9 @@ def state_dict_case() -> dict[str, Any]:
     opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig(optimizer="sgd", lr=0.1))
     for step in range(2):
         train_step(model, opt, step)
-    before = sorted({g.param_state.name for g in model.all_bucket_groups})
+    before = sorted({g.param_state.name for g in model.engine.all_bucket_groups})
     got = {k: v.clone() for k, v in model.state_dict().items()}
-    after = sorted({g.param_state.name for g in model.all_bucket_groups})
+    after = sorted({g.param_state.name for g in model.engine.all_bucket_groups})
     model.publish_params()  # no-op if state_dict() already gathered
     published = {k: v.clone() for k, v in model.module.state_dict().items()}
     fresh = _ddp(_net(), **DISTOPT_LAZY)

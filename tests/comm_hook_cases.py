@@ -57,7 +57,7 @@ def _step(model: Any, step: int, *, finish: bool = True) -> None:
 
 
 def _reduced(model: Any) -> torch.Tensor:
-    return _reduced_of(model.buffers + model.expert_parallel_buffers)
+    return _reduced_of(model.buffers + model.engine.expert_parallel_buffers)
 
 
 def _reduced_of(buffers: list[Any]) -> torch.Tensor:
@@ -86,7 +86,7 @@ def reduce_case(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _hook_attached(model: Any) -> bool:
-    return all(g.comm_hook is not None for g in model.all_bucket_groups)
+    return all(g.comm_hook is not None for g in model.engine.all_bucket_groups)
 
 
 def _emulate(seen: list[torch.Tensor], accumulate: str, mode: str) -> torch.Tensor:
@@ -138,7 +138,7 @@ def noop_case() -> dict[str, Any]:
     grads."""
     hook = Capture(Noop())
     model = _model(Net(), hook, bucket_size=64, overlap_grad_reduce=True)
-    model.collectives.stats.reset()
+    model.engine.collectives.stats.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(3):
@@ -149,7 +149,7 @@ def noop_case() -> dict[str, Any]:
         "warnings": len(noop_warnings),
         "category": noop_warnings[0].category.__name__ if noop_warnings else None,
         "local": local,
-        "calls": dict(model.collectives.stats.calls),
+        "calls": dict(model.engine.collectives.stats.calls),
     }
 
 
@@ -161,7 +161,7 @@ def overlap_case(config: dict[str, Any]) -> dict[str, Any]:
     cfg = {"overlap_grad_reduce": True, "sync_grads_at_backward_end": False, **config}
     model = _model(Net(), hook, **cfg)
     _step(model, 0)  # the learning iteration dispatches at finish ([Note: grad readiness])
-    stats = model.collectives.stats
+    stats = model.engine.collectives.stats
     stats.reset()
     hook.calls = 0
     _step(model, 1, finish=False)
@@ -169,14 +169,16 @@ def overlap_case(config: dict[str, Any]) -> dict[str, Any]:
         "hook_calls": hook.calls,
         "all_to_all": stats.calls.get("all_to_all", 0),
         "all_gather": stats.calls.get("all_gather", 0),
-        "dispatched": sum(g.grad_state.name == "DISPATCHED" for g in model.all_bucket_groups),
+        "dispatched": sum(
+            g.grad_state.name == "DISPATCHED" for g in model.engine.all_bucket_groups
+        ),
     }
     model.finish_grad_sync()
     return {
         "at_backward_end": at_backward_end,
         "after_finish": {"hook_calls": hook.calls, **dict(stats.calls)},
         "n_buckets": len(hook.buckets),
-        "n_groups": len(model.all_bucket_groups),
+        "n_groups": len(model.engine.all_bucket_groups),
     }
 
 
@@ -268,7 +270,7 @@ def _moe_model(ep: int, hook: Any = None, buffers: str = "all", **config: Any) -
     net = MoEModel(CFG, ep_group=pgs.ep, seed=3)
     cfg = megabuf.DistributedDataParallelConfig(bucket_size=256, **config)
     model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
-    net.moe.collectives = model.collectives
+    net.moe.collectives = model.engine.collectives
     if hook is not None:
         model.register_comm_hook(hook, buffers=buffers)
     return model
@@ -283,7 +285,7 @@ def _moe_step(model: Any, step: int) -> None:
 
 def _dense_and_expert(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's reduced dense and expert grads (whole buffers, or shards)."""
-    return _reduced_of(model.buffers), _reduced_of(model.expert_parallel_buffers)
+    return _reduced_of(model.buffers), _reduced_of(model.engine.expert_parallel_buffers)
 
 
 def expert_case(ep: int, config: dict[str, Any]) -> dict[str, Any]:
@@ -302,7 +304,9 @@ def expert_case(ep: int, config: dict[str, Any]) -> dict[str, Any]:
     two_kinds = _moe_model(ep, Reduce(), "dense", **config)
     two_kinds.register_comm_hook(Compress(torch.bfloat16), buffers="expert")  # not "twice"
     return {
-        "two_kinds": sorted({type(g.comm_hook).__name__ for g in two_kinds.all_bucket_groups}),
+        "two_kinds": sorted(
+            {type(g.comm_hook).__name__ for g in two_kinds.engine.all_bucket_groups}
+        ),
         "reduce_same": torch.equal(d0, d1) and torch.equal(e0, e1),
         "dense_same": torch.equal(d0, d2),
         "expert_changed": not torch.equal(e0, e2),
@@ -312,7 +316,7 @@ def expert_case(ep: int, config: dict[str, Any]) -> dict[str, Any]:
             b.group is expt_dp and b.group_size == dist.get_world_size(expt_dp)
             for b in expert_only.buckets
         ),
-        "dense_hooked": [g.comm_hook is not None for g in compressed.bucket_groups],
+        "dense_hooked": [g.comm_hook is not None for g in compressed.engine.bucket_groups],
         "n_expert_buckets": len(expert_only.buckets),
     }
 
@@ -325,7 +329,7 @@ def config_case(config: dict[str, Any]) -> dict[str, Any]:
     by_hand = _model(net, Compress(torch.bfloat16, "fp32"), **config)
     _step(from_config, 0)
     _step(by_hand, 0)
-    hooks = [g.comm_hook for g in from_config.all_bucket_groups]
+    hooks = [g.comm_hook for g in from_config.engine.all_bucket_groups]
     return {
         "hooks": sorted({getattr(h, "name", None) for h in hooks}),
         "same": torch.equal(_reduced(from_config), _reduced(by_hand)),

@@ -136,8 +136,8 @@ def multi_bucket_powersgd_case(overlap: bool) -> dict[str, Any]:
     mine = _reduced(model)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    n = len(model.all_bucket_groups)
-    n_buckets = sum(len(g.buckets) for g in model.all_bucket_groups)
+    n = len(model.engine.all_bucket_groups)
+    n_buckets = sum(len(g.buckets) for g in model.engine.all_bucket_groups)
     per_step = [spy.calls[i : i + n_buckets] for i in range(0, len(spy.calls), n_buckets)]
     return {
         "busy_at_call": spy.busy_at_call,
@@ -168,14 +168,14 @@ def is_last_case(ep: int) -> dict[str, Any]:
     same = all(
         torch.equal(a.grad_data, b.grad_data)
         for a, b in zip(
-            pgs_model.buffers + pgs_model.expert_parallel_buffers,
-            model.buffers + model.expert_parallel_buffers,
+            pgs_model.buffers + pgs_model.engine.expert_parallel_buffers,
+            model.buffers + model.engine.expert_parallel_buffers,
             strict=True,
         )
     )
     return {kind: [last for _, last in spy.calls] for kind, spy in spies.items()} | {
         "same_as_no_hook": same,
-        "n_groups": len(model.all_bucket_groups),
+        "n_groups": len(model.engine.all_bucket_groups),
     }
 
 
@@ -250,7 +250,7 @@ def wrapper_config_case(config: dict[str, Any]) -> dict[str, Any]:
     by_hand = _model(net, CompressWrapper(Reduce(), torch.bfloat16), **config)
     _step(from_config, 0)
     _step(by_hand, 0)
-    names = sorted({getattr(g.comm_hook, "name", "") for g in from_config.all_bucket_groups})
+    names = sorted({getattr(g.comm_hook, "name", "") for g in from_config.engine.all_bucket_groups})
     return {"same": torch.equal(_reduced(from_config), _reduced(by_hand)), "names": names}
 
 

@@ -208,7 +208,7 @@ def reentrant_checkpointing() -> dict[str, Any]:
     ends = [t for g, e, t in timeline.events if e == "backward_end"]
     early = [sum(1 for g, e, t in timeline.events if e == "dispatch" and lo < t < hi)
              for lo, hi in zip([0.0, *ends[:-1]], ends)]  # fmt: skip
-    return {"errors": errors, "early_dispatches": early, "groups": len(model.bucket_groups)}
+    return {"errors": errors, "early_dispatches": early, "groups": len(model.engine.bucket_groups)}
 
 
 def branch_net_without_never() -> BranchNet:
@@ -253,13 +253,13 @@ def strict_mode_cost() -> dict[str, int]:
         )
         model = megabuf.DistributedDataParallel(branch_net_without_never(), cfg)
         x, y = data(0, dist.get_rank())
-        model.collectives.stats.reset()
+        model.engine.collectives.stats.reset()
         ((model(x, True) - y) ** 2).mean().backward()  # every rank uses head_b
         model.finish_grad_sync()
-        stats = model.collectives.stats
+        stats = model.engine.collectives.stats
         counts[f"calls_{strict}"] = stats.calls["all_reduce"]
         counts[f"bytes_{strict}"] = stats.input_nbytes["all_reduce"]
-    counts["n_trainable"] = len(model.param_to_name)
+    counts["n_trainable"] = len(model.engine.param_to_name)
     return counts
 
 
@@ -307,7 +307,7 @@ def reset_after_exception() -> dict[str, Any]:
         raised = str(exc)
     finally:
         _Raise.armed = False
-    states = sorted({g.grad_state.name for g in model.all_bucket_groups})
+    states = sorted({g.grad_state.name for g in model.engine.all_bucket_groups})
     model.reset_iter_state()
     model.zero_grad_buffer()
     loss_of(model, 3, rank, torch.float32).backward()
@@ -345,8 +345,8 @@ def one_chain_when_groups_match() -> dict[str, Any]:
     cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=1)
     model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
     errors = grad_errors_per_step(model, ref, steps=2)
-    chains = {id(g.chain) for g in model.all_bucket_groups}
-    return {"chains": len(chains), "expert_groups": len(model.expert_parallel_bucket_groups),
+    chains = {id(g.chain) for g in model.engine.all_bucket_groups}
+    return {"chains": len(chains), "expert_groups": len(model.engine.expert_parallel_bucket_groups),
             "errors": errors}  # fmt: skip
 
 

@@ -94,7 +94,7 @@ def _moe(ep: int, config: dict[str, Any]) -> Any:
     model = megabuf.DistributedDataParallel(
         net, megabuf.DistributedDataParallelConfig(**config), process_groups=pgs
     )
-    net.moe.collectives = model.collectives
+    net.moe.collectives = model.engine.collectives
     return model
 
 
@@ -126,8 +126,8 @@ def sweep_case(model_kind: str, arg: Any, config: dict[str, Any]) -> dict[str, A
         step = _dense_step if model_kind == "dense" else _moe_step
         for i in range(STEPS):
             step(model, i)
-        n_buckets.append(sum(len(g.buckets) for g in model.all_bucket_groups))
-        hooks |= {getattr(g.comm_hook, "name", None) for g in model.all_bucket_groups}
+        n_buckets.append(sum(len(g.buckets) for g in model.engine.all_bucket_groups))
+        hooks |= {getattr(g.comm_hook, "name", None) for g in model.engine.all_bucket_groups}
         grads.append(_param_space_grads(model)[1])
     base = grads[0]
     return {
@@ -136,7 +136,7 @@ def sweep_case(model_kind: str, arg: Any, config: dict[str, Any]) -> dict[str, A
         "n_buckets": n_buckets,
         "hooks": sorted(map(str, hooks)),
         "grad_dtypes": sorted({str(g.dtype) for g in base}),
-        "n_expert_buffers": len(model.expert_parallel_buffers),
+        "n_expert_buffers": len(model.engine.expert_parallel_buffers),
     }
 
 
@@ -168,7 +168,7 @@ def emulation_case(model_kind: str, arg: Any, config: dict[str, Any]) -> dict[st
     hook = Capture()
     if model_kind == "dense":
         model = _dense(arg, cfg, hook)
-        model.collectives.stats.reset()
+        model.engine.collectives.stats.reset()
         _dense_step(model, 0)
     else:
         model = _moe(arg, cfg)
@@ -190,11 +190,11 @@ def emulation_case(model_kind: str, arg: Any, config: dict[str, Any]) -> dict[st
         sizes.add(bucket.group_size)
     return {
         "bitwise": bitwise,
-        "ring_nbytes": dict(model.collectives.stats.ring_nbytes),
+        "ring_nbytes": dict(model.engine.collectives.stats.ring_nbytes),
         "want_ring_nbytes": sum(_ring_nbytes(b) for b in hook.buckets),
         "workspaces": sorted({name for b in hook.buckets for _, name, _ in b._workspace}),
         "group_sizes": sorted(sizes),
-        "hooks": sorted({getattr(g.comm_hook, "name", "") for g in model.all_bucket_groups}),
+        "hooks": sorted({getattr(g.comm_hook, "name", "") for g in model.engine.all_bucket_groups}),
         "expert": sorted({b.expert for b in hook.buckets}),
     }
 
@@ -315,6 +315,6 @@ def errors_case() -> dict[str, Any]:
         "bad_steps": _raises(
             lambda: megabuf.verify_reproducible(_factory("fp32"), _batch, _loss, steps=0)
         ),
-        "allowed_hooks": sorted({g.comm_hook.name for g in allowed.all_bucket_groups}),
-        "installed": sorted({g.comm_hook.name for g in plain.all_bucket_groups}),
+        "allowed_hooks": sorted({g.comm_hook.name for g in allowed.engine.all_bucket_groups}),
+        "installed": sorted({g.comm_hook.name for g in plain.engine.all_bucket_groups}),
     }

@@ -193,7 +193,7 @@ def grad_deviations(
         ratios[name] = max(ratios.get(name, 0.0), (diff / bound).max().item())
 
     if model.ddp_config.use_distributed_optimizer:
-        for buf in model.buffers + model.expert_parallel_buffers:
+        for buf in model.buffers + model.engine.expert_parallel_buffers:
             for piece in shard_pieces(buf.layout, buf.dp_rank, buf.dp_size):
                 name = names[buf.params[piece.param_id]]
                 got = buf.grad_data[piece.buffer_start : piece.buffer_start + piece.numel]
@@ -213,7 +213,7 @@ def grad_copies(model: megabuf.DistributedDataParallel) -> dict[str, bool]:
         and p.grad is not p.main_grad
         and p.grad.dtype == p.dtype
         and torch.equal(p.grad, p.main_grad.to(p.dtype))
-        for p, name in model.param_to_name.items()
+        for p, name in model.engine.param_to_name.items()
         if p.dtype != p.main_grad.dtype
     }
 
@@ -230,7 +230,7 @@ def grad_case(case: dict[str, Any]) -> dict[str, Any]:
             name: torch.full(g.shape, FP32_ATOL, device=g.device) for name, g in expected.items()
         }
     model = run_ddp(net, case)
-    names = model.param_to_name
+    names = model.engine.param_to_name
     device = case_device(case).type
     errors, ratios = grad_deviations(model, names, expected, bounds)
     # param.grad must be the main_grad view itself (no copy) when dtypes match; with the
@@ -246,11 +246,11 @@ def grad_case(case: dict[str, Any]) -> dict[str, Any]:
         "errors": errors,
         "ratios": ratios,
         "n_buffers": len(model.buffers),
-        "n_groups": len(model.bucket_groups),
+        "n_groups": len(model.engine.bucket_groups),
         "linked": linked,
         "frozen_ok": frozen_ok,
         "grad_copies": {} if distopt else grad_copies(model),
-        "reduce_scatter": model.collectives.strategy(
+        "reduce_scatter": model.engine.collectives.strategy(
             model.process_groups.dp, device
         ).reduce_scatter,
         "all_params": sorted(names.values()),

@@ -30,7 +30,7 @@ def _run(net: torch.nn.Module, spec: dict[str, Any] | None, config: dict[str, An
     )
     if spec is not None:
         model.register_comm_hook(build(spec))
-    model.collectives.stats.reset()  # drop the start-up broadcast
+    model.engine.collectives.stats.reset()  # drop the start-up broadcast
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Noop's warning
         for step in range(STEPS):
@@ -49,13 +49,13 @@ def wire_case(config: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, spec in SPECS.items():
         model = _run(net, spec, config)
-        engine = {op: v // STEPS for op, v in model.collectives.stats.ring_nbytes.items()}
-        report = model.comm_hook_report()
+        engine = {op: v // STEPS for op, v in model.engine.collectives.stats.ring_nbytes.items()}
+        report = model.engine.hooks.comm_hook_report()
         by_op: dict[str, int] = {}
         for b in report.buckets:
             for op, v in b.ring_nbytes.items():
                 by_op[op] = by_op.get(op, 0) + v // b.dispatches
-        buckets = [bucket for g in model.all_bucket_groups for bucket in g.hook_buckets]
+        buckets = [bucket for g in model.engine.all_bucket_groups for bucket in g.hook_buckets]
         formula = [wire_formula(spec, bucket) for bucket in buckets]
         out[label] = {
             "engine": engine,
@@ -73,9 +73,10 @@ def wire_case(config: dict[str, Any]) -> dict[str, Any]:
         }
         if spec is None:  # formula of the engine's own reduction, over the plain buckets
             out[label]["formula_per_step"] = _plain_formula(model)
-        model.comm_hook_report(reset=True)
+        model.engine.hooks.comm_hook_report(reset=True)
         out[label]["after_reset"] = [
-            (b.dispatches, b.total_ring_nbytes) for b in model.comm_hook_report().buckets
+            (b.dispatches, b.total_ring_nbytes)
+            for b in model.engine.hooks.comm_hook_report().buckets
         ]
     return out
 
@@ -87,5 +88,5 @@ def _plain_formula(model: Any) -> int:
         copy.deepcopy(model.module), model.ddp_config, process_groups=model.process_groups
     )
     twin.register_comm_hook(build({"name": "reduce"}))
-    views = [b for g in twin.all_bucket_groups for b in g.hook_buckets]
+    views = [b for g in twin.engine.all_bucket_groups for b in g.hook_buckets]
     return sum(wire_formula(None, v) or 0 for v in views)

@@ -44,7 +44,7 @@ def coalesce_case(case: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     net = Net(bf16_tail=True)  # two buffers: fp32 and bf16
     one, many = _model(net, case, True), _model(net, {**case, "coalesce": False}, True)
-    stats = one.collectives.stats
+    stats = one.engine.collectives.stats
     stats.reset()
     _backward(one)
     one.finish_grad_sync()
@@ -55,7 +55,7 @@ def coalesce_case(case: dict[str, Any]) -> dict[str, Any]:
     gathers = None
     if case.get("distopt"):
         stats.reset()
-        (group,) = one.all_bucket_groups
+        (group,) = one.engine.all_bucket_groups
         group.mark_params_stale()
         group.start_param_sync(force_sync=True)
         gathers = stats.calls.get("all_gather", 0)
@@ -63,7 +63,7 @@ def coalesce_case(case: dict[str, Any]) -> dict[str, Any]:
         "calls": calls,
         "gathers": gathers,
         "same": same,
-        "n_groups": len(one.all_bucket_groups),
+        "n_groups": len(one.engine.all_bucket_groups),
         "n_buffers": len(one.buffers),
         "n_buckets": sum(len(b.buckets) for b in one.buffers),
     }

@@ -109,11 +109,11 @@ def hybrid_case(case: dict[str, Any]) -> dict[str, Any]:
     ref = reference(case)
     replicate_calls = []
     for step in range(STEPS):
-        before = model.collectives.stats_of(model.process_groups.dp_replicate).calls.get(
+        before = model.engine.collectives.stats_of(model.process_groups.dp_replicate).calls.get(
             "all_reduce", 0
         )
         train(model, opt, step, case.get("micro", 1))
-        after = model.collectives.stats_of(model.process_groups.dp_replicate).calls
+        after = model.engine.collectives.stats_of(model.process_groups.dp_replicate).calls
         replicate_calls.append(after.get("all_reduce", 0) - before)
         ref.step(step)
     model.publish_params()
@@ -127,15 +127,16 @@ def hybrid_case(case: dict[str, Any]) -> dict[str, Any]:
             (p - ref_params[n].detach().float()).abs().max().item() for n, p in params.items()
         ),
         "replicate_calls": replicate_calls,
-        "buckets": sum(len(g.buckets) for g in model.all_bucket_groups),
+        "buckets": sum(len(g.buckets) for g in model.engine.all_bucket_groups),
         # padded grad bytes of every bucket (n * g of the wire formula; all fp32 here)
         "bucket_nbytes": sum(
             b.layout.numel * b.grad_dtype.itemsize
-            for b in [*model.buffers, *model.expert_parallel_buffers]
+            for b in [*model.buffers, *model.engine.expert_parallel_buffers]
         ),
         "split": (topo.dp_replicate_size, topo.dp_shard_size),
         "group_bytes": {
-            name: dict(stats.ring_nbytes) for name, stats in model.collectives.group_stats.items()
+            name: dict(stats.ring_nbytes)
+            for name, stats in model.engine.collectives.group_stats.items()
         },
     }
 

@@ -36,7 +36,7 @@ def dropped_engine_case(strategy: str, gather: bool = False) -> dict[str, Any]:
     nn.functional.mse_loss(model(x), y).backward()
     model.finish_grad_sync()
     opt.step()
-    engine, group = weakref.ref(model), weakref.ref(model.all_bucket_groups[0])
+    engine, group = weakref.ref(model), weakref.ref(model.engine.all_bucket_groups[0])
     del model, opt
     gc.collect()  # the engine; its finalizer removes the kept module's hooks (the Note)
     gc.collect()  # what those hooks held

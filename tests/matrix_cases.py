@@ -58,7 +58,7 @@ def _build(
     with warnings.catch_warnings():  # ZeRO-3's one-unit warning: the model is one unit
         warnings.simplefilter("ignore")
         model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
-    net.moe.collectives = model.collectives
+    net.moe.collectives = model.engine.collectives
     if scaler:
         cls = megabuf.MixedPrecisionOptimizer if strategy == "no_shard" else None
         grad_scaler = DynamicGradScaler(SCALE, hysteresis=1, growth_interval=2)
@@ -193,7 +193,7 @@ def averager_case() -> dict[str, Any]:
     net = MoEModel(CFG, ep_group=pgs.ep, seed=3)
     cfg = megabuf.DistributedDataParallelConfig(bucket_size=256)
     model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
-    net.moe.collectives = model.collectives
+    net.moe.collectives = model.engine.collectives
     hook = LocalSGD(1, 2, subgroup_size=1)
     model.register_comm_hook(hook)
     opt = megabuf.MixedPrecisionOptimizer(model, torch.optim.SGD, lr=LR)
@@ -258,9 +258,9 @@ def groups_finished_in_backward_case() -> dict[str, Any]:
     with model.deferred_grad_sync():  # finish by hand below
         ((model(x[rows]) - y[rows]) ** 2).mean().backward()
     model.start_grad_sync()
-    for group in model.all_bucket_groups:
+    for group in model.engine.all_bucket_groups:
         group.finish_grad_sync()
-    all_synced = model.unsynced_group() is None
+    all_synced = model.engine.sync.unsynced_group() is None
     try:
         model.finish_grad_sync()
     except RuntimeError as exc:
@@ -342,7 +342,7 @@ def pp_ep_case(
         warnings.simplefilter("ignore")
         (model,) = wrap_model_chunks([stage], cfg, pgs)
     if stage.moe is not None:
-        stage.moe.collectives = model.collectives
+        stage.moe.collectives = model.engine.collectives
     if hook:
         model.register_comm_hook(Reduce())
     opt = _pp_optimizer(model, strategy, scaler)

@@ -89,15 +89,15 @@ def memory_case(case: dict[str, Any]) -> dict[str, Any]:
     report = opt.memory_report()
     pgs = model.process_groups
     device = next(model.parameters()).device
-    scratch = model.collectives.strategy(pgs.dp, device).reduce_scatter == "all_to_all"
+    scratch = model.engine.collectives.strategy(pgs.dp, device).reduce_scatter == "all_to_all"
     cfg = model.ddp_config
     formula = persistent_bytes(
-        model.plan, case["strategy"], optimizer_spec(opt.domains[0].optimizer),
+        model.engine.plan, case["strategy"], optimizer_spec(opt.domains[0].optimizer),
         dp_rank=pgs.dp_rank, expt_dp_rank=dist.get_rank(pgs.expt_dp),
         reduce_scatter_scratch=scratch, cpu_offload=cfg.cpu_offload and device.type != "cpu",
     )  # fmt: skip
     bounds = transient_bounds(
-        model.plan, case["strategy"], prefetch_units=cfg.prefetch_units,
+        model.engine.plan, case["strategy"], prefetch_units=cfg.prefetch_units,
         reshard_after_forward=cfg.reshard_after_forward,
     )  # fmt: skip
     return {

@@ -58,7 +58,7 @@ def build(case: dict[str, Any]) -> megabuf.DistributedDataParallel:
     net = MoEModel(CFG, ep_group=pgs.ep, seed=3).to(case_device(case))
     cfg = megabuf.DistributedDataParallelConfig.from_dict(case.get("config", {}))
     model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
-    net.moe.collectives = model.collectives  # one byte counter for the whole engine
+    net.moe.collectives = model.engine.collectives  # one byte counter for the whole engine
     return model
 
 
@@ -76,7 +76,7 @@ def run_step(model: megabuf.DistributedDataParallel, step: int, per_token: bool)
 def compare(model: megabuf.DistributedDataParallel, expected: dict[str, torch.Tensor]) -> dict:
     ep_rank = dist.get_rank(model.process_groups.ep)
     n_local = CFG.num_experts // dist.get_world_size(model.process_groups.ep)
-    names = {p: reference_name(n, ep_rank, n_local) for p, n in model.param_to_name.items()}
+    names = {p: reference_name(n, ep_rank, n_local) for p, n in model.engine.param_to_name.items()}
     return grad_errors(model, names, expected)
 
 
@@ -86,13 +86,13 @@ def grads_case(case: dict[str, Any]) -> dict[str, Any]:
     expected = reference_grads(case_device(case))
     return {
         "errors": compare(model, expected),
-        "n_expert_buffers": len(model.expert_parallel_buffers),
-        "n_expert_params": sum(len(b.params) for b in model.expert_parallel_buffers),
+        "n_expert_buffers": len(model.engine.expert_parallel_buffers),
+        "n_expert_params": sum(len(b.params) for b in model.engine.expert_parallel_buffers),
         "expert_groups_reduce_over_expt_dp": all(
             g.collective_group is model.process_groups.expt_dp
-            for g in model.expert_parallel_bucket_groups
+            for g in model.engine.expert_parallel_bucket_groups
         ),
-        "all_to_all_bytes": model.collectives.stats.ring_nbytes.get("all_to_all", 0),
+        "all_to_all_bytes": model.engine.collectives.stats.ring_nbytes.get("all_to_all", 0),
     }
 
 
@@ -100,12 +100,12 @@ def rank_value_case(case: dict[str, Any]) -> dict[str, list[float]]:
     """Every grad element := global rank + 1; return the distinct values after finalize (only
     this rank's shards with the distributed optimizer)."""
     model = build(case)
-    params = [p for group in model.all_bucket_groups for p in group.params_list]
+    params = [p for group in model.engine.all_bucket_groups for p in group.params_list]
     # a real backward whose grads are exactly rank + 1 everywhere (through the hooks)
     torch.stack([(p * (dist.get_rank() + 1.0)).sum() for p in params]).sum().backward()
     finalize_model_grads([model])
     seen: dict[str, set[float]] = {"dense": set(), "expert": set()}
-    for kind, bufs in (("dense", model.buffers), ("expert", model.expert_parallel_buffers)):
+    for kind, bufs in (("dense", model.buffers), ("expert", model.engine.expert_parallel_buffers)):
         for buf in bufs:
             for piece in shard_pieces(buf.layout, buf.dp_rank, buf.dp_size):
                 if not model.ddp_config.use_distributed_optimizer:
@@ -141,7 +141,7 @@ except ImportError:  # pragma: no cover - before megabuf/optimizer/clip.py exist
 
 def _owned_grads(model: megabuf.DistributedDataParallel, expert: bool) -> list[torch.Tensor]:
     """The grads this rank owns: whole main_grads, or its shard pieces with distopt."""
-    bufs = model.expert_parallel_buffers if expert else list(model.buffers)
+    bufs = model.engine.expert_parallel_buffers if expert else list(model.buffers)
     if not model.ddp_config.use_distributed_optimizer:
         return [p.main_grad for b in bufs for p in b.params]
     return [
@@ -161,11 +161,11 @@ def global_grad_norm(model: megabuf.DistributedDataParallel) -> float:
     dense, expert = _owned_grads(model, False), _owned_grads(model, True)
     if _clip_global_grad_norm is not None:
         parts = [NormPart(dense, dense_groups), NormPart(expert, expert_groups)]
-        return _clip_global_grad_norm(parts, model.collectives)
+        return _clip_global_grad_norm(parts, model.engine.collectives)
     total = torch.zeros(1, dtype=torch.float64)
     for grads, groups_ in ((dense, dense_groups), (expert, expert_groups)):
         sq = torch.tensor([sum(float(g.double().pow(2).sum()) for g in grads)])
         for group in groups_:
-            model.collectives.all_reduce(sq, group, async_op=False)
+            model.engine.collectives.all_reduce(sq, group, async_op=False)
         total += sq
     return math.sqrt(float(total.item()))

@@ -75,7 +75,7 @@ MUTANTS = (
     Mutant(
         "dispatch-in-readiness-order",
         "bucket groups are dispatched in chain order on every rank",
-        "megabuf/bucket_group.py",
+        "megabuf/dispatch.py",
         "and self.groups[self.next_index].all_ready:\n"
         "            self.groups[self.next_index].start_grad_sync()\n"
         "            self.next_index += 1\n",
@@ -147,7 +147,7 @@ MUTANTS = (
     Mutant(
         "pre-scale-skipped",
         "gradient scaling: all-reduced buckets are scaled before the sum",
-        "megabuf/bucket_group.py",
+        "megabuf/grad_math.py",
         "        torch._foreach_mul_(same, factor)\n",
         "        pass\n",
         ("tests/test_ddp_grads.py",),
@@ -319,7 +319,7 @@ MUTANTS = (
     Mutant(
         "nan-check-agrees-over-expert-dp",
         "NaN check: the flags are agreed over dp, so a NaN in one expert stops every rank",
-        "megabuf/ddp.py",
+        "megabuf/engine.py",
         "            self.all_bucket_groups, self.collectives, pgs.dp,\n"
         "            dp_rank=pgs.dp_rank, dp_size=pgs.dp_size, rank=self.rank,\n",
         "            self.all_bucket_groups, self.collectives, pgs.expt_dp,\n"
@@ -330,8 +330,8 @@ MUTANTS = (
     Mutant(
         "nan-flags-of-last-microbatch-only",
         "NaN check under reduce_each_microbatch: a NaN in any micro-batch is flagged",
-        "megabuf/bucket_group.py",
-        "            flags = torch.maximum(flags, self._nonfinite_params)\n",
+        "megabuf/grad_math.py",
+        "            flags = torch.maximum(flags, self.flags)\n",
         "            pass\n",
         ("tests/test_matrix.py",),
     ),

@@ -331,7 +331,9 @@ def master_errors(opt: Any, ref: Reference, steps: int) -> dict[str, tuple[float
 
 
 def _strategy(model: megabuf.DistributedDataParallel) -> tuple[str, str]:
-    strategy = model.collectives.strategy(model.process_groups.dp, params_device(model.module))
+    strategy = model.engine.collectives.strategy(
+        model.process_groups.dp, params_device(model.module)
+    )
     return strategy.reduce_scatter, strategy.all_gather
 
 
@@ -377,7 +379,7 @@ def overlap_case(case: dict[str, Any]) -> dict[str, Any]:
         for step in range(case.get("steps", 4)):
             train_step(model, opt, step, case=case)
             if overlap:
-                states = {g.param_state for g in model.all_bucket_groups}
+                states = {g.param_state for g in model.engine.all_bucket_groups}
                 in_flight &= states == {ParamSyncState.DISPATCHED}
         model.publish_params()
         finals.append([p.detach().clone() for p in model.module.parameters()])
@@ -412,7 +414,7 @@ def memory_case(case: dict[str, Any]) -> dict[str, Any]:
         for t in st.values()
         if t.dim() > 0
     )
-    bufs = list(model.buffers) + model.expert_parallel_buffers
+    bufs = list(model.buffers) + model.engine.expert_parallel_buffers
     return {
         "report": report,
         "ref_state_nbytes": ref_state,

@@ -101,9 +101,11 @@ def idiom_case(idiom: str) -> list[dict[str, Any]]:
             time.sleep(SLOW_S)  # the peers' gathers cannot complete before this rank's step
         opt.step()
         ref.step(step)
-        in_flight = any(g.param_state is ParamSyncState.DISPATCHED for g in model.all_bucket_groups)
+        in_flight = any(
+            g.param_state is ParamSyncState.DISPATCHED for g in model.engine.all_bucket_groups
+        )
         got, want = _read(model, idiom), _expected(ref, idiom)
         errors = {k: (got[k].float() - want[k].float()).abs().max().item() for k in want}
-        states = sorted({g.param_state.value for g in model.all_bucket_groups})
+        states = sorted({g.param_state.value for g in model.engine.all_bucket_groups})
         out.append({"in_flight": in_flight, "errors": errors, "states_after": states})
     return out

@@ -199,7 +199,7 @@ def _report(
         "tied": tied,
         "events": rec.events,
         "pp_rank": pgs.pp_rank,
-        "n_groups": [len(c.bucket_groups) for c in chunks],
+        "n_groups": [len(c.engine.bucket_groups) for c in chunks],
     }
 
 

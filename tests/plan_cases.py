@@ -36,8 +36,8 @@ def describe_inspection(info: Inspection) -> dict[str, Any]:
 
 def describe_ddp(model: megabuf.DistributedDataParallel) -> dict[str, Any]:
     """What DDP really allocated, read from its buffers, buckets, groups and chains."""
-    names = model.param_to_name
-    all_buffers = [*model.buffers, *model.expert_parallel_buffers]
+    names = model.engine.param_to_name
+    all_buffers = [*model.buffers, *model.engine.expert_parallel_buffers]
     where = {id(k): (i, k.bucket_id) for i, buf in enumerate(all_buffers) for k in buf.buckets}
     buffers = [
         (buf.is_expert_parallel, str(buf.param_dtype), str(buf.grad_dtype),
@@ -45,17 +45,17 @@ def describe_ddp(model: megabuf.DistributedDataParallel) -> dict[str, Any]:
          [(k.offset, k.offset + k.numel, [names[p] for p in k.params_list]) for k in buf.buckets])
         for buf in all_buffers
     ]  # fmt: skip
-    expert_groups = {id(g) for g in model.expert_parallel_bucket_groups}
+    expert_groups = {id(g) for g in model.engine.expert_parallel_bucket_groups}
     groups_ = [
         (g.group_id, id(g) in expert_groups, [list(where[id(k)]) for k in g.buckets])
-        for g in model.all_bucket_groups
+        for g in model.engine.all_bucket_groups
     ]
-    chains = [[g.group_id for g in chain.groups] for chain in model._sync.chains]
-    for chain in model._sync.chains:
+    chains = [[g.group_id for g in chain.groups] for chain in model.engine.sync.chains]
+    for chain in model.engine.sync.chains:
         if any(g.chain is not chain for g in chain.groups):
             raise AssertionError("a bucket group does not point at the chain that holds it")
     return {
-        "bucket_size": model.plan.bucket_size,
+        "bucket_size": model.engine.plan.bucket_size,
         "buffers": buffers,
         "groups": groups_,
         "chains": chains,
@@ -63,7 +63,8 @@ def describe_ddp(model: megabuf.DistributedDataParallel) -> dict[str, Any]:
 
 
 def ddp_vs_inspect(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per case: (inspection, ddp) descriptions and whether `model.plan == inspection.plan`."""
+    """Per case: (inspection, ddp) descriptions and whether
+    `model.engine.plan == inspection.plan`."""
     out = {}
     dp_size = dist.get_world_size()
     for name, case in cases.items():
@@ -80,6 +81,6 @@ def ddp_vs_inspect(cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out[name] = {
             "inspect": describe_inspection(info),
             "ddp": describe_ddp(model),
-            "same_plan": model.plan == info.plan,
+            "same_plan": model.engine.plan == info.plan,
         }
     return out

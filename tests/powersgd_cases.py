@@ -192,7 +192,7 @@ def fullrank_case(config: dict[str, Any], hook_cls: str = "PowerSGD", steps: int
 def _targets(model: Any) -> list[torch.Tensor]:
     """Every bucket's reduced part on this rank: data (AR) or the shard (RS)."""
     out = []
-    for buffer in model.buffers + model.expert_parallel_buffers:
+    for buffer in model.buffers + model.engine.expert_parallel_buffers:
         for b in buffer.buckets:
             if buffer.param_data is None:
                 out.append(b.grad_data)
@@ -349,7 +349,7 @@ def overlap_case(config: dict[str, Any]) -> Any:
             _backward(m, step)
             _sgd(m)
         same.append(torch.equal(_params(on.module), _params(off.module)))
-    return {"same": same, "n_groups": len(on.all_bucket_groups)}
+    return {"same": same, "n_groups": len(on.engine.all_bucket_groups)}
 
 
 def expert_case(ep: int, config: dict[str, Any]) -> Any:
@@ -386,7 +386,7 @@ def wire_case(config: dict[str, Any], hook_cls: str, factor: str | None = None) 
         else BatchedPowerSGD(rank=2, start_step=0, factor_dtype=dtype)
     )
     model = _engine(Mlp(), hook, **config)
-    stats = model.collectives.stats
+    stats = model.engine.collectives.stats
     stats.reset()
     _backward(model, 0)
     expected = sum(hook.wire_nbytes(b) for b in hook._buckets.values())

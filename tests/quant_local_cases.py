@@ -124,7 +124,7 @@ def quantize_case(config: dict[str, Any], bf16_tail: bool = False) -> dict[str, 
     plain, hooked = _model(net, **config), _model(net, hook, **config)
     _step(plain, 0)
     hooked.zero_grad_buffer()
-    stats = hooked.collectives.stats
+    stats = hooked.engine.collectives.stats
     stats.reset()
     x, y = make_data(0)
     loss_fn(hooked(local_slice(x)), local_slice(y)).backward()
@@ -225,7 +225,7 @@ def local_sgd_case(
         run = _step
     before, after, collectives_after = [], [], []
     for step in range(4):
-        stats = local.collectives.stats
+        stats = local.engine.collectives.stats
         stats.reset()
         run(local, step)
         run(ref, step)
@@ -255,7 +255,7 @@ def local_sgd_case(
 
 
 def _flat(model: Any) -> torch.Tensor:
-    return torch.cat([b.grad_data for b in model.buffers + model.expert_parallel_buffers])
+    return torch.cat([b.grad_data for b in model.buffers + model.engine.expert_parallel_buffers])
 
 
 def _mains(opt: Any) -> list[torch.Tensor]:
@@ -405,10 +405,10 @@ def quantize_dp1_case() -> dict[str, Any]:
     all-reduce mode), bitwise the emulation."""
     hook = Capture(Quantize(block=BLOCK))
     model = _model(Net(), hook, bucket_size=64)
-    model.collectives.stats.reset()
+    model.engine.collectives.stats.reset()
     _step(model, 0)
     return {
         **check_quantized(hook, BLOCK),
-        "ring_nbytes": model.collectives.stats.total_ring_nbytes,
+        "ring_nbytes": model.engine.collectives.stats.total_ring_nbytes,
         "wire_nbytes": sum(hook.inner.wire_nbytes(b) for b in hook.buckets),
     }

@@ -159,16 +159,15 @@ def _one_launch_leftovers(systems: list[str]) -> dict[str, int]:
     return out
 
 
-def test_megabuf_systems_outlive_their_run_in_one_launch() -> None:
-    """What [Note: peak CUDA memory per system] says about --no-isolate, measured on CPU: torch
-    DDP and FSDP2 leave nothing allocated after their run, each megabuf system leaves its model
-    state. If this fails because megabuf now frees it, update that Note and BENCHMARKS.md."""
+def test_no_system_outlives_its_run_in_one_launch() -> None:
+    """What [Note: peak CUDA memory per system] says about --no-isolate, measured on CPU: no
+    system leaves anything allocated after its run (megabuf systems did, until [Note: hooks hold
+    the engine weakly])."""
     from megabuf.testing import spawn
 
     systems = ["torch_ddp_gabv", "fsdp2_reshard", "megabuf_ar_overlap", "megabuf_distopt_overlap"]
     (got,) = spawn(_one_launch_leftovers, 1, systems, timeout_s=300)
     assert abs(got["torch_ddp_gabv"] - got["before"]) < 1024, got
     assert abs(got["fsdp2_reshard"] - got["before"]) < 1024, got
-    grew = got["megabuf_ar_overlap"] - got["fsdp2_reshard"]
-    assert grew > 100_000, got  # gpt_tiny's params + grads + Adam state are ~0.9 MB
-    assert got["megabuf_distopt_overlap"] - got["megabuf_ar_overlap"] > 100_000, got
+    assert abs(got["megabuf_ar_overlap"] - got["before"]) < 1024, got
+    assert abs(got["megabuf_distopt_overlap"] - got["before"]) < 1024, got

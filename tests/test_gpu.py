@@ -55,13 +55,15 @@ def nccl_grads(flags: dict[str, Any]) -> float:
     for buf in model.buffers:
         if buf.param_data is None:
             for p in buf.params:
-                want = names[model.param_to_name[p]].grad
+                want = names[model.engine.param_to_name[p]].grad
                 worst = max(worst, (p.main_grad - want).abs().max().item())
             continue
         for piece in shard_pieces(buf.layout, buf.dp_rank, buf.dp_size):
             p = buf.params[piece.param_id]
             got = buf.grad_data[piece.buffer_start : piece.buffer_start + piece.numel]
-            want = names[model.param_to_name[p]].grad.flatten()[piece.param_start : piece.param_end]
+            want = names[model.engine.param_to_name[p]].grad.flatten()[
+                piece.param_start : piece.param_end
+            ]
             worst = max(worst, (got - want).abs().max().item())
     return worst
 
@@ -255,7 +257,7 @@ def exposed_comm_run(overlap: bool) -> dict[str, Any]:
     if timeline is None:
         raise RuntimeError("no timeline")
     report = analyze(timeline.events)
-    return {"on_device": timeline.on_device, "groups": len(model.all_bucket_groups),
+    return {"on_device": timeline.on_device, "groups": len(model.engine.all_bucket_groups),
             **report.to_dict()}  # fmt: skip
 
 

@@ -133,9 +133,9 @@ def memory_case(strategy: str) -> dict[str, Any]:
     opt.step()
     torch.cuda.synchronize()
     pgs, device = model.process_groups, x.device
-    scratch = model.collectives.strategy(pgs.dp, device).reduce_scatter == "all_to_all"
+    scratch = model.engine.collectives.strategy(pgs.dp, device).reduce_scatter == "all_to_all"
     figures = persistent_bytes(
-        model.plan, strategy, optimizer_spec(opt.domains[0].optimizer), dp_rank=0,
+        model.engine.plan, strategy, optimizer_spec(opt.domains[0].optimizer), dp_rank=0,
         reduce_scatter_scratch=scratch,  # gloo only; NCCL's native reduce-scatter keeps none
     )  # fmt: skip
     inputs = x.numel() * x.element_size() + y.numel() * y.element_size()

@@ -39,9 +39,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "megabuf.sharding.memory_table", "megabuf.optimizer.config",
     )),
     ("transport", (
-        "megabuf.collectives", "megabuf.devices", "megabuf.process_groups", "megabuf.replicas",
-        "megabuf.distributed_init",
-        "megabuf.torch_compat", "megabuf.pipeline.p2p", "megabuf.model_plan",
+        "megabuf.collectives", "megabuf.comm_records", "megabuf.devices",
+        "megabuf.process_groups", "megabuf.replicas", "megabuf.torch_compat",
+        "megabuf.pipeline.p2p", "megabuf.model_plan", "megabuf.distributed_init",
     )),
     ("hook_lib", ("megabuf.comm_hooks", "megabuf.comm_hooks.*")),
     ("storage", (
@@ -49,11 +49,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "megabuf.sharding.read_guard", "megabuf.sharding.units_runtime",
         "megabuf.sharding.replicate",
     )),
-    ("group", ("megabuf.bucket_group",)),
+    ("group", (
+        "megabuf.bucket_group", "megabuf.dispatch", "megabuf.grad_math", "megabuf.two_level",
+    )),
     ("engine", (
         "megabuf.nan_check", "megabuf.hooks", "megabuf.grads", "megabuf.backward_sync",
         "megabuf.hook_registry", "megabuf.param_units", "megabuf.grad_sync",
-        "megabuf.param_sync", "megabuf.assembly",
+        "megabuf.param_sync", "megabuf.assembly", "megabuf.engine",
     )),
     ("wrapper", ("megabuf.ddp",)),
     ("above", (

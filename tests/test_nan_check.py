@@ -128,7 +128,7 @@ def counting_case() -> dict[str, Any]:
     )
     coll = CountingCollectives()
     model = megabuf.DistributedDataParallel(net, cfg, collectives=coll)
-    out: dict[str, Any] = {"groups": len(model.all_bucket_groups)}
+    out: dict[str, Any] = {"groups": len(model.engine.all_bucket_groups)}
     for it in range(4):
         model.zero_grad_buffer()
         x = torch.randn(3, 8)
@@ -140,7 +140,9 @@ def counting_case() -> dict[str, Any]:
         out[f"backward_calls{it}"] = coll.max_calls - before
         _finish(model, out, it)
         out[f"calls{it}"] = coll.max_calls - before
-        out[f"unsynced{it}"] = model.unsynced_group() is not None  # grads dropped on error
+        out[f"unsynced{it}"] = (
+            model.engine.sync.unsynced_group() is not None
+        )  # grads dropped on error
     return out
 
 
@@ -211,7 +213,9 @@ def test_cuda_backward_with_nan_check_never_synchronises(pools: Any) -> None:
 
 def _finish(model: Any, out: dict[str, Any], it: int) -> None:
     """Record how many groups backward dispatched, then finish_grad_sync's error (or None)."""
-    out[f"dispatched{it}"] = sum(g.grad_state.name == "DISPATCHED" for g in model.all_bucket_groups)
+    out[f"dispatched{it}"] = sum(
+        g.grad_state.name == "DISPATCHED" for g in model.engine.all_bucket_groups
+    )
     try:
         model.finish_grad_sync()
         out[f"error{it}"] = None

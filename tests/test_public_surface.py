@@ -60,3 +60,53 @@ def test_internals_importable_from_their_modules() -> None:
         mod = importlib.import_module(module)
         missing = [n for n in names if not hasattr(mod, n)]
         assert not missing, (module, missing)
+
+
+# [Note: one door per act] (issue 25): the wrapper's public members, each one act (or a name
+# torch DDP / Megatron users type, as a thin door); the engine's parts are `model.engine`.
+DDP_DOORS = {
+    "broadcast_params", "comm_hooks", "deferred_grad_sync", "disable_forward_pre_hook",
+    "enable_forward_pre_hook", "enable_timeline", "finish_grad_sync", "finish_microbatch",
+    "no_sync", "publish_params", "register_comm_hook", "require_backward_grad_sync",
+    "reset_iter_state", "reshard_params", "scale_gradients", "start_grad_sync",
+    "start_param_sync", "summon_full_params", "timeline", "zero_grad_buffer",
+}  # fmt: skip
+DDP_ATTRIBUTES = {"module", "ddp_config", "process_groups", "engine"}  # set in __init__
+DDP_MEMBER_BUDGET = 25
+MAX_FILE_LINES, MAX_DDP_LINES = 450, 350
+
+
+def test_the_wrapper_has_one_door_per_act_within_the_budget() -> None:
+    import ast
+    from pathlib import Path
+
+    from torch import nn
+
+    from megabuf.ddp import DistributedDataParallel
+
+    inherited = set(dir(nn.Module))
+    doors = {n for n in vars(DistributedDataParallel) if not n.startswith("_")} - inherited
+    assert doors == DDP_DOORS, "a new public member of DistributedDataParallel: put it on Engine"
+    init = next(
+        f
+        for f in ast.walk(ast.parse(Path(megabuf.ddp.__file__).read_text()))
+        if isinstance(f, ast.FunctionDef) and f.name == "__init__"
+    )
+    assigned = {
+        t.attr
+        for node in ast.walk(init)
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Attribute) and not t.attr.startswith("_")
+    }
+    assert assigned - inherited == DDP_ATTRIBUTES
+    assert len(DDP_DOORS | DDP_ATTRIBUTES) <= DDP_MEMBER_BUDGET
+
+
+def test_no_engine_file_is_over_its_line_budget() -> None:
+    from pathlib import Path
+
+    root = Path(megabuf.__file__).parent
+    sizes = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
+    assert sizes["ddp.py"] <= MAX_DDP_LINES
+    assert {f: n for f, n in sizes.items() if n > MAX_FILE_LINES} == {}

@@ -99,14 +99,14 @@ def _microbatches(step: int, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def released(model: megabuf.DistributedDataParallel) -> bool:
     """Every full grad bucket of every buffer has a 0-byte storage."""
-    buffers = list(model.buffers) + model.expert_parallel_buffers
+    buffers = list(model.buffers) + model.engine.expert_parallel_buffers
     return all(b.grad_data.untyped_storage().nbytes() == 0 for buf in buffers for b in buf.buckets)
 
 
 def reduced_grads(model: megabuf.DistributedDataParallel) -> list[torch.Tensor]:
     """This rank's reduced grad shard of every bucket (copies)."""
     out = []
-    for buf in list(model.buffers) + model.expert_parallel_buffers:
+    for buf in list(model.buffers) + model.engine.expert_parallel_buffers:
         for slot in buf.layout.buckets:
             lo, hi = slot.shard_range(buf.dp_rank, buf.dp_size)
             out.append(buf.reduced_grad(lo, hi).detach().clone())
@@ -135,8 +135,8 @@ def train(
             model.scale_gradients(scale)
         grads = reduced_grads(model)
         if sharded:
-            ok &= released(model) and model.memory_ledger.now("grad_buckets") == 0
-            ok &= model.memory_ledger.now("grad_scratch") == 0
+            ok &= released(model) and model.engine.memory_ledger.now("grad_buckets") == 0
+            ok &= model.engine.memory_ledger.now("grad_scratch") == 0
         opt.step()
     model.publish_params()
     return {"params": [p.detach().clone() for p in model.module.parameters()], "grads": grads,
@@ -182,14 +182,18 @@ def bitwise_case(case: dict[str, Any]) -> dict[str, Any]:
 def memory_case(case: dict[str, Any]) -> dict[str, Any]:
     """Ledger figures of an optim_grads run with many bucket groups."""
     model, opt = _run(case, "optim_grads")
-    ledger = model.memory_ledger
+    ledger = model.engine.memory_ledger
     train(model, opt, 1, case.get("m", 1))  # the learning iteration dispatches at its end
     ledger.reset_peaks()
     out = train(model, opt, 2, case.get("m", 1))
-    per_group = [g.sharded_grads.full_nbytes for g in model.all_bucket_groups if g.sharded_grads]
-    shard_bytes = sum(b.grad_nbytes for b in list(model.buffers) + model.expert_parallel_buffers)
+    per_group = [
+        g.sharded_grads.full_nbytes for g in model.engine.all_bucket_groups if g.sharded_grads
+    ]
+    shard_bytes = sum(
+        b.grad_nbytes for b in list(model.buffers) + model.engine.expert_parallel_buffers
+    )
     opt.zero_grad()  # grad shards count as zero for the next accumulation (lazily)
-    zeroed = all(g.sharded_grads.fresh for g in model.all_bucket_groups if g.sharded_grads)
+    zeroed = all(g.sharded_grads.fresh for g in model.engine.all_bucket_groups if g.sharded_grads)
     return {
         "lifecycle_ok": out["lifecycle_ok"],
         "peak": ledger.peak("grad_buckets"),
@@ -210,9 +214,9 @@ def wire_case(case: dict[str, Any]) -> dict[str, Any]:
     numel they are counted against."""
     model, opt = _run(case, "optim_grads" if case.get("zero2", True) else "optim")
     train(model, opt, 1, case.get("m", 1))
-    model.collectives.stats.reset()
+    model.engine.collectives.stats.reset()
     train(model, opt, 1, case.get("m", 1))
-    stats = model.collectives.stats
+    stats = model.engine.collectives.stats
     return {
         "reduce_scatter": stats.ring_nbytes.get("reduce_scatter", 0),
         "all_gather": stats.ring_nbytes.get("all_gather", 0),
@@ -249,7 +253,7 @@ def _moe_run(strategy: str, steps: int) -> list[torch.Tensor]:
         data_parallel_sharding_strategy=strategy, overlap_grad_reduce=True, bucket_size=200
     )
     model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
-    net.moe.collectives = model.collectives
+    net.moe.collectives = model.engine.collectives
     opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig(optimizer="adam", lr=1e-2))
     n = MOE_BATCH // pgs.dp_size
     for step in range(steps):
@@ -282,7 +286,7 @@ def _backward(model: megabuf.DistributedDataParallel, step: int = 0) -> None:
 
 def _illegal_transition() -> None:
     model = _simple_model()
-    model.all_bucket_groups[0].sharded_grads.finish()  # type: ignore[union-attr]
+    model.engine.all_bucket_groups[0].sharded_grads.finish()  # type: ignore[union-attr]
 
 
 def _torch_optimizer() -> None:
@@ -317,7 +321,7 @@ def _reproducibility() -> None:
 def _main_grad_after_sync() -> None:
     model = _simple_model()
     _backward(model)
-    param = next(iter(model.param_to_name))
+    param = next(iter(model.engine.param_to_name))
     param.main_grad.sum()  # type: ignore[attr-defined]
 
 
@@ -352,7 +356,7 @@ def powersgd_opt_in_case(case: dict[str, Any]) -> dict[str, Any]:
     out = train(model, opt, 2, 1)
     errors = sum(s.error.numel() * s.error.element_size() for s in hook._state.values())
     return {
-        "ledger": model.memory_ledger.now("comm_hook_error_feedback"),
+        "ledger": model.engine.memory_ledger.now("comm_hook_error_feedback"),
         "errors": errors,
         "lifecycle_ok": out["lifecycle_ok"],
         "finite": all(bool(p.isfinite().all()) for p in out["params"]),

@@ -168,7 +168,7 @@ def micro(case: dict[str, Any], model: Any, x: torch.Tensor, y: torch.Tensor) ->
 
 def unit_holds(model: megabuf.DistributedDataParallel) -> dict[str, bool]:
     """Per unit with sharded params: does its full storage hold memory now?"""
-    units = model.param_side.units.runtime.units  # type: ignore[attr-defined]
+    units = model.engine.param_side.units.runtime.units  # type: ignore[attr-defined]
     return {u.name or "<root>": all(p.holds_full for p in u.params) for u in units if u.params}
 
 
@@ -203,11 +203,11 @@ def train_case(case: dict[str, Any]) -> dict[str, Any]:
         "final": {k: v.clone() for k, v in state.items()},
         "eval_err": eval_err,
         "released": not any(unit_holds(model).values()),
-        "ledger_now": model.memory_ledger.now("unsharded_params"),
+        "ledger_now": model.engine.memory_ledger.now("unsharded_params"),
         "warnings": caught,
-        "gathers": sum(g.sharded_params.gathers for g in model.all_bucket_groups),
-        "expert_groups": len(model.expert_parallel_bucket_groups),
-        "strategy": model.collectives.strategy(model.process_groups.dp, torch.device("cpu")),
+        "gathers": sum(g.sharded_params.gathers for g in model.engine.all_bucket_groups),
+        "expert_groups": len(model.engine.expert_parallel_bucket_groups),
+        "strategy": model.engine.collectives.strategy(model.process_groups.dp, torch.device("cpu")),
         "frozen_whole": [  # frozen params are not sharded: whole on every rank, always
             p.untyped_storage().nbytes() >= p.numel() * p.element_size()
             for p in model.module.parameters()
@@ -234,7 +234,7 @@ def optim_case(case: dict[str, Any]) -> dict[str, Any]:
 def release_case(case: dict[str, Any]) -> dict[str, Any]:
     """Which units hold full params at each promised point of one training step."""
     model, opt = wrap(case)
-    units = model.param_side.units.runtime.units  # type: ignore[attr-defined]
+    units = model.engine.param_side.units.runtime.units  # type: ignore[attr-defined]
     seen: dict[str, Any] = {"post_forward": {}, "in_backward": {}}
 
     def at_post_forward(name: str) -> Callable[..., None]:
@@ -256,15 +256,15 @@ def release_case(case: dict[str, Any]) -> dict[str, Any]:
     seen["after_backward"] = unit_holds(model)
     opt.step()
     seen["after_step"] = unit_holds(model)
-    seen["ledger_now"] = model.memory_ledger.now("unsharded_params")
-    seen["ledger_peak"] = model.memory_ledger.peak("unsharded_params")
+    seen["ledger_now"] = model.engine.memory_ledger.now("unsharded_params")
+    seen["ledger_peak"] = model.engine.memory_ledger.peak("unsharded_params")
     seen["unit_nbytes"] = {
         u.name or "<root>": sum(p.full_nbytes for p in u.params) for u in units if u.params
     }
     seen["order"] = [u.name for u in units]
-    model.memory_ledger.reset_peaks()
+    model.engine.memory_ledger.reset_peaks()
     model.state_dict()
-    seen["state_dict_peak"] = model.memory_ledger.peak("unsharded_params")
+    seen["state_dict_peak"] = model.engine.memory_ledger.peak("unsharded_params")
     return seen
 
 
@@ -292,7 +292,7 @@ def read_case(case: dict[str, Any]) -> dict[str, Any]:
 def error_case(case: dict[str, Any]) -> dict[str, str]:
     """Named errors: an illegal state transition, state_dict(keep_vars=True)."""
     model, _ = wrap(case)
-    group = model.all_bucket_groups[0]
+    group = model.engine.all_bucket_groups[0]
     errors = {}
     for label, fn in {
         "finish_unstarted": group.sharded_params.finish_param_gather,  # type: ignore[union-attr]
@@ -373,4 +373,4 @@ def states_case(case: dict[str, Any]) -> list[str]:
     x, _ = data(case, 0)
     with torch.no_grad():
         model(local(x))
-    return [g.sharded_params.state.name for g in model.all_bucket_groups]  # type: ignore[union-attr]
+    return [g.sharded_params.state.name for g in model.engine.all_bucket_groups]  # type: ignore[union-attr]

@@ -128,7 +128,7 @@ def train_curve(args: argparse.Namespace, name: str, pgs: megabuf.ProcessGroups)
         losses.append(total.item() / pgs.dp_size)
     out: dict[str, Any] = {"losses": losses, "ms_per_step": 1e3 * seconds / max(1, args.steps - 1)}
     if isinstance(model, megabuf.DistributedDataParallel):
-        report = model.comm_hook_report()
+        report = model.engine.hooks.comm_hook_report()
         out["hook_wire_bytes_per_step"] = report.ring_nbytes_per_step if report.buckets else None
     return out
 

@@ -104,9 +104,9 @@ def persistent_formula_nbytes(engine: Any, system: str, dp_size: int, n_params: 
     if model is None or not formula_is_exact(engine):
         return int(n_params * state_bytes_per_param(system, dp_size))
     pgs, device = model.process_groups, next(model.parameters()).device
-    scratch = model.collectives.strategy(pgs.dp, device).reduce_scatter == "all_to_all"
+    scratch = model.engine.collectives.strategy(pgs.dp, device).reduce_scatter == "all_to_all"
     figures = persistent_bytes(
-        model.plan, model.ddp_config.sharding.name,
+        model.engine.plan, model.ddp_config.sharding.name,
         optimizer_spec(engine.optimizer.domains[0].optimizer), dp_rank=pgs.dp_rank,
         expt_dp_rank=dist.get_rank(pgs.expt_dp), reduce_scatter_scratch=scratch,
         cpu_offload=bool(model.ddp_config.cpu_offload) and device.type != "cpu",
@@ -133,7 +133,7 @@ def _measure(model_name: str, strategy: str) -> dict[str, Any]:
     report = opt.memory_report()
     n_params = sum(p.numel() for p in model.module.parameters())
     figures = persistent_bytes(
-        model.plan, strategy, optimizer_spec(opt.domains[0].optimizer), dp_rank=pgs.dp_rank,
+        model.engine.plan, strategy, optimizer_spec(opt.domains[0].optimizer), dp_rank=pgs.dp_rank,
         reduce_scatter_scratch=bool(report.persistent["comm_scratch"]),
     )  # fmt: skip
     walked = sum(storage_walk(model, opt).values())

@@ -160,7 +160,7 @@ def _megabuf(
     opt = _adamw(model.parameters())
     return Engine(
         model, module, opt, nbytes, model.zero_grad_buffer, model.finish_grad_sync,
-        collectives=model.collectives, ddp=model,
+        collectives=model.engine.collectives, ddp=model,
     )  # fmt: skip
 
 
@@ -182,7 +182,7 @@ def _with_distributed_optimizer(
     # first bucket group's param all-gather; step() publishes the updated shards.
     return Engine(
         model, module, opt, nbytes, opt.zero_grad, model.finish_grad_sync,
-        publish=model.publish_params, collectives=model.collectives, ddp=model,
+        publish=model.publish_params, collectives=model.engine.collectives, ddp=model,
     )  # fmt: skip
 
 
@@ -191,12 +191,12 @@ def _zero3(model: DistributedDataParallel, module: nn.Module, dp_size: int) -> E
     backward re-gather of every unit but the root when resharding after forward."""
     total = param_nbytes(module)
     regather = 0
-    units = getattr(model.param_side, "units", None)  # UnitParams under optim_grads_params
+    units = getattr(model.engine.param_side, "units", None)  # UnitParams under optim_grads_params
     if model.ddp_config.reshard_after_forward and units is not None:
         root = {id(p) for p in units.runtime.units[0].params}
         regather = total - sum(
             p.numel() * p.element_size()
-            for g in model.all_bucket_groups
+            for g in model.engine.all_bucket_groups
             if id(g.sharded_params) in root
             for p in g.params_list
         )

@@ -12,12 +12,11 @@ an upper bound.
 start of the system, so it counts only tensors allocated (not cached blocks), but it also counts
 whatever an earlier system of the same launch left allocated: `cuda_bytes_at_start` records
 that, after `gc.collect()`. With `isolate` (the default) every system runs in fresh processes
-and it is 0. Without it (`--no-isolate`), megabuf systems leave their model state alive after
-they end (measured on CPU at world 1: each megabuf system's buffers stay allocated, kept by the
-post-accumulate-grad hooks megabuf registers on the params, which `gc.collect()` does not
-free; clearing those hooks frees them; torch DDP and FSDP2 leave nothing), which is why the
-first GPU run's peaks climbed system after system; the report flags such rows rather than
-subtracting (a later allocation may reuse none of that memory).
+and it is 0. Without it (`--no-isolate`) it should be 0 too: no system leaves anything allocated
+after it ends (measured on CPU at world 1). megabuf systems did until [Note: hooks hold the
+engine weakly] (their grad hooks kept every engine alive), which is why the first GPU run's peaks
+climbed system after system; the report still flags such rows rather than subtracting (a later
+allocation may reuse none of that memory).
 """
 
 from __future__ import annotations
@@ -187,7 +186,7 @@ def _timed_steps(
         engine.collectives.stats.reset()
     if engine.ddp is not None:
         engine.ddp.enable_timeline()
-        engine.ddp.comm_hook_report(reset=True)
+        engine.ddp.engine.hooks.comm_hook_report(reset=True)
     dist.barrier()
     phases = []
     busy, process, wall = system_busy_s(), time.process_time(), time.perf_counter()
@@ -222,7 +221,7 @@ def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, A
         "notes": engine.notes,
     }
     if engine.ddp is not None:  # the same ring figure over megabuf's padded buffers
-        buckets = [b for g in engine.ddp.all_bucket_groups for b in g.buckets]
+        buckets = [b for g in engine.ddp.engine.all_bucket_groups for b in g.buckets]
         padded = sum(b.numel * b.grad_data.element_size() for b in buckets)
         out["theoretical_bytes_layout"] = 2 * (job_dp_size() - 1) * padded // job_dp_size()
     if engine.collectives is not None:
@@ -232,9 +231,11 @@ def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, A
         out["bytes_per_step"] = stats.total_ring_nbytes // job.steps
         out["bytes_by_op"] = {k: v // job.steps for k, v in stats.ring_nbytes.items()}
         out["handed_bytes_by_op"] = {k: v // job.steps for k, v in stats.input_nbytes.items()}
-    if engine.ddp is not None and engine.ddp.comm_hook_report().buckets:
+    if engine.ddp is not None and engine.ddp.engine.hooks.comm_hook_report().buckets:
         # what the comm hook itself issued ([Note: hook wire bytes]); per hook call = per step
-        out["hook_wire_bytes_per_step"] = engine.ddp.comm_hook_report().ring_nbytes_per_step
+        out["hook_wire_bytes_per_step"] = (
+            engine.ddp.engine.hooks.comm_hook_report().ring_nbytes_per_step
+        )
     if engine.ddp is not None and engine.ddp.timeline is not None:
         out["overlap"] = analyze(engine.ddp.timeline.events).to_dict()
         out["timeline_events"] = list(engine.ddp.timeline.events)

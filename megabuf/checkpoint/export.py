@@ -33,7 +33,7 @@ def full_state_dict(
         owned = owned_model_state(chunks)  # publishes params; rank 0 owns all at pp = ep = 1
         sizes = parallel_sizes(chunks)
         if sizes["pp_size"] > 1 or sizes["ep_size"] > 1:
-            everyone = chunks[0].collectives.all_gather_object(owned, None)
+            everyone = chunks[0].engine.collectives.all_gather_object(owned, None)
             owned = {k: v for part in everyone for k, v in part.items()}
         if Collectives.rank() != 0:
             return None

@@ -121,7 +121,10 @@ def hook_slots(chunks: Sequence[DistributedDataParallel]) -> list[Slot]:
             if not is_stateful(hook):
                 continue
             views = [
-                v for g in chunk.all_bucket_groups if g.comm_hook is hook for v in g.hook_buckets
+                v
+                for g in chunk.engine.all_bucket_groups
+                if g.comm_hook is hook
+                for v in g.hook_buckets
             ]
             scoped = {
                 param: scope_prefix(chunk, i, len(chunks), view.expert) + param

@@ -201,7 +201,7 @@ def load_checkpoint(
     with torch.profiler.record_function("megabuf::load_checkpoint"):
         chunks = as_chunks(model)
         wait_for_pending_save()
-        collectives = chunks[0].collectives
+        collectives = chunks[0].engine.collectives
         found = _agreed(
             collectives,
             lambda: _check(Path(path), chunks, optimizer, strict_comm_hooks, strict_optimizer),

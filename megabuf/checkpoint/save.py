@@ -127,7 +127,7 @@ def save_checkpoint(
     with torch.profiler.record_function("megabuf::save_checkpoint"):
         chunks = as_chunks(model)
         wait_for_pending_save()
-        collectives, rank = chunks[0].collectives, Collectives.rank()
+        collectives, rank = chunks[0].engine.collectives, Collectives.rank()
         final = Path(path)
         tmp = sibling(final, ".tmp")
         if rank == 0:
@@ -231,7 +231,7 @@ def _commit(
 ) -> None:
     """Complete a save once DCP has written: gather every rank's file records, rank 0 writes
     metadata.json and swaps the directory into place ([Note: checkpoint crash safety])."""
-    collectives, rank = chunks[0].collectives, Collectives.rank()
+    collectives, rank = chunks[0].engine.collectives, Collectives.rank()
     everyone_records = collectives.all_gather_object(records, None)
     if rank == 0:
         write_metadata(tmp, {**_index(chunks, everyone, everyone_records), "comm_hooks": hooks})

@@ -289,7 +289,7 @@ def _find_hook(optimizer: Any) -> LocalSGD:
     hooks = {
         id(g.comm_hook): g.comm_hook
         for chunk in optimizer.model_chunks
-        for g in chunk.all_bucket_groups
+        for g in chunk.engine.all_bucket_groups
         if isinstance(g.comm_hook, LocalSGD)
     }
     if len(hooks) != 1:

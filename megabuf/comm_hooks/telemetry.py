@@ -87,10 +87,12 @@ class HookReport:
 
 def hooked_buckets(model: Any) -> list[tuple[object, GradBucket]]:
     """(hook, bucket view) of every bucket that has a hook, in bucket-index order. `model` is a
-    megabuf `DistributedDataParallel` (anything with `all_bucket_groups`)."""
+    megabuf `DistributedDataParallel` or its `model.engine` or `model.engine.hooks` (anything
+    with `all_bucket_groups`)."""
+    groups = getattr(model, "engine", model).all_bucket_groups
     pairs = [
         (group.comm_hook, bucket)
-        for group in model.all_bucket_groups
+        for group in groups
         if group.comm_hook is not None
         for bucket in group.hook_buckets
     ]

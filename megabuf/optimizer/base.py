@@ -105,7 +105,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
     ) -> None:
         self.model_chunks = as_chunks(model_chunks)
         self._check_chunks(self.model_chunks)
-        self.collectives = self.model_chunks[0].collectives
+        self.collectives = self.model_chunks[0].engine.collectives
         self.process_groups = self.model_chunks[0].process_groups
         self.optimizer_cls = optimizer_cls
         self.clip_grad = clip_grad
@@ -243,7 +243,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
         hooks forget what they kept of the skipped grads."""
         self._release_grads()
         for chunk in self.model_chunks:
-            chunk.notify_comm_hooks_step_skipped()
+            chunk.engine.hooks.notify_comm_hooks_step_skipped()
         if grad_norm is not None and self.process_groups.topology.rank == 0:  # routine skips
             logger.warning("megabuf: step skipped on every rank: global grad norm is %s", grad_norm)
         return StepResult(False, grad_norm, None)
@@ -251,11 +251,11 @@ class MegabufOptimizer(torch.optim.Optimizer):
     def _check_grads_synced(self) -> None:
         """See [Note: optimizer step], point 0."""
         for i, chunk in enumerate(self.model_chunks):
-            group = chunk.unsynced_group()
+            group = chunk.engine.sync.unsynced_group()
             if group is not None:
                 names = [group.param_to_name.get(p, "?") for p in group.params_list[:3]]
                 raise RuntimeError(
-                    f"megabuf: optimizer step() on rank {chunk.rank}: model chunk {i}, "
+                    f"megabuf: optimizer step() on rank {chunk.engine.rank}: model chunk {i}, "
                     f"bucket group {group.group_id} (params {', '.join(names)}, ...) has grad "
                     f"sync {group.grad_state.name}, not SYNCED: {_UNSYNCED[group.grad_state]}. "
                     "Run backward, then model.finish_grad_sync() (or "
@@ -274,7 +274,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
         after = float(scaler.scale.item())
         if after != before:  # comm hooks' residuals are in loss-scaled units
             for chunk in self.model_chunks:
-                chunk.notify_comm_hooks_loss_scale_changed(after / before)
+                chunk.engine.hooks.notify_comm_hooks_loss_scale_changed(after / before)
         return found_inf
 
     def _grads_of(self, domain: Domain, skip_shared: bool) -> list[torch.Tensor]:
@@ -348,7 +348,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
         return loss.float() * self.grad_scaler.scale.to(loss.device)[0]
 
     def model_params(self) -> list[nn.Parameter]:
-        return [p for chunk in self.model_chunks for p in chunk.param_to_name]
+        return [p for chunk in self.model_chunks for p in chunk.engine.param_to_name]
 
     def reload_model_params(self) -> None:
         """Copy the model params' current values into the fp32 main params that are copies of

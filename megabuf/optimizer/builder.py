@@ -49,7 +49,7 @@ def build_optimizer(
             "megabuf: build_optimizer got model chunks with different "
             "use_distributed_optimizer settings; build every chunk with the same DDP config"
         )
-    params = [p for c in chunks for p in c.param_to_name]
+    params = [p for c in chunks for p in c.engine.param_to_name]
     dtypes = {p.dtype for p in params}
     _check_precision(config, dtypes)
     device = params_device(params, None)  # [Note: allocation device]

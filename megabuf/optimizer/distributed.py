@@ -84,13 +84,13 @@ class DistributedOptimizer(MegabufOptimizer):
 
     def _before_update(self) -> None:
         for chunk in self.model_chunks:
-            chunk.param_side.before_step()
+            chunk.engine.param_side.before_step()
 
     def _after_update(self) -> None:
         """See [Note: publishing params]."""
         with torch.profiler.record_function("megabuf::publish_params"):
             for chunk in self.model_chunks:
-                chunk.param_side.stepped()
+                chunk.engine.param_side.stepped()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero grad buffers; with overlap_param_gather, dispatch the first param gather."""

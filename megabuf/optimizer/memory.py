@@ -108,7 +108,7 @@ def _chunk_categories(chunk: DistributedDataParallel, out: dict[str, dict[str, i
     """Add one model chunk's params, grads, scratch, frozen params, module buffers, grad copies
     and ledger figures into `out` ({"persistent", "transient_now", "transient_peak"})."""
     persistent, now, peak = out["persistent"], out["transient_now"], out["transient_peak"]
-    ledger = chunk.memory_ledger
+    ledger = chunk.engine.memory_ledger
     buffers = grad_buffers(chunk, False) + grad_buffers(chunk, True)
     recorded = ledger.current()  # the shards a sharded strategy allocated, if it did
     if "param_shard" in recorded:
@@ -123,7 +123,7 @@ def _chunk_categories(chunk: DistributedDataParallel, out: dict[str, dict[str, i
     else:
         persistent["grads"] += sum(_nbytes(b.grad_data) for b in buffers)
     persistent["comm_scratch"] += sum(_held(k.scratch) for b in buffers for k in b.buckets)
-    trainable = set(chunk.param_to_name)
+    trainable = set(chunk.engine.param_to_name)
     frozen = [p for p in chunk.module.parameters() if p not in trainable]
     persistent["frozen_params"] += sum(map(_nbytes, frozen))
     persistent["module_buffers"] += sum(map(_nbytes, chunk.module.buffers()))
@@ -177,7 +177,7 @@ def memory_categories(parts: OptimizerParts) -> dict[str, dict[str, int]]:
     }
     for chunk in parts.model_chunks:
         _chunk_categories(chunk, out)
-    device = params_device([p for c in parts.model_chunks for p in c.param_to_name], None)
+    device = params_device([p for c in parts.model_chunks for p in c.engine.param_to_name], None)
     _optimizer_categories(parts, device, out)
     return out
 

@@ -48,7 +48,7 @@ class FP32Optimizer(MixedPrecisionOptimizer):
         bad = [
             name
             for chunk in self.model_chunks
-            for p, name in chunk.param_to_name.items()
+            for p, name in chunk.engine.param_to_name.items()
             if p.dtype != torch.float32
         ]
         if bad:

@@ -62,7 +62,7 @@ class CPUOffload:
                 "megabuf: model chunks disagree on DistributedDataParallelConfig.cpu_offload; "
                 "build every chunk with the same DDP config"
             )
-        device = params_device([p for c in chunks for p in c.param_to_name], None)
+        device = params_device([p for c in chunks for p in c.engine.param_to_name], None)
         if device.type == "cpu":
             warnings.warn(
                 "megabuf: DistributedDataParallelConfig.cpu_offload=True is a no-op here: the "

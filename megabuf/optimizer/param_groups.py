@@ -31,7 +31,7 @@ def as_chunks(
 def grad_buffers(chunk: DistributedDataParallel, expert: bool) -> list[_ParamAndGradBuffer]:
     """The chunk's dense (or expert-parallel) grad buffers."""
     if expert:
-        return list(chunk.expert_parallel_buffers)
+        return list(chunk.engine.expert_parallel_buffers)
     return list(chunk.buffers)  # type: ignore[call-overload]
 
 
@@ -41,7 +41,7 @@ def model_space_keys(chunks: Sequence[DistributedDataParallel]) -> dict[nn.Param
     with ep > 1 (those differ between ranks of one checkpoint)."""
     keys: dict[nn.Parameter, str] = {}
     for i, chunk in enumerate(chunks):
-        for param, name in chunk.param_to_name.items():
+        for param, name in chunk.engine.param_to_name.items():
             keys[param] = scope_prefix(chunk, i, len(chunks), is_expert_parallel(param)) + name
     return keys
 
@@ -61,7 +61,7 @@ def resolve_param_groups(
 ) -> tuple[list[dict[str, Any]], dict[nn.Parameter, int]]:
     """(hyperparameters of each group without "params", group index of every trainable param);
     see [Note: param groups survive sharding]."""
-    names = {p: n for chunk in chunks for p, n in chunk.param_to_name.items()}
+    names = {p: n for chunk in chunks for p, n in chunk.engine.param_to_name.items()}
     if param_groups is None:
         return [{}], dict.fromkeys(names, 0)
     groups = list(param_groups)

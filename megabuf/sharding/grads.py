@@ -335,7 +335,7 @@ def check_error_feedback(hook: object, strategy: str | None, rank: int) -> None:
         f"grads on every rank, which defeats data_parallel_sharding_strategy={strategy!r} "
         f"(rank {rank}); build it with error_feedback=False, or opt in with "
         "`hook.allow_full_size_error_feedback = True` before register_comm_hook (its bytes "
-        "are then reported in model.memory_ledger as 'comm_hook_error_feedback')"
+        "are then reported in model.engine.memory_ledger as 'comm_hook_error_feedback')"
     )
 
 

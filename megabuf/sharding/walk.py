@@ -44,15 +44,12 @@ def _chunk_tensors(chunk: nn.Module) -> Iterator[Tensor]:
             if isinstance(extra, Tensor):
                 yield extra
     yield from module.buffers()
-    grad_buffers: list[Any] = []
-    for name in ("buffers", "expert_parallel_buffers"):  # a plain module's `buffers` is a method
-        held = getattr(chunk, name, None)
-        grad_buffers += list(held) if isinstance(held, list) else []
-    for buf in grad_buffers:
+    engine = getattr(chunk, "engine", None)  # a megabuf DistributedDataParallel's parts
+    for buf in engine.buffers if engine is not None else []:
         yield from _tensors_in(buf)
-        for bucket in getattr(buf, "buckets", []):
+        for bucket in buf.buckets:
             yield from _tensors_in(bucket)
-    for group in getattr(chunk, "all_bucket_groups", []):
+    for group in engine.all_bucket_groups if engine is not None else []:
         yield from _tensors_in(group)
 
 

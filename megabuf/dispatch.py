@@ -1,0 +1,159 @@
+"""The bucket groups' lifecycle states and the chain that dispatches them in one order.
+
+[Note: dispatch order]
+Collectives on one process group must be issued in the same order on every rank, or gloo/NCCL
+pair up the wrong buffers. Readiness order comes from autograd and can differ between ranks (or
+between buffers of different dtypes), so groups are dispatched strictly in the order of their
+`DispatchChain`: a group that becomes ready early waits until every group before it has been
+dispatched. The chain is ordered by expected backward order, so in practice nothing waits. Dense
+and expert groups that reduce over the same process group share one chain.
+
+[Note: grad readiness]
+With overlap_grad_reduce a group dispatches during backward once every one of its params has
+received all of its gradients for the iteration. How many arrivals that is per param is learned
+on the first iteration (the learning iteration dispatches nothing during backward, only at
+finish_grad_sync): a param used inside two reentrant activation-checkpointed regions, or a module
+called twice under reentrant checkpointing, accumulates its grad more than once per backward,
+and its group must wait for the last arrival. A param that gets fewer arrivals than learned
+(unused this iteration, on this rank) keeps its group waiting until `finish_grad_sync()`, which
+dispatches every remaining group in chain order on every rank, zero-filling unwritten grads: no
+rank waits for a collective another rank never issues. A gradient that arrives after its group
+was dispatched is an error (a second backward without no_sync(), or more arrivals than learned).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from megabuf.comm_hooks.contract import Waitable
+from megabuf.sharding.grads import REDUCING_GROUPS_LIMIT
+
+
+class ChainMember(Protocol):
+    """What a `DispatchChain` needs of a group (`BucketGroup` in bucket_group.py)."""
+
+    chain: Any  # the DispatchChain it belongs to, or None
+    grad_state: GradSyncState
+    sharded_grads: Any
+
+    @property
+    def all_ready(self) -> bool: ...
+
+    def start_grad_sync(self) -> None: ...
+
+    def finish_grad_sync(self) -> None: ...
+
+    def grad_sync_completed(self) -> bool: ...
+
+    @property
+    def replicas(self) -> Any: ...  # its ReplicaStage ([Note: two-level reduction])
+
+    def first_level_completed(self) -> bool: ...
+
+    def start_replica_sync(self) -> None: ...
+
+
+M = TypeVar("M", bound=ChainMember)
+
+
+class GradSyncState(enum.Enum):
+    IDLE = "idle"
+    DISPATCHED = "dispatched"
+    SYNCED = "synced"
+
+
+class ParamSyncState(enum.Enum):
+    VALID = "valid"
+    STALE = "stale"
+    DISPATCHED = "dispatched"
+
+
+@dataclass
+class SyncWork:
+    """In-flight collectives of one group, one per bucket (or a comm hook's work per bucket)."""
+
+    pending: Sequence[Waitable]
+
+    def wait(self) -> None:
+        for work in self.pending:
+            work.wait()
+
+
+class DispatchChain(Generic[M]):
+    """Dispatches bucket groups strictly in order; see [Note: dispatch order].
+
+    Created empty, handed to each `BucketGroup` at construction, then given the order once."""
+
+    def __init__(self) -> None:
+        self.groups: list[M] = []
+        self.next_index = 0
+        self.next_replica = 0  # the next group whose replicate all-reduce may be issued
+        self._ordered = False
+
+    def set_order(self, groups: Sequence[M]) -> None:
+        if self._ordered:
+            raise RuntimeError("megabuf: DispatchChain.set_order() called twice")
+        if any(g.chain is not self for g in groups) or len(set(map(id, groups))) != len(groups):
+            raise ValueError("megabuf: a dispatch chain's order must list its own groups once")
+        self.groups = list(groups)
+        self._ordered = True
+
+    def on_ready(self) -> None:
+        """Dispatch every group at the head of the chain that is ready."""
+        while self.next_index < len(self.groups) and self.groups[self.next_index].all_ready:
+            self.groups[self.next_index].start_grad_sync()
+            self.next_index += 1
+            self.progress_replicas()
+            if self.groups[0].sharded_grads is not None:
+                self._bound_reducing()
+
+    def progress_replicas(self) -> None:
+        """Issue, in chain order, the replicate all-reduces whose reduce-scatter has landed,
+        stopping at the first that has not (never waits; [Note: two-level reduction])."""
+        while self.next_replica < self.next_index:
+            group = self.groups[self.next_replica]
+            if group.replicas.owed and not group.first_level_completed():
+                return
+            group.start_replica_sync()
+            self.next_replica += 1
+
+    def start_replicas_upto(self, group: M) -> None:
+        """Issue every owed replicate all-reduce up to and including `group`'s, in chain order
+        (waiting for their reduce-scatters)."""
+        stop = self.groups.index(group) + 1
+        for earlier in self.groups[:stop]:  # from the head: a sync may re-owe any of them
+            earlier.start_replica_sync()
+        self.next_replica = max(self.next_replica, stop)
+
+    def _bound_reducing(self) -> None:
+        """optim_grads*: finish the reductions in flight that already completed (no wait), and
+        the oldest beyond REDUCING_GROUPS_LIMIT (waiting), so their full buckets are released
+        during backward ([Note: sharded grad lifecycle])."""
+        dispatched = [
+            g for g in self.groups[: self.next_index] if g.grad_state is GradSyncState.DISPATCHED
+        ]
+        excess = len(dispatched) - REDUCING_GROUPS_LIMIT
+        for i, group in enumerate(dispatched):
+            if i < excess or group.grad_sync_completed():
+                group.finish_grad_sync()
+
+    def dispatch_rest(self) -> None:
+        """Dispatch every group not yet dispatched, in order, ready or not ([Note: grad
+        readiness]: unwritten grads are zero-filled)."""
+        for group in self.groups[self.next_index :]:
+            if group.grad_state is GradSyncState.IDLE:
+                group.start_grad_sync()
+        self.next_index = len(self.groups)
+
+    def reset(self) -> None:
+        self.next_index = 0
+        self.next_replica = 0
+
+
+def build_chain(groups: Sequence[M], order_key: Callable[[M], int]) -> None:
+    """Give the groups' shared chain its order (groups sorted by `order_key`)."""
+    if groups and groups[0].chain is not None:
+        groups[0].chain.set_order(sorted(groups, key=order_key))

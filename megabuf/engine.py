@@ -1,0 +1,221 @@
+"""`Engine`: what one `DistributedDataParallel` is made of, built once, reachable as `model.engine`.
+
+The wrapper (ddp.py) is the public face: `forward` and one thin door per act. Everything the
+optimizer, checkpoints, pipelines, `megabuf inspect` and the tests need beyond that lives here,
+as plain attributes of one object rather than members of the nn.Module:
+
+    plan, topology, rank           the pure plan (plan.py) and this rank's place in the groups
+    process_groups, collectives    the groups reduced over and the one collectives layer
+    buffers                        every `_ParamAndGradBuffer`, plan order (dense and expert)
+    dense_buffers, expert_parallel_buffers       the same split by kind (Megatron's names)
+    bucket_groups, expert_parallel_bucket_groups, all_bucket_groups (dense then expert)
+    param_to_name, param_to_bucket_group
+    sync                           the grad sync (grad_sync.py, [Note: step phase])
+    param_side                     the param side (param_sync.py, [Note: who waits for param
+                                   gathers]); the optimizer calls `before_step()` / `stepped()`
+    hooks                          the comm-hook registry (hook_registry.py): the registered hooks,
+                                   their step-skipped / loss-scale notifications, the wire report
+    memory_ledger                  device bytes by category ([Note: sharded grad lifecycle])
+
+Construction order: plan (shared with `megabuf inspect`, model_plan.py) -> allocation
+(assembly.py) -> grad sync + grad hooks -> param side (+ the ZeRO-3 units, after the initial
+broadcast) -> comm hooks from the config.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from megabuf.assembly import assemble
+from megabuf.bucket_group import BucketGroup, Timeline
+from megabuf.buffer import _ParamAndGradBuffer
+from megabuf.collectives import Collectives
+from megabuf.comm_hooks import build as build_comm_hook
+from megabuf.config import DistributedDataParallelConfig
+from megabuf.devices import params_device
+from megabuf.grad_sync import GradSync
+from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
+from megabuf.hook_registry import CommHookRegistry
+from megabuf.hooks import ParamGatherHooks, register_grad_hooks, remove_hooks_when_collected
+from megabuf.model_plan import plan_model
+from megabuf.nan_check import raise_on_nonfinite_grads
+from megabuf.param_sync import GatheredParams, UnitParams
+from megabuf.param_units import ParamUnits, unit_modules
+from megabuf.plan import Plan
+from megabuf.process_groups import ProcessGroups
+from megabuf.replicas import ParamStructure, check_devices, check_replicas_match, is_expert_parallel
+from megabuf.sharding.ledger import MemoryLedger
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """The parts of one wrapped model (see the module docstring). Built by
+    `DistributedDataParallel`; collective (every rank of `process_groups` builds the same)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: DistributedDataParallelConfig,
+        process_groups: ProcessGroups,
+        collectives: Collectives,
+        *,
+        disable_bucketing: bool,
+        init_sync: bool,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.process_groups = process_groups
+        self.topology = process_groups.topology
+        self.rank = self.topology.rank
+        self.collectives = collectives
+        collectives.name_groups(process_groups.named())  # [Note: wire accounting by group]
+        self.memory_ledger = MemoryLedger()  # [Note: sharded grad lifecycle]
+        self._build(disable_bucketing, init_sync)
+        self.hooks = CommHookRegistry(
+            self.all_bucket_groups, self.plan, config, self.memory_ledger, self.rank
+        )
+        if config.comm_hook is not None:
+            spec = dict(config.comm_hook)
+            buffers = spec.pop("buffers", "all")
+            self.hooks.register_comm_hook(build_comm_hook(spec), buffers=buffers)
+        if config.deterministic_reduction:
+            self.hooks.install_deterministic()
+
+    # ---- construction -------------------------------------------------------------------------
+    def _build(self, disable_bucketing: bool, init_sync: bool) -> None:
+        pgs, cfg = self.process_groups, self.config
+        named = list(self.module.named_parameters())  # shared params once, under their first name
+        check_devices(named)
+        check_replicas_match(named, pgs.dp, self.collectives)
+        planned = plan_model(  # the same path as `megabuf inspect`
+            # laid out over the group a buffer is sharded over: dp, or the shard group
+            self.module, cfg, dp_size=self.topology.sharding(False)[1],
+            expt_dp_size=self.topology.sharding(True)[1],
+            expert_shares_dp_group=pgs.expt_dp is pgs.dp, disable_bucketing=disable_bucketing,
+        )  # fmt: skip
+        self.param_to_name: dict[nn.Parameter, str] = {p: n for n, p in planned.trainable}
+        params = [p for _, p in planned.trainable]
+        self.plan: Plan = planned.plan
+        units = unit_modules(self.module, planned.unit_plan)  # (name, module), root first
+        built = assemble(
+            self.plan, params, cfg, pgs, self.collectives, self.memory_ledger,
+            self.param_to_name, [name for name, _ in units],
+        )  # fmt: skip
+        self._split_by_kind(built.buffers, built.groups)
+        grads = self._exposed_grads(params)
+        structure = ParamStructure(self.module)
+        self.sync = GradSync(
+            self.all_bucket_groups, built.chains, cfg, grads,
+            before_sync=lambda: structure.check(self.rank), checks=self._sync_checks(),
+        )  # fmt: skip
+        self._install_hooks(params, grads)
+        self._module_buffers = list(self.module.buffers())  # what forward broadcasts
+        groups, gather = self.all_bucket_groups, self.gather_hooks
+        self.param_side: GatheredParams = GatheredParams(groups, gather, cfg)
+        if init_sync:
+            self.broadcast_params()
+        if cfg.sharding.shards_params:
+            runtime = ParamUnits.build(  # shards filled, full params released
+                units, self.plan, groups, self.param_to_name, cfg, self.memory_ledger, self.rank
+            )
+            self.param_side = UnitParams(groups, gather, cfg, runtime)
+        for buf in self.buffers:
+            logger.debug("megabuf: %s", buf.describe())
+
+    def _split_by_kind(self, buffers: list[_ParamAndGradBuffer], groups: list[BucketGroup]) -> None:
+        self.buffers = buffers  # plan order
+        expert = [planned.expert for planned in self.plan.buffers]
+        self.dense_buffers = [b for b, e in zip(buffers, expert) if not e]
+        self.expert_parallel_buffers = [b for b, e in zip(buffers, expert) if e]
+        expert_group = [planned.expert for planned in self.plan.groups]
+        self.bucket_groups = [g for g, e in zip(groups, expert_group) if not e]
+        self.expert_parallel_bucket_groups = [g for g, e in zip(groups, expert_group) if e]
+        self.all_bucket_groups = self.bucket_groups + self.expert_parallel_bucket_groups
+        self.param_to_bucket_group = {p: g for g in groups for p in g.params_list}
+
+    def _install_hooks(self, params: Sequence[nn.Parameter], grads: ExposedGrads) -> None:
+        self._grad_hook_handles = register_grad_hooks(
+            params, self.param_to_bucket_group, set(grads.linked), self._on_grad
+        )
+        for group in self.all_bucket_groups:  # the hooks hold the views: guard the attribute
+            if group.sharded_grads is not None:
+                names = [self.param_to_name[p] for p in group.params_list]
+                group.sharded_grads.guard_main_grads(group.params_list, names)
+        self.gather_hooks = ParamGatherHooks(self.module, self.param_to_bucket_group)
+        if self.config.overlap_param_gather:
+            self.gather_hooks.enable()
+        remove_hooks_when_collected(self, self._grad_hook_handles, self.gather_hooks)
+
+    def _exposed_grads(self, params: Sequence[nn.Parameter]) -> ExposedGrads:
+        """[Note: grad contract]: nothing is exposed with the distributed optimizer."""
+        if not self.config.sharding.exposes_grads:
+            refuse_foreign_optimizers(self.param_to_name)
+            return ExposedGrads([], [], self.param_to_bucket_group)
+        same = [p for p in params if p.main_grad.dtype == p.dtype]  # type: ignore[attr-defined]
+        other = [p for p in params if p.main_grad.dtype != p.dtype]  # type: ignore[attr-defined]
+        return ExposedGrads(same, other, self.param_to_bucket_group)
+
+    def _sync_checks(self) -> list[Callable[[], None]]:
+        """What the grad sync checks once every reduction landed (each raises on every rank)."""
+        checks: list[Callable[[], None]] = []
+        if self.config.check_for_nan_in_grad:
+            checks.append(self._raise_on_nonfinite_grads)
+        if self.config.error_on_unused_params:
+            checks.append(self._raise_on_unused_params)
+        return checks
+
+    def _raise_on_nonfinite_grads(self) -> None:
+        pgs = self.process_groups
+        raise_on_nonfinite_grads(
+            self.all_bucket_groups, self.collectives, pgs.dp,
+            dp_rank=pgs.dp_rank, dp_size=pgs.dp_size, rank=self.rank,
+            pp_group=pgs.pp, pp_rank=pgs.pp_rank, pp_size=pgs.pp_size,
+        )  # fmt: skip
+
+    def _raise_on_unused_params(self) -> None:
+        raise_on_unused_params(
+            self.all_bucket_groups, self.param_to_name, self.process_groups, self.collectives,
+            self.device, self.rank,
+        )  # fmt: skip
+
+    # ---- what the wrapper's doors call --------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return params_device(self.param_to_name, self.process_groups.dp)
+
+    def _on_grad(self) -> None:
+        """Every param grad hook's first step (hot path)."""
+        self.hooks.backward_seen = True
+        self.sync.on_grad()
+
+    @torch.compiler.disable
+    def before_forward(self, compiling: bool, sync_buffers: bool) -> None:
+        """Runs eagerly even when the model is compiled (`compiling`: it is being traced)."""
+        self.sync.before_forward(torch.is_grad_enabled())
+        self.param_side.before_forward(self.module, compiling)
+        if sync_buffers and torch.is_grad_enabled() and self.sync.require_sync:
+            with torch.no_grad():
+                for tensor in self._module_buffers:
+                    self.collectives.broadcast(tensor, 0, self.process_groups.dp)
+
+    def enable_timeline(self) -> Timeline:
+        timeline = Timeline(self.device)
+        self.sync.enable_timeline(timeline)
+        return timeline
+
+    def broadcast_params(self) -> None:
+        """dp-rank 0's params (expert params: expt_dp-rank 0's) and buffers to every rank."""
+        pgs = self.process_groups
+        with self.param_side.summon(writeback=True), torch.no_grad():  # waits for gathers
+            for _, param in self.module.named_parameters():
+                group = pgs.expt_dp if is_expert_parallel(param) else pgs.dp
+                self.collectives.broadcast(param.data, 0, group)
+                # tell fp32 main-param holders the values changed (see reload_model_params)
+                torch.autograd.graph.increment_version(param)
+            for tensor in self.module.buffers():
+                self.collectives.broadcast(tensor, 0, pgs.dp)
