@@ -212,3 +212,17 @@ def test_inspect_shows_both_groups_and_lays_out_at_the_shard_size() -> None:
     assert "2 replicas x 4-way shard" in text and "dp_replicate groups of 2 ranks" in text
     with pytest.raises(ValueError, match="dp_shard_size=3 does not divide"):
         inspect_model(model, cfg, 8, dp_shard_size=3)
+
+
+def test_config_instances_field_is_validated_by_name() -> None:
+    from megabuf import DistributedDataParallelConfig
+
+    field = "num_distributed_optimizer_instances"
+    with pytest.raises(ValueError, match=f"{field} must be an int >= 1"):
+        DistributedDataParallelConfig(num_distributed_optimizer_instances=0)
+    with pytest.raises(ValueError, match=f"{field}=2 needs a strategy that shards the optimizer"):
+        DistributedDataParallelConfig(num_distributed_optimizer_instances=2)
+    cfg = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim", num_distributed_optimizer_instances=2
+    )
+    assert cfg.num_distributed_optimizer_instances == 2
