@@ -16,6 +16,7 @@ from megabuf.dispatch import GradSyncState, SyncWork
 from megabuf.grad_math import completed
 from megabuf.sharding.grads import ShardedGrads
 from megabuf.sharding.replicate import ReplicaStage
+from megabuf.timeline import Timeline
 
 
 class TwoLevelReduction:
@@ -28,6 +29,7 @@ class TwoLevelReduction:
     is_final_microbatch: bool
     group_id: int
     rank: int
+    timeline: Timeline | None
     _grad_work: SyncWork | None
     _unwritten: bytearray
     _all_unwritten: bytes
@@ -91,6 +93,8 @@ class TwoLevelReduction:
         else:
             shards = [self.local_shard(g) for g in self._full_grads()]
         self.replicas.start(shards)
+        if self.timeline is not None:  # the second level's dispatch; "finish" covers both
+            self.timeline.record(self.group_id, "replicate_dispatch")
 
     def first_level_completed(self) -> bool:
         """The reduction in the group's own collective group has landed (never waits)."""

@@ -106,13 +106,15 @@ def hybrid_case(case: dict[str, Any]) -> dict[str, Any]:
     """STEPS steps; per step the replicate group's calls, at the end the params and their
     largest deviation from the reference."""
     model, opt = build(case)
+    timeline = model.enable_timeline()
     ref = reference(case)
     replicate_calls = []
     for step in range(STEPS):
         before = model.engine.collectives.stats_of(model.process_groups.dp_replicate).calls.get(
             "all_reduce", 0
         )
-        train(model, opt, step, case.get("micro", 1))
+        micro = case.get("micro_by_rank", [case.get("micro", 1)] * 4)[dist.get_rank()]
+        train(model, opt, step, micro)
         after = model.engine.collectives.stats_of(model.process_groups.dp_replicate).calls
         replicate_calls.append(after.get("all_reduce", 0) - before)
         ref.step(step)
@@ -127,6 +129,8 @@ def hybrid_case(case: dict[str, Any]) -> dict[str, Any]:
             (p - ref_params[n].detach().float()).abs().max().item() for n, p in params.items()
         ),
         "replicate_calls": replicate_calls,
+        "replicate_events": sum(name == "replicate_dispatch" for _, name, _ in timeline.events),
+        "groups": len(model.engine.all_bucket_groups),
         "buckets": sum(len(g.buckets) for g in model.engine.all_bucket_groups),
         # padded grad bytes of every bucket (n * g of the wire formula; all fp32 here)
         "bucket_nbytes": sum(

@@ -78,6 +78,11 @@ def _cases() -> dict[str, tuple[Any, ...]]:
     cases["optim_grads-mesh"] = (hybrid_case, {"split": "mesh:2x2", "strategy": "optim_grads"})
     cases["optim-2x2-bf16"] = (hybrid_case, {"split": "2x2", "strategy": "optim", "bf16": True})
     cases["optim-flat-bf16"] = (hybrid_case, {"split": "flat", "strategy": "optim", "bf16": True})
+    cases["optim_grads-2x2-asymmetric"] = (
+        hybrid_case,
+        {"split": "2x2", "strategy": "optim_grads", "micro_by_rank": [1, 1, 2, 2],
+         "accumulation": "reduce_each_microbatch"},
+    )  # fmt: skip
     cases["misuse"] = (misuse_errors,)
     return cases
 
@@ -98,6 +103,9 @@ def _check_trained(ranks: list[dict[str, Any]], split: tuple[int, int], micro: i
     assert max(r["error"] for r in ranks) < FP32_BOUND
     if split[0] > 1:  # one replicate all-reduce per bucket per step, whatever the micro-batches
         assert all(r["replicate_calls"] == [r["buckets"]] * 3 for r in ranks)
+    # the timeline marks each group's second level once per step (none when flat)
+    want = 3 * first["groups"] if split[0] > 1 else 0
+    assert all(r["replicate_events"] == want for r in ranks)
     del micro
 
 
@@ -226,3 +234,12 @@ def test_config_instances_field_is_validated_by_name() -> None:
         data_parallel_sharding_strategy="optim", num_distributed_optimizer_instances=2
     )
     assert cfg.num_distributed_optimizer_instances == 2
+
+
+def test_shard_groups_with_different_micro_batch_counts(sweep: list[dict[str, Any]]) -> None:
+    """Shard group [0, 1] runs 1 micro-batch per step, [2, 3] runs 2 (reduce_each_microbatch:
+    a reduce-scatter per micro-batch inside each shard group): nothing crosses the replicate
+    group before each group's last micro-batch, so the counts need not agree across shard
+    groups; no hang, one all-reduce per bucket per step, the reference's result (each rank's
+    loss is divided by its own count: its grad is its slice's mean either way)."""
+    _check_trained(_result(sweep, "optim_grads-2x2-asymmetric"), (2, 2))
