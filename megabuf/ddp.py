@@ -90,6 +90,7 @@ class DistributedDataParallel(nn.Module):
         self.engine.before_forward(torch.compiler.is_compiling(), self._sync_buffers_in_forward)
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
+            self.engine.residency.watch(output)  # first: it raises before anything is queued
             self.engine.sync.watch(output)
         return output
 
@@ -124,6 +125,7 @@ class DistributedDataParallel(nn.Module):
     def start_grad_sync(self) -> None:
         """Dispatch every reduction not yet dispatched, in chain order (e.g. from a pipeline's
         grad_sync_func). Collective: every dp rank must call it."""
+        self.engine.residency.check("start_grad_sync()")
         self.engine.sync.start()
 
     def finish_grad_sync(self) -> None:
@@ -131,6 +133,7 @@ class DistributedDataParallel(nn.Module):
         reduction, and hand out the grads: see [Note: grad contract]. Collective: every dp rank
         must call it once per iteration, unless backward already did (sync_grads_at_backward_end
         outside deferred_grad_sync()): it is a no-op while every group is synced."""
+        self.engine.residency.check("finish_grad_sync()")
         self.engine.sync.finish()
 
     @property
@@ -195,6 +198,7 @@ class DistributedDataParallel(nn.Module):
         no-op: params are shards between forwards, and forward, `state_dict()` and
         `summon_full_params()` gather them ([Note: who gathers when])."""
         del unused, force_dispatch
+        self.engine.residency.check("start_param_sync()")
         self.engine.param_side.start(force_sync)
 
     def publish_params(self) -> None:
@@ -217,6 +221,7 @@ class DistributedDataParallel(nn.Module):
         Read or edit params outside forward inside it: a released param has a 0-byte storage
         and reading it fails (a RuntimeError, or a crash of the process for some CPU kernels).
         Collective under optim_grads_params; elsewhere it publishes params (not collective)."""
+        self.engine.residency.check("summon_full_params()")
         with self.engine.param_side.summon(writeback=writeback):
             yield
 
@@ -240,6 +245,7 @@ class DistributedDataParallel(nn.Module):
         params (not collective: rank 0 may call it alone, see publish_params). Under
         optim_grads_params the params are gathered unit by unit and copied out: collective
         (every dp rank calls it), keyword arguments only."""
+        self.engine.residency.check("state_dict()")
         return self.engine.param_side.state_dict(self.module, args, kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -248,6 +254,7 @@ class DistributedDataParallel(nn.Module):
         Every dp rank must call it with the same state dict, or replicas differ. Under
         optim_grads_params every unit is gathered around the load (a full param copy at the
         peak) and the loaded values are written into the shards."""
+        self.engine.residency.check("load_state_dict()")
         if assign:
             raise ValueError(
                 "megabuf: load_state_dict(assign=True) would detach params from the buffers; "

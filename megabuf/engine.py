@@ -16,6 +16,8 @@ as plain attributes of one object rather than members of the nn.Module:
     hooks                          the comm-hook registry (hook_registry.py): the registered hooks,
                                    their step-skipped / loss-scale notifications, the wire report
     memory_ledger                  device bytes by category ([Note: sharded grad lifecycle])
+    residency                      whether the engine is offloaded; every entry point asks it
+                                   ([Note: offloaded engine] in residency.py)
 
 Construction order: plan (shared with `megabuf inspect`, model_plan.py) -> allocation
 (assembly.py) -> grad sync + grad hooks -> param side (+ the ZeRO-3 units, after the initial
@@ -48,6 +50,7 @@ from megabuf.param_units import ParamUnits, unit_modules
 from megabuf.plan import Plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.replicas import ParamStructure, check_devices, check_replicas_match, is_expert_parallel
+from megabuf.residency import Residency
 from megabuf.sharding.ledger import MemoryLedger
 
 logger = logging.getLogger(__name__)
@@ -75,6 +78,7 @@ class Engine:
         self.collectives = collectives
         collectives.name_groups(process_groups.named())  # [Note: wire accounting by group]
         self.memory_ledger = MemoryLedger()  # [Note: sharded grad lifecycle]
+        self.residency = Residency(self.rank)  # [Note: offloaded engine]
         self._build(disable_bucketing, init_sync)
         self.hooks = CommHookRegistry(
             self.all_bucket_groups, self.plan, config, self.memory_ledger, self.rank
@@ -123,6 +127,7 @@ class Engine:
             runtime = ParamUnits.build(  # shards filled, full params released
                 units, self.plan, groups, self.param_to_name, cfg, self.memory_ledger, self.rank
             )
+            runtime.runtime.entry_guard = self.residency.check
             self.param_side = UnitParams(groups, gather, cfg, runtime)
         for buf in self.buffers:
             logger.debug("megabuf: %s", buf.describe())
@@ -190,12 +195,14 @@ class Engine:
 
     def _on_grad(self) -> None:
         """Every param grad hook's first step (hot path)."""
+        self.residency.check("backward (a param's grad hook)")
         self.hooks.backward_seen = True
         self.sync.on_grad()
 
     @torch.compiler.disable
     def before_forward(self, compiling: bool, sync_buffers: bool) -> None:
         """Runs eagerly even when the model is compiled (`compiling`: it is being traced)."""
+        self.residency.check("forward")
         self.sync.before_forward(torch.is_grad_enabled())
         self.param_side.before_forward(self.module, compiling)
         if sync_buffers and torch.is_grad_enabled() and self.sync.require_sync:

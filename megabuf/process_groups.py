@@ -326,6 +326,13 @@ def new_subgroup(group: ProcessGroup | None, members: list[int]) -> ProcessGroup
     return dist.new_group([ranks[m] for m in members], use_local_synchronization=True)
 
 
+def new_group_with_timeout(ranks: list[int], timeout: datetime.timedelta) -> ProcessGroup:
+    """A new group of the global `ranks` whose collectives fail after `timeout` instead of the
+    default's (the weight publishing group: a dead peer must not hang the others). Collective
+    over the whole world: every rank calls it with the same list, members or not."""
+    return dist.new_group(sorted(ranks), timeout=timeout)
+
+
 def _check_sizes(world: int, pp_size: int, ep_size: int) -> int:
     if pp_size < 1 or world % pp_size != 0:
         raise ValueError(

@@ -45,6 +45,11 @@ EXAMPLES = {
         r"params bitwise equal: True",
         r"check vs 1 process: .* resumed bitwise: True -> OK",
     ),
+    "rl_loop": (
+        ["examples/rl_loop.py", "--steps", "2", "--check"],
+        r"consumer received versions 1\.\.2",
+        r"check: consumer weights == trainers' \(bf16\) at every version: True -> OK",
+    ),
     "train_pipeline": (
         ["examples/train_pipeline.py", "--steps", "2", "--check"],
         r"(?m)^step +1 ",

@@ -57,7 +57,7 @@ def test_rank_local_methods_say_one_rank_may_call_them(method: str) -> None:
 
 def test_malformed_param_groups_name_the_group_and_the_format() -> None:
     weight = nn.Parameter(torch.zeros(2))
-    chunk = SimpleNamespace(param_to_name={weight: "w"})
+    chunk = SimpleNamespace(engine=SimpleNamespace(param_to_name={weight: "w"}))
     with pytest.raises(ValueError, match=r"param group 0 holds a list.*\{'params'"):
         resolve_param_groups([chunk], [[weight]])  # type: ignore[list-item]
     hparams, group_of = resolve_param_groups([chunk], [{"params": [weight], "lr": 0.5}])

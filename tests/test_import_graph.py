@@ -55,12 +55,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", (
         "megabuf.nan_check", "megabuf.hooks", "megabuf.grads", "megabuf.backward_sync",
         "megabuf.hook_registry", "megabuf.param_units", "megabuf.grad_sync",
-        "megabuf.param_sync", "megabuf.assembly", "megabuf.engine",
+        "megabuf.param_sync", "megabuf.assembly", "megabuf.engine", "megabuf.residency",
     )),
     ("wrapper", ("megabuf.ddp",)),
     ("above", (
         "megabuf.finalize", "megabuf.reproducible", "megabuf.optimizer", "megabuf.optimizer.*",
         "megabuf.checkpoint", "megabuf.checkpoint.*", "megabuf.pipeline", "megabuf.pipeline.*",
+        "megabuf.weights", "megabuf.weights.*",
     )),
     ("tools", (
         "megabuf", "megabuf.cli", "megabuf.inspect", "megabuf.bench", "megabuf.bench.*",

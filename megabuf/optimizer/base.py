@@ -123,6 +123,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
                 self.domains.append(Domain(kind, mains, inner, self._norm_groups(kind)))
         self._norm_kinds = self._model_wide_kinds()
         self._copied_grads = False
+        self._completed_steps = 0  # updates applied (skipped steps excluded): weight version
         self._versions = ModelParamVersions(self.main_params)
         # what torch's schedulers read besides param_groups (OneCycleLR: momentum / betas)
         self.defaults: dict[str, Any] = (
@@ -131,11 +132,15 @@ class MegabufOptimizer(torch.optim.Optimizer):
 
     def _model_wide_kinds(self) -> tuple[DomainKind, ...]:
         """Kinds present on *any* rank. Every rank must join every norm reduction, even a
-        pipeline stage without expert params, or the stages that have them wait forever."""
+        pipeline stage without expert params, or the stages that have them wait forever. The max
+        runs over pp, then dp: the model's pp x dp grid, not the world (ranks outside the model,
+        e.g. inference workers receiving its weights, take no part)."""
         mine = {d.kind for d in self.domains}
         flags = torch.tensor([float(k in mine) for k in DOMAIN_KINDS], device=self.device)
-        if self.process_groups.topology.world_size > 1:
-            self.collectives.all_reduce_max(flags, None)
+        pgs = self.process_groups
+        for group, size in ((pgs.pp, pgs.pp_size), (pgs.dp, pgs.dp_size)):
+            if size > 1:
+                self.collectives.all_reduce_max(flags, group)
         return tuple(k for k, f in zip(DOMAIN_KINDS, flags.tolist(), strict=True) if f > 0)
 
     # ---- subclass hooks -----------------------------------------------------------------------
@@ -186,6 +191,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
                 "Use megabuf's loss scaling: OptimizerConfig(fp16=True) (dynamic) or "
                 "loss_scale=..., with opt.scale_loss(loss).backward() and opt.step()"
             )
+        self._check_resident("optimizer step()")
         with torch.profiler.record_function("megabuf::optimizer_step"):
             self._check_grads_synced()
             self._before_step()
@@ -236,6 +242,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
             write_back_all(self.main_params)
         self._versions.record()  # the write-back moves no version; record anyway
         self._release_grads()
+        self._completed_steps += 1
         self._after_update()
 
     def _skip(self, grad_norm: float | None) -> StepResult:
@@ -247,6 +254,11 @@ class MegabufOptimizer(torch.optim.Optimizer):
         if grad_norm is not None and self.process_groups.topology.rank == 0:  # routine skips
             logger.warning("megabuf: step skipped on every rank: global grad norm is %s", grad_norm)
         return StepResult(False, grad_norm, None)
+
+    def _check_resident(self, entry: str) -> None:
+        """[Note: offloaded engine] in megabuf/residency.py."""
+        for chunk in self.model_chunks:
+            chunk.engine.residency.check(entry)
 
     def _check_grads_synced(self) -> None:
         """See [Note: optimizer step], point 0."""
@@ -374,12 +386,14 @@ class MegabufOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """{"common": rank-independent state, "pieces": this rank's state in model space};
         see [Note: model-space optimizer state]."""
+        self._check_resident("optimizer state_dict()")
         parts = self.parts()
         return {"common": common_state(parts), "pieces": owned_pieces(parts)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load pieces saved by any dp size / bucket layout (they must cover this rank's). Load
         the model first: see [Note: main params follow the model params]."""
+        self._check_resident("optimizer load_state_dict()")
         load_model_space_state(self.parts(), state)
         self._versions.record()
 

@@ -118,6 +118,9 @@ class UnitRuntime:
         self._running: list[str] = []  # names of the units whose forward runs, innermost last
         self._guard: StrayReadGuard | None = None  # [Note: stray reads]
         self._owners = owners or {}
+        # raises while the engine is offloaded ([Note: offloaded engine] in residency.py):
+        # the first thing a unit's forward or backward runs, before any gather reads a shard
+        self.entry_guard: Callable[[str], None] = lambda entry: None
 
     # ---- installation -------------------------------------------------------------------------
     def install(self) -> None:
@@ -153,6 +156,7 @@ class UnitRuntime:
 
     # ---- forward ------------------------------------------------------------------------------
     def _pre_forward(self, unit: RuntimeUnit, args: Any, kwargs: Any) -> Any:
+        self.entry_guard("forward")
         if in_backward():  # a recompute: the unit's pre-backward gathered it already
             unit.start_gather()
             unit.wait_gather()
@@ -261,6 +265,7 @@ class UnitRuntime:
 
     # ---- backward -----------------------------------------------------------------------------
     def _pre_backward(self, unit: RuntimeUnit) -> None:
+        self.entry_guard("backward")
         if not self._final_queued:
             Variable._execution_engine.queue_callback(self._on_backward_end)  # type: ignore[attr-defined]
             self._final_queued = True

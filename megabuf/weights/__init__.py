@@ -1,0 +1,24 @@
+"""The weight lifecycle for RL and colocated training (docs/rl-and-colocated-training.md):
+offload an engine off its device and restore it bitwise (`offload`, `restore`), stream its
+full weights out bucket by bucket (`export_weights`), and publish them to consumer ranks that
+do not train (`publish`, `WeightReceiver`)."""
+
+from megabuf.residency import EngineOffloadedError
+from megabuf.weights.export import WeightBucket, export_weights, weight_version
+from megabuf.weights.offload import OffloadReport, is_offloaded, offload, restore
+from megabuf.weights.publish import Publisher, PublishGroup, WeightReceiver, publish_group
+
+__all__ = [
+    "EngineOffloadedError",
+    "OffloadReport",
+    "PublishGroup",
+    "Publisher",
+    "WeightBucket",
+    "WeightReceiver",
+    "export_weights",
+    "is_offloaded",
+    "offload",
+    "publish_group",
+    "restore",
+    "weight_version",
+]

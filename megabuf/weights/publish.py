@@ -1,0 +1,274 @@
+"""`Publisher` / `WeightReceiver`: trainers send fresh weights to consumer ranks that do not train,
+every trainer its own slice of every bucket; see [Note: publish protocol] in transfer.py.
+
+    group = publish_group(trainer_ranks=[0, 1], consumer_ranks=[2], timeout_s=60)  # all 3 ranks
+    # trainers                                   # consumers
+    publisher = Publisher(model, group)           receiver = WeightReceiver(group)
+    publisher.publish(optimizer=opt)              weights = receiver.receive()  # name -> tensor
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from megabuf.buffer import _ParamAndGradBucket, _ParamAndGradBuffer
+from megabuf.collectives import Collectives, PendingCollective
+from megabuf.ddp import DistributedDataParallel
+from megabuf.optimizer.base import MegabufOptimizer
+from megabuf.process_groups import new_group_with_timeout
+from megabuf.weights.export import NameMap, resolve_version
+from megabuf.weights.transfer import (
+    BucketEntry,
+    ConsumerHeader,
+    ParamEntry,
+    TrainerHeader,
+    Transfer,
+    decide,
+    send_range,
+    wire_dtype,
+)
+
+PUBLISH_CATEGORY = "weight_publish"
+"""Ledger category: the slice copy (cast, packed or moved to the host) held while it is sent."""
+
+
+@dataclass(frozen=True)
+class PublishGroup:
+    """Trainers (global ranks, in dp-rank order) and consumers, and their process group."""
+
+    group: ProcessGroup
+    trainers: tuple[int, ...]
+    consumers: tuple[int, ...]
+    timeout: datetime.timedelta
+
+    def group_rank(self, global_rank: int) -> int:
+        return sorted(self.trainers + self.consumers).index(global_rank)
+
+
+def publish_group(
+    trainer_ranks: Sequence[int], consumer_ranks: Sequence[int], *, timeout_s: float = 300.0
+) -> PublishGroup:
+    """A gloo group of `trainer_ranks` (the dp ranks of the model, in dp-rank order) and
+    `consumer_ranks`; every collective on it fails after `timeout_s`. Collective over the
+    whole world: every rank calls it, in the same order relative to its other group creations."""
+    both = set(trainer_ranks) & set(consumer_ranks)
+    if both or not trainer_ranks or not consumer_ranks:
+        raise ValueError(
+            f"megabuf: publish_group needs disjoint, non-empty trainer and consumer ranks; got "
+            f"trainers {list(trainer_ranks)}, consumers {list(consumer_ranks)}"
+        )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    group = new_group_with_timeout([*trainer_ranks, *consumer_ranks], timeout)
+    return PublishGroup(group, tuple(trainer_ranks), tuple(consumer_ranks), timeout)
+
+
+class Publisher:
+    """The trainer side for one model (one replica: dp ranks only, no pp / ep)."""
+
+    def __init__(
+        self,
+        model: DistributedDataParallel,
+        group: PublishGroup,
+        *,
+        track_changes: bool = False,
+        collectives: Collectives | None = None,
+    ) -> None:
+        """`track_changes`: keep a host copy of every slice sent (this rank's share of the
+        model, in the publish dtype), which `publish(changed_only=True)` compares against."""
+        topo = model.engine.process_groups.topology
+        if topo.pp_size > 1 or topo.ep_size > 1:
+            raise ValueError(
+                f"megabuf: Publisher supports dp-only models (pp_size={topo.pp_size}, "
+                f"ep_size={topo.ep_size}); publish each stage's model with its own group"
+            )
+        if len(group.trainers) != topo.dp_size or group.trainers[topo.dp_rank] != topo.rank:
+            raise ValueError(
+                f"megabuf: Publisher on rank {topo.rank} (dp rank {topo.dp_rank}): the group's "
+                f"trainers {list(group.trainers)} must be the model's dp ranks in dp-rank order"
+            )
+        self.model = model
+        self.group = group
+        self.collectives = collectives if collectives is not None else model.engine.collectives
+        self.buckets = [(buf, b) for buf in _buffers(model) for b in buf.buckets]
+        self.manifest = tuple(_entry(model, buf, b) for buf, b in self.buckets)
+        self.previous: int | None = None
+        self.track_changes = track_changes
+        self._sent: list[Tensor | None] = [None] * len(self.buckets)  # host copies, last sent
+        self.sent_nbytes = 0  # payload bytes this rank sent in the last publish
+
+    def publish(
+        self,
+        *,
+        optimizer: MegabufOptimizer | None = None,
+        version: int | None = None,
+        dtype: torch.dtype | None = None,
+        changed_only: bool = False,
+    ) -> Transfer:
+        """Send the weights of the last completed step (gathers in flight are waited for).
+        Collective over the publish group. Returns what was sent."""
+        model, topo = self.model, self.model.engine.process_groups.topology
+        model.engine.residency.check("publish()")
+        if changed_only and not self.track_changes:
+            raise ValueError(
+                "megabuf: publish(changed_only=True) needs Publisher(..., track_changes=True) "
+                "(host copies of what was sent, to compare against)"
+            )
+        model.engine.param_side.publish()
+        number = resolve_version(optimizer, version)
+        changed = tuple(self._changed(i, dtype) for i in range(len(self.buckets)))
+        header = TrainerHeader(
+            topo.dp_rank, number, self.previous, changed,
+            self.manifest if topo.dp_rank == 0 else None,
+            str(dtype) if dtype is not None else "", changed_only,
+        )  # fmt: skip
+        transfer = decide(self.collectives.all_gather_object(header, self.group.group))
+        consumers = [self.group.group_rank(c) for c in self.group.consumers]
+        self.sent_nbytes = 0
+        for index in transfer.send:  # one bucket's slice materialised at a time
+            buf, bucket = self.buckets[index]
+            piece = self._slice(buf, bucket, dtype)
+            copied = 0 if _views_model(piece, buf, bucket) else _nbytes(piece)
+            model.engine.memory_ledger.alloc(PUBLISH_CATEGORY, copied)
+            pending = [
+                self.collectives.send(piece, c, self.group.group, tag=index) for c in consumers
+            ]
+            try:
+                _wait(pending, self.group, f"sending bucket {index} to the consumers", topo.rank)
+            finally:
+                model.engine.memory_ledger.free(PUBLISH_CATEGORY, copied)
+            self.sent_nbytes += _nbytes(piece) * len(consumers)
+            if self.track_changes:
+                self._sent[index] = piece.clone()
+        self.previous = number
+        return transfer
+
+    def _changed(self, index: int, dtype: torch.dtype | None) -> bool:
+        """This rank's slice of bucket `index` differs from the one it sent last (True when
+        not tracked)."""
+        previous = self._sent[index]
+        if previous is None:
+            return True
+        return not torch.equal(previous, self._slice(*self.buckets[index], dtype))
+
+    def _slice(
+        self, buf: _ParamAndGradBuffer, bucket: _ParamAndGradBucket, dtype: torch.dtype | None
+    ) -> Tensor:
+        """This trainer's part of the flat bucket ([Note: publish protocol], point 3)."""
+        lo, hi = send_range(bucket.numel, buf.dp_rank, buf.dp_size)
+        if buf.param_data is not None or buf.bucket_params is not None:
+            piece = buf.param_shard_view(bucket.offset + lo, bucket.offset + hi)
+        else:  # no_shard: the params live in their own storages; pack this bucket
+            piece = _pack(buf, bucket)[lo:hi].clone()  # the packed bucket is freed here
+        if dtype is not None and dtype != piece.dtype:
+            piece = piece.to(dtype)
+        return piece.cpu()  # the publish group is gloo's: messages leave from host memory
+
+
+class WeightReceiver:
+    """The consumer side: flat copies of every bucket, rebuilt into named tensors."""
+
+    def __init__(
+        self,
+        group: PublishGroup,
+        *,
+        name_map: NameMap | None = None,
+        collectives: Collectives | None = None,
+    ) -> None:
+        self.group = group
+        self.name_map = name_map
+        self.collectives = collectives if collectives is not None else Collectives()
+        self.rank = self.collectives.rank(None)
+        self.version: int | None = None
+        self.flats: list[Tensor] = []  # one per bucket, the publish dtype
+        self.transfer: Transfer | None = None
+
+    def receive(self, *, expect_version: int | None = None) -> dict[str, Tensor]:
+        """Join one publish (collective over the publish group); returns every weight under its
+        consumer name, as views of this receiver's buffers (overwritten by the next receive)."""
+        me = self.group.group_rank(self.rank)
+        header = ConsumerHeader(me, self.version, expect_version)
+        transfer = decide(self.collectives.all_gather_object(header, self.group.group))
+        dtypes = [wire_dtype(transfer.dtype or b.dtype) for b in transfer.manifest]
+        if [f.dtype for f in self.flats] != dtypes or (
+            self.transfer is not None and self.transfer.manifest != transfer.manifest
+        ):
+            self.flats = [torch.zeros(b.numel, dtype=d) for b, d in zip(transfer.manifest, dtypes)]
+        trainers = [self.group.group_rank(t) for t in self.group.trainers]
+        for index in transfer.send:
+            flat, pending = self.flats[index], []
+            for r, peer in enumerate(trainers):
+                lo, hi = send_range(flat.numel(), r, len(trainers))
+                pending.append(
+                    self.collectives.recv(flat[lo:hi], peer, self.group.group, tag=index)
+                )
+            _wait(
+                pending, self.group, f"receiving bucket {index} from trainers {trainers}", self.rank
+            )
+        self.transfer, self.version = transfer, transfer.version
+        return self.named()
+
+    def named(self) -> dict[str, Tensor]:
+        if self.transfer is None:
+            return {}
+        out: dict[str, Tensor] = {}
+        for flat, entry in zip(self.flats, self.transfer.manifest, strict=True):
+            for p in entry.params:
+                numel = int(torch.Size(p.shape).numel())
+                tensor = flat[p.offset : p.offset + numel].view(p.shape)
+                out.update(self.name_map(p.name, tensor) if self.name_map else [(p.name, tensor)])
+        return out
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _views_model(piece: Tensor, buf: _ParamAndGradBuffer, bucket: _ParamAndGradBucket) -> bool:
+    """`piece` is a view of the model's own param memory (no copy was made for it)."""
+    homes = [t for t in (bucket.param_data, bucket.param_shard) if t is not None]
+    ptr = piece.untyped_storage().data_ptr()
+    return any(ptr == t.untyped_storage().data_ptr() for t in homes)
+
+
+def _buffers(model: DistributedDataParallel) -> list[_ParamAndGradBuffer]:
+    """Every buffer, plan order: at ep_size 1 the expert buffers' dp group is the dp group."""
+    return list(model.engine.buffers)
+
+
+def _entry(
+    model: DistributedDataParallel, buf: _ParamAndGradBuffer, bucket: _ParamAndGradBucket
+) -> BucketEntry:
+    params = tuple(
+        ParamEntry(
+            model.engine.param_to_name[p],
+            tuple(p.shape),
+            buf.param_index_map[p].start - bucket.offset,
+        )
+        for p in bucket.params_list
+    )
+    return BucketEntry(bucket.numel, str(buf.param_dtype), params)
+
+
+def _pack(buf: _ParamAndGradBuffer, bucket: _ParamAndGradBucket) -> Tensor:
+    flat = torch.zeros(bucket.numel, dtype=buf.param_dtype, device=buf.device)
+    for p in bucket.params_list:
+        slot = buf.param_index_map[p]
+        flat[slot.start - bucket.offset : slot.end - bucket.offset].copy_(p.detach().view(-1))
+    return flat
+
+
+def _wait(pending: list[PendingCollective], group: PublishGroup, what: str, rank: int) -> None:
+    try:
+        for work in pending:
+            work.wait(group.timeout)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"megabuf: weight publish on rank {rank}: {what} did not finish within "
+            f"{group.timeout.total_seconds():.0f}s (a peer died or stopped publishing?): {e}"
+        ) from e

@@ -1,0 +1,133 @@
+"""Rank-side code of the export and publish tests (tests/test_weights_publish.py).
+
+Export cases (2 ranks): an engine trained with `overlap_param_gather` (its gathers in flight when
+the export starts) against a twin trained without; the export must equal the twin's params
+bitwise, not the pre-step values. Publish cases (3 ranks): ranks 0 and 1 train (dp group
+[0, 1]), rank 2 consumes; every rank returns what it saw so the test compares bitwise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from weights_cases import build, params_of, train_step
+
+from megabuf.collectives import Collectives
+from megabuf.process_groups import new_subgroup
+from megabuf.weights import Publisher, WeightReceiver, export_weights, publish_group
+
+_DP: dict[str, Any] = {}
+
+
+def _split_halves(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A name map: every weight matrix becomes two halves of rows (as a fused qkv splits)."""
+    if tensor.dim() != 2:
+        return [(f"consumer.{name}", tensor)]
+    top, bottom = tensor.chunk(2, dim=0)
+    return [(f"consumer.{name}.top", top), (f"consumer.{name}.bottom", bottom)]
+
+
+def export_case(strategy: str) -> dict[str, Any]:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model, opt = build(strategy, torch.float32, overlap=True)
+    twin, twin_opt = build(strategy, torch.float32, overlap=False)
+    for step in range(2):
+        before = params_of(twin)
+        train_step(twin, twin_opt, step, rank, size, torch.float32)
+        train_step(model, opt, step, rank, size, torch.float32)
+    in_flight = sum(g.param_state.name == "DISPATCHED" for g in model.engine.all_bucket_groups)
+    model.engine.memory_ledger.reset_peaks()
+    items = []
+    for item in export_weights(model, optimizer=opt, max_buckets=2):
+        items.append((item.version, item.index, [(n, t.clone()) for n, t in item.named]))
+    peak = model.engine.memory_ledger.peak("unsharded_params")
+    full = [
+        g.sharded_params.full_nbytes for g in model.engine.all_bucket_groups if g.sharded_params
+    ]
+    pairs = [a + b for a, b in itertools.pairwise(full)] or full
+    cast = [
+        (n, t.clone())
+        for item in export_weights(model, version=7, dtype=torch.bfloat16, name_map=_split_halves)
+        for n, t in item.named
+    ]
+    early = export_weights(model, version=9, max_buckets=2)
+    next(early)
+    early.close()  # a consumer that stops after one item: the prefetched group is released too
+    states = [
+        g.sharded_params.state.name for g in model.engine.all_bucket_groups if g.sharded_params
+    ]
+    return {
+        "states_after_close": states,
+        "items": items, "twin": params_of(twin), "before": before, "in_flight": in_flight,
+        "peak": peak, "formula_peak": max(pairs) if pairs else 0, "cast": cast,
+        "export_ledger_now": model.engine.memory_ledger.now("weight_export"),
+    }  # fmt: skip
+
+
+def _dp_group() -> Any:
+    if "dp" not in _DP:
+        _DP["dp"] = new_subgroup(None, [0, 1]) if dist.get_rank() < 2 else None
+    return _DP["dp"]
+
+
+class _DyingLink(Collectives):
+    """Trainer 1's link dies at its first send of the publish."""
+
+    def send(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConnectionError("trainer 1 died mid-publish (test)")
+
+
+def publish_case(strategy: str, dtype_name: str | None, late: bool) -> dict[str, Any]:
+    """Versions 1..3 to one consumer: full, then changed-only with nothing changed (no step),
+    then changed-only after a step in which the first layer did not move."""
+    rank = dist.get_rank()
+    group = publish_group([0, 1], [2], timeout_s=60)
+    dtype = getattr(torch, dtype_name) if dtype_name else None
+    out: dict[str, Any] = {"versions": [], "sent": []}
+    if rank == 2:
+        receiver = WeightReceiver(group, name_map=lambda n, t: [(f"inference.{n}", t)])
+        for v in (1, 2, 3):
+            if late and v == 1:
+                time.sleep(1.0)  # the trainers wait for the consumer in the header exchange
+            got = receiver.receive(expect_version=v)
+            out["versions"].append({k: t.clone() for k, t in got.items()})
+            out["sent"].append(receiver.transfer.send if receiver.transfer else None)
+        return out
+    model, opt = build(strategy, torch.float32, group=_dp_group(), frozen_first=True)
+    publisher = Publisher(model, group, track_changes=True)
+    train_step(model, opt, 0, rank, 2, torch.float32)
+    for v, step_first in ((1, False), (2, False), (3, True)):
+        if step_first:
+            train_step(model, opt, v, rank, 2, torch.float32)
+        transfer = publisher.publish(version=v, dtype=dtype, changed_only=v > 1)
+        out["versions"].append(params_of(model))
+        out["sent"].append(transfer.send)
+    out["buckets"] = len(publisher.buckets)
+    out["publish_peak"] = model.engine.memory_ledger.peak("weight_publish")
+    item = torch.finfo(dtype or torch.float32).bits // 8
+    copies = dtype is not None or strategy == "no_shard"  # else a view of this rank's shard
+    out["publish_peak_formula"] = (
+        max(b.numel // 2 for _, b in publisher.buckets) * item if copies else 0
+    )
+    return out
+
+
+def failure_case(kind: str) -> dict[str, Any]:
+    """kind: "version" (a consumer expects another version) or "death" (trainer 1's link dies
+    mid-publish): every rank raises, none hangs."""
+    rank = dist.get_rank()
+    group = publish_group([0, 1], [2], timeout_s=3)
+    try:
+        if rank == 2:
+            WeightReceiver(group).receive(expect_version=99 if kind == "version" else None)
+        else:
+            model, _ = build("optim", torch.float32, group=_dp_group())
+            links = _DyingLink() if kind == "death" and rank == 1 else None
+            Publisher(model, group, collectives=links).publish(version=1)
+    except (RuntimeError, ValueError, ConnectionError) as e:
+        return {"raised": f"{type(e).__name__}: {e}"}
+    return {"raised": None}

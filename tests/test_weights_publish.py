@@ -1,0 +1,152 @@
+"""Streamed export and publishing of weights ([Note: streamed export], [Note: publish
+protocol]): pure tests of the publish decision, and real gloo ranks (publish_cases.py)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from dist_pool import case_result, run_each
+from publish_cases import export_case, failure_case, publish_case
+
+from megabuf.weights.transfer import (
+    BucketEntry,
+    ConsumerHeader,
+    ParamEntry,
+    TrainerHeader,
+    decide,
+    send_range,
+)
+
+EXPORT = {s: (export_case, s) for s in ("optim", "optim_grads", "optim_grads_params")}
+PUBLISH = {
+    "no_shard": (publish_case, "no_shard", None, False),
+    "optim-late": (publish_case, "optim", None, True),
+    "optim_grads_params-bf16": (publish_case, "optim_grads_params", "bfloat16", False),
+}
+FAILURES = {k: (failure_case, k) for k in ("version", "death")}
+
+
+@pytest.fixture(scope="module")
+def exported(pools: Any) -> list[dict[str, Any]]:
+    return pools(2).run(run_each, dict(EXPORT))
+
+
+@pytest.fixture(scope="module")
+def published(pools: Any) -> list[dict[str, Any]]:
+    return pools(3).run(run_each, {**PUBLISH, **FAILURES})
+
+
+@pytest.mark.parametrize("name", list(EXPORT))
+def test_export_after_overlapped_step_is_the_fresh_params(exported: Any, name: str) -> None:
+    """Gathers were in flight when the export started (optim, optim_grads): it waited; the
+    export equals the twin trained without overlap bitwise and differs from the pre-step
+    params (a stale publish would equal those)."""
+    for out in case_result(exported, name):
+        if name != "optim_grads_params":
+            assert out["in_flight"] > 0
+        got = {n: t for _, _, named in out["items"] for n, t in named}
+        assert got.keys() == out["twin"].keys()
+        for key, ref in out["twin"].items():
+            assert torch.equal(got[key], ref), key
+        assert any(not torch.equal(got[k], out["before"][k]) for k in got)
+        assert [v for v, _, _ in out["items"]] == [2] * len(out["items"])  # applied updates
+        assert [i for _, i, _ in out["items"]] == list(range(len(out["items"])))
+        assert out["peak"] == out["formula_peak"]  # ZeRO-3: at most 2 groups gathered
+        assert out["export_ledger_now"] == 0
+        assert set(out["states_after_close"]) <= {"SHARDED"}
+
+
+@pytest.mark.parametrize("name", list(EXPORT))
+def test_export_cast_and_name_map(exported: Any, name: str) -> None:
+    for out in case_result(exported, name):
+        cast = dict(out["cast"])
+        for key, ref in out["twin"].items():
+            if ref.dim() == 2:
+                top, bottom = ref.to(torch.bfloat16).chunk(2, dim=0)
+                assert torch.equal(cast[f"consumer.{key}.top"], top)
+                assert torch.equal(cast[f"consumer.{key}.bottom"], bottom)
+            else:
+                assert torch.equal(cast[f"consumer.{key}"], ref.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", list(PUBLISH))
+def test_consumer_receives_every_version_bitwise(published: Any, name: str) -> None:
+    """Versions 1 (all buckets), 2 (changed-only, nothing changed: nothing sent), 3
+    (changed-only after a step that left the first layer alone: only the others sent)."""
+    trainer0, trainer1, consumer = case_result(published, name)
+    dtype = torch.bfloat16 if "bf16" in name else None
+    for v in range(3):
+        ref = trainer0["versions"][v]
+        assert all(torch.equal(ref[k], trainer1["versions"][v][k]) for k in ref)
+        got = consumer["versions"][v]
+        assert got.keys() == {f"inference.{k}" for k in ref}
+        for key, tensor in ref.items():
+            want = tensor.to(dtype) if dtype is not None else tensor
+            assert torch.equal(got[f"inference.{key}"], want), (v, key)
+    every = tuple(range(trainer0["buckets"]))
+    assert trainer0["sent"][0] == every and consumer["sent"][0] == every
+    assert trainer0["sent"][1] == ()
+    assert () < trainer0["sent"][2] < every  # some buckets (the first layer's) did not change
+    assert consumer["sent"] == trainer0["sent"] == trainer1["sent"]
+    for trainer in (trainer0, trainer1):  # at most one slice copy held: the largest
+        assert trainer["publish_peak"] == trainer["publish_peak_formula"]
+
+
+def test_version_mismatch_raises_on_every_rank(published: Any) -> None:
+    for out in case_result(published, "version"):
+        assert "consumer rank 2 expects version 99" in out["raised"]
+
+
+def test_trainer_death_mid_publish_raises_within_the_timeout(published: Any) -> None:
+    trainer0, trainer1, consumer = case_result(published, "death")
+    assert "trainer 1 died" in trainer1["raised"]
+    assert "did not finish within 3s" in consumer["raised"]
+    assert trainer0["raised"] is None or "did not finish within 3s" in trainer0["raised"]
+
+
+def _manifest(n: int) -> tuple[BucketEntry, ...]:
+    return tuple(BucketEntry(8, "torch.float32", (ParamEntry(f"p{i}", (8,), 0),)) for i in range(n))
+
+
+def _trainer(dp: int, version: int = 2, previous: int | None = 1, **kw: Any) -> TrainerHeader:
+    fields: dict[str, Any] = {"changed": (True, False, False), "changed_only": True}
+    fields |= kw
+    manifest = _manifest(3) if dp == 0 else None
+    return TrainerHeader(dp, version, previous, fields["changed"], manifest, "torch.float32",
+                         fields["changed_only"])  # fmt: skip
+
+
+def test_decide_sends_the_union_of_changed_slices_to_up_to_date_consumers() -> None:
+    t0, t1 = _trainer(0), _trainer(1, changed=(False, False, True))
+    assert decide([t0, t1, ConsumerHeader(2, 1, None)]).send == (0, 2)
+    assert decide([t1, ConsumerHeader(2, None, None), t0]).send == (0, 1, 2)  # a new consumer
+    assert decide([t0, t1, ConsumerHeader(2, 0, None)]).send == (0, 1, 2)  # a lagging one
+    plain = [_trainer(0, changed_only=False), _trainer(1, changed_only=False)]
+    assert decide([*plain, ConsumerHeader(2, 1, None)]).send == (0, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("headers", "message"),
+    [
+        ([_trainer(0), _trainer(1, version=3)], "disagree on the version"),
+        ([_trainer(0, version=1), _trainer(1, version=1)], "versions must increase"),
+        ([_trainer(0), _trainer(1, changed_only=False)], "disagree on changed_only"),
+        ([_trainer(0), _trainer(1), ConsumerHeader(2, 1, 5)], "consumer rank 2 expects version 5"),
+        ([_trainer(1)], "trainer dp ranks 0..n-1"),
+    ],
+)
+def test_decide_refuses_by_name(headers: list[Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        decide(headers)
+
+
+def test_send_ranges_tile_the_bucket_and_match_shards() -> None:
+    for numel in (1, 7, 64):
+        for size in (1, 2, 3):
+            ranges = [send_range(numel, r, size) for r in range(size)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    assert send_range(64, 1, 2) == (32, 64)  # a padded bucket: the dp shard
