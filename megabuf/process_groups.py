@@ -17,6 +17,7 @@ expt_dp [0,2] [1,3] [4,6] [5,7]; pp [0,4] [1,5] [2,6] [3,7].
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
