@@ -46,6 +46,8 @@ def build(case: dict[str, Any]) -> tuple[megabuf.DistributedDataParallel, Any]:
         net.to(torch.bfloat16)
     if case.get("frozen"):
         net.block.bias.requires_grad_(False)
+    if case.get("expert"):  # ep = 1: expert buffers over expt_dp == dp, split the same way
+        megabuf.mark_expert_parallel(net.tail.parameters())
     split = case["split"]
     replicas = int(split[7:]) if split.startswith("config:") else 1
     cfg = megabuf.DistributedDataParallelConfig(

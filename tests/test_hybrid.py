@@ -83,6 +83,9 @@ def _cases() -> dict[str, tuple[Any, ...]]:
         {"split": "2x2", "strategy": "optim_grads", "micro_by_rank": [1, 1, 2, 2],
          "accumulation": "reduce_each_microbatch"},
     )  # fmt: skip
+    cases["optim_grads-2x2-expert"] = (
+        hybrid_case, {"split": "2x2", "strategy": "optim_grads", "expert": True, "micro": 2},
+    )  # fmt: skip
     cases["misuse"] = (misuse_errors,)
     return cases
 
@@ -243,3 +246,10 @@ def test_shard_groups_with_different_micro_batch_counts(sweep: list[dict[str, An
     groups; no hang, one all-reduce per bucket per step, the reference's result (each rank's
     loss is divided by its own count: its grad is its slice's mean either way)."""
     _check_trained(_result(sweep, "optim_grads-2x2-asymmetric"), (2, 2))
+
+
+def test_expert_buffers_follow_the_same_split(sweep: list[dict[str, Any]]) -> None:
+    """ep_size 1: the expert buffers reduce over expt_dp == dp, so they split as the dense ones
+    (their own bucket groups, one replicate all-reduce per bucket per step); ep_size > 1 is
+    refused by name (test_named_errors)."""
+    _check_trained(_result(sweep, "optim_grads-2x2-expert"), (2, 2))
