@@ -50,13 +50,13 @@ def build(case: dict[str, Any]) -> tuple[megabuf.DistributedDataParallel, Any]:
         megabuf.mark_expert_parallel(net.tail.parameters())
     split = case["split"]
     replicas = int(split[7:]) if split.startswith("config:") else 1
-    cfg = megabuf.DistributedDataParallelConfig(
-        data_parallel_sharding_strategy=case["strategy"], overlap_grad_reduce=True,
-        overlap_param_gather=case.get("overlap_param_gather", False), bucket_size=40,
-        num_distributed_optimizer_instances=replicas,
-        sharded_grad_accumulation=case.get("accumulation", "accumulate_unsharded"),
+    fields = {
+        "data_parallel_sharding_strategy": case["strategy"], "overlap_grad_reduce": True,
+        "bucket_size": 40, "num_distributed_optimizer_instances": replicas,
+        "sharded_grad_accumulation": case.get("accumulation", "accumulate_unsharded"),
         **case.get("ddp", {}),
-    )  # fmt: skip
+    }  # fmt: skip
+    cfg = megabuf.DistributedDataParallelConfig(**fields)
     model = megabuf.DistributedDataParallel(net, cfg, process_groups=groups(split))
     opt = megabuf.DistributedOptimizer(
         model, torch.optim.AdamW, param_groups(model.module, 1e-2), lr=1e-2

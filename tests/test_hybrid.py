@@ -86,6 +86,14 @@ def _cases() -> dict[str, tuple[Any, ...]]:
     cases["optim_grads-2x2-expert"] = (
         hybrid_case, {"split": "2x2", "strategy": "optim_grads", "expert": True, "micro": 2},
     )  # fmt: skip
+    cases["optim-2x2-no-overlap"] = (
+        hybrid_case, {"split": "2x2", "strategy": "optim", "micro": 2,
+                      "ddp": {"overlap_grad_reduce": False}},
+    )  # fmt: skip
+    cases["optim_grads-2x2-param-overlap"] = (
+        hybrid_case, {"split": "2x2", "strategy": "optim_grads",
+                      "ddp": {"overlap_param_gather": True}},
+    )  # fmt: skip
     cases["misuse"] = (misuse_errors,)
     return cases
 
@@ -253,3 +261,10 @@ def test_expert_buffers_follow_the_same_split(sweep: list[dict[str, Any]]) -> No
     (their own bucket groups, one replicate all-reduce per bucket per step); ep_size > 1 is
     refused by name (test_named_errors)."""
     _check_trained(_result(sweep, "optim_grads-2x2-expert"), (2, 2))
+
+
+def test_overlap_flags_under_hybrid(sweep: list[dict[str, Any]]) -> None:
+    """Without overlap_grad_reduce both levels run at the end of backward; with
+    overlap_param_gather the shard-group gathers after the step overlap the next forward."""
+    _check_trained(_result(sweep, "optim-2x2-no-overlap"), (2, 2))
+    _check_trained(_result(sweep, "optim_grads-2x2-param-overlap"), (2, 2))
