@@ -268,3 +268,20 @@ def test_overlap_flags_under_hybrid(sweep: list[dict[str, Any]]) -> None:
     overlap_param_gather the shard-group gathers after the step overlap the next forward."""
     _check_trained(_result(sweep, "optim-2x2-no-overlap"), (2, 2))
     _check_trained(_result(sweep, "optim_grads-2x2-param-overlap"), (2, 2))
+
+
+def test_pipeline_with_a_hybrid_split_per_stage(pools: Any) -> None:
+    """pp 2 x dp 2 on 4 ranks, each stage's dp split as 2 replicas x 1 (the only split dp 2 has
+    besides flat: the reduce-scatter over one rank, the all-reduce over the stage's two): 1F1B
+    with the distributed optimizer against the single-process GPT (test_pipeline's harness)."""
+    from pipeline_cases import pipeline_case
+
+    config = {"use_distributed_optimizer": True, "bucket_size": 200, "overlap_grad_reduce": True,
+              "overlap_param_gather": True, "num_distributed_optimizer_instances": 2}  # fmt: skip
+    ranks = pools(4).run(pipeline_case, {"pp": 2, "config": config})
+    for rank, res in enumerate(ranks):
+        worst = max(res["errors"].values())
+        assert worst <= 1e-6, (rank, res["errors"])
+    assert all(
+        abs(a - b) <= 1e-5 * abs(b) for r in ranks for a, b in zip(r["norms"], r["ref_norms"])
+    )
