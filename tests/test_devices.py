@@ -48,6 +48,10 @@ FACTORY_ALLOWLIST = {
 
 # CPU devices named in code (`torch.device("cpu")`, a "cpu" string) -> why.
 CPU_ALLOWLIST = {
+    ("weights/stash.py", "release"): "offload's host copies: the host is the point (pinned on "
+    "CUDA)",
+    ("weights/publish.py", "receive"): "the consumer's landing buffers for the gloo publish "
+    "group (weights travel through host memory)",
     ("devices.py", "comm_device"): "the one fallback: gloo or no process group",
     ("optimizer/grad_scaler.py", "__init__"): "default of a scaler built standalone; "
     "build_optimizer passes the params' device and step() moves inv_scale to it",

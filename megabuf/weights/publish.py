@@ -198,7 +198,10 @@ class WeightReceiver:
         if [f.dtype for f in self.flats] != dtypes or (
             self.transfer is not None and self.transfer.manifest != transfer.manifest
         ):
-            self.flats = [torch.zeros(b.numel, dtype=d) for b, d in zip(transfer.manifest, dtypes)]
+            self.flats = [
+                torch.zeros(b.numel, dtype=d, device="cpu")
+                for b, d in zip(transfer.manifest, dtypes)
+            ]
         trainers = [self.group.group_rank(t) for t in self.group.trainers]
         for index in transfer.send:
             flat, pending = self.flats[index], []

@@ -69,7 +69,7 @@ class StorageStash:
         with torch.no_grad():
             for e in self.entries:
                 if e.keep:
-                    e.host = torch.empty(e.nbytes, dtype=torch.uint8, pin_memory=pin)
+                    e.host = torch.empty(e.nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
                     e.host.untyped_storage().copy_(e.storage)
             if pin:
                 torch.cuda.synchronize(self.device)
