@@ -8,6 +8,7 @@ The top level holds what a training script calls; internals stay importable from
 from megabuf.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.ddp import DistributedDataParallel
+from megabuf.distributed_init import init_distributed
 from megabuf.finalize import finalize_model_grads
 from megabuf.optimizer import (
     DistributedOptimizer,
@@ -18,7 +19,7 @@ from megabuf.optimizer import (
     build_optimizer,
 )
 from megabuf.pipeline import default_schedule_hooks, get_forward_backward_func, wrap_model_chunks
-from megabuf.process_groups import ProcessGroups, init_distributed
+from megabuf.process_groups import ProcessGroups
 from megabuf.replicas import mark_expert_parallel
 from megabuf.reproducible import verify_reproducible
 

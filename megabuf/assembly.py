@@ -69,7 +69,8 @@ def scaling_factors(
     """(dense, expert) gradient scaling factors. Every grad ends up averaged over the dense dp
     group: expert grads already hold the contributions of the ep ranks (token all-to-all), so
     they too are scaled by 1/dp_size and summed over expt_dp (dp_size = ep_size *
-    expt_dp_size)."""
+    expt_dp_size). Under a hybrid split the two levels together sum over all of dp, so the
+    factors are the flat ones ([Note: hybrid rank order])."""
     dp_size = pgs.dp_size
     if config.average_in_collective:
         return 1.0, pgs.topology.expt_dp_size / dp_size
@@ -82,9 +83,9 @@ def _make_buffers(ctx: _Context, params: Sequence[nn.Parameter]) -> list[_ParamA
         _ParamAndGradBuffer(
             ctx.config, planned.param_dtype, planned.grad_dtype,
             [params[i] for i in planned.param_ids],
-            ctx.pgs.expt_dp if planned.expert else ctx.pgs.dp, planned.layout, ctx.param_to_name,
+            ctx.pgs.shard_group(planned.expert), planned.layout, ctx.param_to_name,
             expert_scale if planned.expert else dense_scale, dp_size=planned.dp_size,
-            dp_rank=ctx.pgs.topology.data_parallel(planned.expert)[0],
+            dp_rank=ctx.pgs.topology.sharding(planned.expert)[0],
         )
         for planned in ctx.plan.buffers
     ]  # fmt: skip
@@ -97,10 +98,10 @@ def _make_group(
     chain: DispatchChain[BucketGroup],
 ) -> BucketGroup:
     pgs = ctx.pgs
-    dp_rank, dp_size = pgs.topology.data_parallel(planned.expert)
+    dp_rank, dp_size = pgs.topology.sharding(planned.expert)
     return BucketGroup(
         [buffers[b].buckets[k] for b, k in planned.members], ctx.config,
-        pgs.expt_dp if planned.expert else pgs.dp, ctx.collectives,
+        pgs.shard_group(planned.expert), ctx.collectives, replicate_group=pgs.replicate_group(),
         group_id=planned.group_id, dp_rank=dp_rank, dp_size=dp_size, rank=pgs.topology.rank,
         param_to_name=ctx.param_to_name, chain=chain,
         sharded_params=_sharded_params(ctx, buffers, planned),
@@ -114,7 +115,7 @@ def _sharded_grads(
     """optim_grads*: the group's grad storages ([Note: sharded grad lifecycle])."""
     if not ctx.config.sharding.shards_grads:
         return None
-    dp_rank, dp_size = ctx.pgs.topology.data_parallel(planned.expert)
+    dp_rank, dp_size = ctx.pgs.topology.sharding(planned.expert)
     members = [(buffers[b], k) for b, k in planned.members]
     full = [buf.buckets[k].grad_data for buf, k in members]
     shards = [s for buf, k in members if (s := buf.buckets[k].grad_shard) is not None]
@@ -133,12 +134,12 @@ def _sharded_params(
     lifecycle] in megabuf/sharding/params.py)."""
     if not ctx.config.sharding.shards_params:
         return None
-    dp_rank, dp_size = ctx.pgs.topology.data_parallel(planned.expert)
+    dp_rank, dp_size = ctx.pgs.topology.sharding(planned.expert)
     buckets = [buffers[b].buckets[k] for b, k in planned.members]
     return ShardedParams(
         [b.param_data for b in buckets if b.param_data is not None],
         [b.param_shard for b in buckets if b.param_shard is not None],
-        ctx.collectives, ctx.pgs.expt_dp if planned.expert else ctx.pgs.dp, ctx.ledger,
+        ctx.collectives, ctx.pgs.shard_group(planned.expert), ctx.ledger,
         group_id=planned.group_id, unit_name=ctx.unit_names[unit_of(planned)],
         rank=ctx.pgs.topology.rank, poison=ctx.config.verify_param_access,
         dp_rank=dp_rank, dp_size=dp_size,

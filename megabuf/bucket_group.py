@@ -31,13 +31,15 @@ from megabuf.dispatch import (  # re-exported: users import them from here
     ParamSyncState,
     SyncWork,
 )
-from megabuf.grad_math import NonfiniteFlags, by_dtype, completed, foreach_scale
+from megabuf.grad_math import NonfiniteFlags, by_dtype, foreach_scale
 from megabuf.sharding.grads import GradBucketState, ShardedGrads
 from megabuf.sharding.params import ShardedParams
+from megabuf.sharding.replicate import ReplicaStage
 from megabuf.timeline import Timeline  # re-exported: ddp.py and users import it from here
+from megabuf.two_level import TwoLevelReduction
 
 
-class BucketGroup:
+class BucketGroup(TwoLevelReduction):
     """Buckets (possibly of several buffers) reduced together over one group.
 
     Built whole: ranks and sizes (`dp_rank`/`dp_size` in `collective_group`, the global `rank`
@@ -60,6 +62,7 @@ class BucketGroup:
         chain: DispatchChain[BucketGroup] | None = None,
         sharded_params: ShardedParams | None = None,
         sharded_grads: ShardedGrads | None = None,
+        replicate_group: ProcessGroup | None = None,
     ) -> None:
         self.buckets = list(buckets)
         self.ddp_config = ddp_config
@@ -75,6 +78,13 @@ class BucketGroup:
         self.sharded_params = sharded_params
         # optim_grads*: the buckets' grad storages ([Note: sharded grad lifecycle]); else None
         self.sharded_grads = sharded_grads
+        # hybrid: the all-reduce of the reduced shards across replicas ([Note: two-level
+        # reduction]); flat: a stage that never arms
+        self.replicas = ReplicaStage(
+            replicate_group, collectives, average=ddp_config.average_in_collective,
+            group_id=group_id, rank=rank,
+        )  # fmt: skip
+        self.is_final_microbatch = True  # this backward ends the step (set by the grad sync)
         self.params_list = [p for b in self.buckets for p in b.params_list]
         self.params = set(self.params_list)
         self._index = {p: i for i, p in enumerate(self.params_list)}
@@ -127,6 +137,7 @@ class BucketGroup:
 
     def set_comm_hook(self, hook: object, buckets: Sequence[GradBucket]) -> None:
         """Reduce with `hook` from now on, one call per bucket ([Note: comm hook contract])."""
+        self.refuse_hook_if_hybrid()
         if len(buckets) != len(self.buckets):
             raise ValueError(
                 f"megabuf: bucket group {self.group_id} has {len(self.buckets)} buckets, "
@@ -150,6 +161,7 @@ class BucketGroup:
             )
         if self.sharded_grads is not None:
             self.sharded_grads.zero()
+        self.replicas.new_step()
         self._clear_iteration()
 
     def next_microbatch(self) -> None:
@@ -302,6 +314,7 @@ class BucketGroup:
         if self.ddp_config.check_for_nan_in_grad:
             self.nonfinite.record(self.buckets[0].grad_data.device)
         self._grad_work = SyncWork(self._reduce(self.ddp_config.overlap_grad_reduce))
+        self.replicas.arm(self.is_final_microbatch)
         self.grad_state = GradSyncState.DISPATCHED
         if self.timeline is not None:
             self.timeline.record(self.group_id, "dispatch")
@@ -352,38 +365,18 @@ class BucketGroup:
         return [HookWork(self.comm_hook, bucket, timeout) for bucket in self.hook_buckets]
 
     def finish_grad_sync(self) -> None:
-        """Wait for the reduction; if nobody dispatched it yet, dispatch it first."""
-        if self.grad_state is GradSyncState.SYNCED:
+        """Wait for the reduction; if nobody dispatched it yet, dispatch it first. Under hybrid
+        a group SYNCED as a non-final micro-batch may still owe its replicate all-reduce."""
+        if self.grad_state is GradSyncState.SYNCED and not self.replicas.owed:
             return
         if self.grad_state is GradSyncState.IDLE:
             self.start_grad_sync()
-        if self._grad_work is None:
-            raise RuntimeError(f"megabuf: bucket group {self.group_id} has no grad sync work")
-        self._grad_work.wait()
-        self._grad_work = None
-        if self.sharded_grads is not None:
-            self.sharded_grads.finish()  # into the grad shards; the buckets are released
-            self._unwritten[:] = self._all_unwritten  # their contents are gone
+        self._issue_owed_replicas()
+        self._finish_first_level()
+        self.replicas.wait()
         self.grad_state = GradSyncState.SYNCED
         if self.timeline is not None:
             self.timeline.record(self.group_id, "finish")
-
-    def grad_sync_completed(self) -> bool:
-        """The dispatched reduction has landed (finish_grad_sync would not wait); False when
-        unknown (a comm hook's work)."""
-        work = self._grad_work
-        return work is not None and all(completed(w) for w in work.pending)
-
-    def abandon_grad_sync(self) -> None:
-        """After an exception mid-iteration: wait out an in-flight reduction (its result is
-        dropped) and return to IDLE with nothing written."""
-        if self._grad_work is not None:
-            self._grad_work.wait()
-            self._grad_work = None
-        if self.sharded_grads is not None:
-            self.sharded_grads.abandon()
-        self.grad_state = GradSyncState.IDLE
-        self._clear_iteration()
 
     # ---- param sync (distributed optimizer) -------------------------------------------------
     def mark_params_stale(self) -> None:
@@ -435,6 +428,9 @@ class BucketGroup:
             nxt.start_param_sync()
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _full_grads(self) -> list[Tensor]:
+        return [b.grad_data for b in self.buckets]
+
     def local_shard(self, data: torch.Tensor) -> torch.Tensor:
         shard_numel = data.numel() // self.dp_size
         return data[self.dp_rank * shard_numel : (self.dp_rank + 1) * shard_numel]

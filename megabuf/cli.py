@@ -58,6 +58,9 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    "--set shard_units=Block,lm_head (comma-separated)")  # fmt: skip
     p.add_argument("--dp-size", type=int, default=2, help="data-parallel size (default 2)")
     p.add_argument("--ep-size", type=int, default=1, help="expert-parallel size (default 1)")
+    p.add_argument("--dp-shard-size", type=int, default=None,
+                   help="hybrid sharding: ranks per shard group (dp = replicas x this); or "
+                   "--set num_distributed_optimizer_instances=R")  # fmt: skip
     p.add_argument("--disable-bucketing", action="store_true")
     p.add_argument("--params", action="store_true", help="list every param of every bucket")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -70,7 +73,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     info = inspect_model(
         model, config, args.dp_size, model_name=args.model, ep_size=args.ep_size,
-        disable_bucketing=args.disable_bucketing,
+        disable_bucketing=args.disable_bucketing, dp_shard_size=args.dp_shard_size,
     )  # fmt: skip
     if args.json:
         print(json.dumps(inspection_to_dict(info), indent=1))

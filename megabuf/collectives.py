@@ -53,6 +53,29 @@ class Collectives:
     ) -> None:
         self.strategies = dict(STRATEGIES if strategies is None else strategies)
         self.stats = CommStats()
+        # [Note: wire accounting by group]: the same counts, per named process group
+        self.group_stats: dict[str, CommStats] = {}
+        self._group_names: dict[int, tuple[str, Group]] = {}
+
+    def name_groups(self, groups: Mapping[str, Group]) -> None:
+        """Count from now on what each of `groups` is handed in `group_stats[name]`; a group
+        under two names keeps the first. Unnamed groups count under "other", the default group
+        (None) under "world"."""
+        for name, group in groups.items():
+            if group is not None and id(group) not in self._group_names:
+                self._group_names[id(group)] = (name, group)  # the group kept: ids stay unique
+
+    def stats_of(self, group: Group) -> CommStats:
+        """The counts of `group` (by its name; "other" when unnamed)."""
+        named = self._group_names.get(id(group))
+        name = named[0] if named is not None else "world" if group is None else "other"
+        if name not in self.group_stats:
+            self.group_stats[name] = CommStats()
+        return self.group_stats[name]
+
+    def _record(self, group: Group, op: str, **nbytes: int) -> None:
+        self.stats.record(op, **nbytes)
+        self.stats_of(group).record(op, **nbytes)
 
     def strategy(self, group: Group, device: torch.device | str) -> CollectiveStrategy:
         """How `group` moves tensors on `device` (the tensor's device, or its type)."""
@@ -94,7 +117,7 @@ class Collectives:
     ) -> PendingCollective:
         """Sum (or average) `tensor` in place across `group`."""
         size = dist.get_world_size(group)
-        self._record_all_reduce(tensor, size)
+        self._record_all_reduce(tensor, size, group)
         has_avg = self.strategy(group, tensor.device).has_avg
         op, divide = self._avg_plan(tensor, size, average, has_avg)
         with torch.profiler.record_function("megabuf::all_reduce"):
@@ -129,24 +152,28 @@ class Collectives:
             if strategy.reduce_scatter == "all_to_all":
                 if scratch is None:
                     scratch = torch.empty_like(input)
-                self._record_reduce_scatter(input, scratch, ring)
+                self._record_reduce_scatter(input, scratch, ring, group)
                 _, divide = self._avg_plan(input, size, average, native_avg=False)  # local sum
                 work = dist.all_to_all_single(scratch, input, group=group, async_op=async_op)
                 return self._pending("reduce_scatter", work, output, scratch, divide, scale)
-            self._record_reduce_scatter(input, output, ring)
+            self._record_reduce_scatter(input, output, ring, group)
             op, divide = self._avg_plan(input, size, average, strategy.has_avg)
             work = dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
         return self._pending("reduce_scatter", work, output, None, divide, scale)
 
-    def _record_all_reduce(self, tensor: Tensor, size: int) -> None:
+    def _record_all_reduce(self, tensor: Tensor, size: int, group: Group) -> None:
         nbytes = _nbytes(tensor)  # in place: handed over as input and written as output
-        self.stats.record(
+        self._record(
+            group,
             "all_reduce", input_nbytes=nbytes, output_nbytes=nbytes,
             ring_nbytes=2 * (size - 1) * nbytes // size,
         )  # fmt: skip
 
-    def _record_reduce_scatter(self, input: Tensor, landing: Tensor, ring_nbytes: int) -> None:
-        self.stats.record(
+    def _record_reduce_scatter(
+        self, input: Tensor, landing: Tensor, ring_nbytes: int, group: Group
+    ) -> None:
+        self._record(
+            group,
             "reduce_scatter", input_nbytes=_nbytes(input), output_nbytes=_nbytes(landing),
             ring_nbytes=ring_nbytes,
         )  # fmt: skip
@@ -164,7 +191,7 @@ class Collectives:
         ring = (size - 1) * _nbytes(input)
         with torch.profiler.record_function("megabuf::all_gather"):
             if self.strategy(group, input.device).all_gather != "p2p":
-                self.stats.record(
+                self._record(group,
                     "all_gather", input_nbytes=_nbytes(input), output_nbytes=_nbytes(output),
                     ring_nbytes=ring,
                 )  # fmt: skip
@@ -190,7 +217,9 @@ class Collectives:
                     ops.append(dist.P2POp(dist.isend, input, peer_global, group, tag))
                     ops.append(dist.P2POp(dist.irecv, chunks[peer], peer_global, group, tag))
                     sent, received = sent + _nbytes(input), received + _nbytes(chunks[peer])
-        self.stats.record("all_gather", input_nbytes=sent, output_nbytes=received, ring_nbytes=ring)
+        self._record(
+            group, "all_gather", input_nbytes=sent, output_nbytes=received, ring_nbytes=ring
+        )
         with torch.profiler.record_function("megabuf::all_gather"):
             handles = dist.batch_isend_irecv(ops) if ops else []
         pending = PendingCollective("all_gather", list(handles))
@@ -280,6 +309,7 @@ class Collectives:
         for pending in pendings:
             pending.handles = [batch]
         self.stats.calls[op] -= len(pendings) - 1
+        self.stats_of(group).calls[op] -= len(pendings) - 1
         if not async_op:
             for pending in pendings:
                 pending.wait()
@@ -290,9 +320,11 @@ class Collectives:
         src = dist.get_global_rank(group, src_group_rank) if group else src_group_rank
         nbytes = _nbytes(tensor)
         if dist.get_rank() == src:
-            self.stats.record("broadcast", input_nbytes=nbytes, output_nbytes=0, ring_nbytes=nbytes)
+            self._record(
+                group, "broadcast", input_nbytes=nbytes, output_nbytes=0, ring_nbytes=nbytes
+            )
         else:
-            self.stats.record("broadcast", input_nbytes=0, output_nbytes=nbytes, ring_nbytes=0)
+            self._record(group, "broadcast", input_nbytes=0, output_nbytes=nbytes, ring_nbytes=0)
         with torch.profiler.record_function("megabuf::broadcast"):
             dist.broadcast(tensor, src=src, group=group)
 
@@ -319,7 +351,7 @@ class Collectives:
                 )
         row_nbytes = _nbytes(input) // max(1, input.shape[0]) if input.dim() else 0
         kept = input_split_sizes[rank] if input_split_sizes is not None else input.shape[0] // size
-        self.stats.record(
+        self._record(group,
             "all_to_all", input_nbytes=_nbytes(input), output_nbytes=_nbytes(output),
             ring_nbytes=(input.shape[0] - kept) * row_nbytes,
         )  # fmt: skip
@@ -337,7 +369,7 @@ class Collectives:
         returned record owns `tensor` until `wait()`: do not modify it before then."""
         dst = dist.get_global_rank(group, dst_group_rank) if group else dst_group_rank
         nbytes = _nbytes(tensor)
-        self.stats.record("send", input_nbytes=nbytes, output_nbytes=0, ring_nbytes=nbytes)
+        self._record(group, "send", input_nbytes=nbytes, output_nbytes=0, ring_nbytes=nbytes)
         with torch.profiler.record_function("megabuf::send"):
             work = dist.isend(tensor, dst=dst, group=group, tag=tag)
         # `output` keeps the sent tensor alive until wait(); nothing is written into it.
@@ -348,7 +380,7 @@ class Collectives:
     ) -> PendingCollective:
         """Asynchronous point-to-point receive into `tensor` from group rank `src_group_rank`."""
         src = dist.get_global_rank(group, src_group_rank) if group else src_group_rank
-        self.stats.record("recv", input_nbytes=0, output_nbytes=_nbytes(tensor), ring_nbytes=0)
+        self._record(group, "recv", input_nbytes=0, output_nbytes=_nbytes(tensor), ring_nbytes=0)
         with torch.profiler.record_function("megabuf::recv"):
             work = dist.irecv(tensor, src=src, group=group, tag=tag)
         return PendingCollective("recv", [work] if work is not None else [], output=tensor)
@@ -369,19 +401,21 @@ class Collectives:
                 sent += _nbytes(m.tensor)
             else:
                 received += _nbytes(m.tensor)
-        self.stats.record("batch_p2p", input_nbytes=sent, output_nbytes=received, ring_nbytes=sent)
+        self._record(
+            group, "batch_p2p", input_nbytes=sent, output_nbytes=received, ring_nbytes=sent
+        )
         with torch.profiler.record_function("megabuf::batch_p2p"):
             handles = dist.batch_isend_irecv(ops) if ops else []
         return PendingCollective("batch_p2p", list(handles))
 
     def all_reduce_max(self, tensor: Tensor, group: Group) -> None:
         """Synchronous elementwise max across the group (e.g. found-inf flags)."""
-        self._record_all_reduce(tensor, dist.get_world_size(group))
+        self._record_all_reduce(tensor, dist.get_world_size(group), group)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
     def barrier(self, group: Group) -> None:
         """Synchronous: return once every rank of the group has called it (checkpoint I/O)."""
-        self.stats.record("barrier", input_nbytes=0, output_nbytes=0, ring_nbytes=0)
+        self._record(group, "barrier", input_nbytes=0, output_nbytes=0, ring_nbytes=0)
         with torch.profiler.record_function("megabuf::barrier"):
             dist.barrier(group=group)
 
@@ -389,7 +423,7 @@ class Collectives:
         """Every rank's `obj`, in group-rank order (pickled; for set-up checks, not hot paths)."""
         # torch pickles `obj` itself; its pickle is the closest count of what is handed over
         size, nbytes = dist.get_world_size(group), len(pickle.dumps(obj))
-        self.stats.record(
+        self._record(group,
             "all_gather_object", input_nbytes=nbytes, output_nbytes=0,
             ring_nbytes=(size - 1) * nbytes,
         )  # fmt: skip

@@ -205,7 +205,13 @@ class DistributedDataParallelConfig:
     no AVG op: megabuf sums and divides after the collective, with the same result.)"""
 
     num_distributed_optimizer_instances: int = 1
-    """Reserved for Megatron compatibility; only 1 is supported."""
+    """Megatron's R: hybrid sharding as R replicas of a dp/R-way sharded strategy ([Note: hybrid
+    rank order] in megabuf/hybrid.py): grads reduce-scattered inside each dp/R-rank shard group
+    and the shards all-reduced across the R replicas, params gathered inside the shard group,
+    optimizer state sharded dp/R ways. Needs a strategy that shards the optimizer ("optim",
+    "optim_grads", "optim_grads_params") and R dividing dp. 1 (the default) is flat, unless the
+    process groups were built split (`ProcessGroups.build(dp_shard_size=...)`,
+    `ProcessGroups.from_device_mesh`), whose split then counts."""
 
     comm_hook: dict[str, Any] | None = None
     """A built-in communication hook registered at construction instead of the engine's own
@@ -256,10 +262,18 @@ class DistributedDataParallelConfig:
             )
         self._check_comm_hook()
         self._check_comm_hook_timeout()
-        if self.num_distributed_optimizer_instances != 1:
+        self._check_instances()
+
+    def _check_instances(self) -> None:
+        field = "DistributedDataParallelConfig.num_distributed_optimizer_instances"
+        r = self.num_distributed_optimizer_instances
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"megabuf: {field} must be an int >= 1, got {r!r}")
+        if r > 1 and not self.sharding.shards_optimizer:
             raise ValueError(
-                "megabuf: DistributedDataParallelConfig.num_distributed_optimizer_instances="
-                f"{self.num_distributed_optimizer_instances} is not supported; use 1"
+                f"megabuf: {field}={r} needs a strategy that shards the optimizer (hybrid "
+                f"sharding replicates a sharded optimizer), got data_parallel_sharding_strategy="
+                f"{self.sharding.name!r}; use 'optim', 'optim_grads' or 'optim_grads_params'"
             )
 
     def _resolve_sharding_strategy(self) -> None:

@@ -23,7 +23,7 @@ from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.engine import Engine
-from megabuf.process_groups import ProcessGroups
+from megabuf.process_groups import ProcessGroups, resolve_split
 
 
 class DistributedDataParallel(nn.Module):
@@ -69,7 +69,9 @@ class DistributedDataParallel(nn.Module):
         options = torch_compat.resolve(module, ddp_config, process_groups, torch_ddp_args)
         self.module = module
         self.ddp_config = options.ddp_config
-        self.process_groups = options.process_groups or ProcessGroups.default()
+        self.process_groups = resolve_split(  # a hybrid split the config asks for
+            options.process_groups or ProcessGroups.default(), self.ddp_config
+        )
         self._sync_buffers_in_forward = options.sync_buffers_in_forward
         self.engine = Engine(
             module, self.ddp_config, self.process_groups,

@@ -48,6 +48,13 @@ class ChainMember(Protocol):
 
     def grad_sync_completed(self) -> bool: ...
 
+    @property
+    def replicas(self) -> Any: ...  # its ReplicaStage ([Note: two-level reduction])
+
+    def first_level_completed(self) -> bool: ...
+
+    def start_replica_sync(self) -> None: ...
+
 
 M = TypeVar("M", bound=ChainMember)
 
@@ -83,6 +90,7 @@ class DispatchChain(Generic[M]):
     def __init__(self) -> None:
         self.groups: list[M] = []
         self.next_index = 0
+        self.next_replica = 0  # the next group whose replicate all-reduce may be issued
         self._ordered = False
 
     def set_order(self, groups: Sequence[M]) -> None:
@@ -98,8 +106,27 @@ class DispatchChain(Generic[M]):
         while self.next_index < len(self.groups) and self.groups[self.next_index].all_ready:
             self.groups[self.next_index].start_grad_sync()
             self.next_index += 1
+            self.progress_replicas()
             if self.groups[0].sharded_grads is not None:
                 self._bound_reducing()
+
+    def progress_replicas(self) -> None:
+        """Issue, in chain order, the replicate all-reduces whose reduce-scatter has landed,
+        stopping at the first that has not (never waits; [Note: two-level reduction])."""
+        while self.next_replica < self.next_index:
+            group = self.groups[self.next_replica]
+            if group.replicas.owed and not group.first_level_completed():
+                return
+            group.start_replica_sync()
+            self.next_replica += 1
+
+    def start_replicas_upto(self, group: M) -> None:
+        """Issue every owed replicate all-reduce up to and including `group`'s, in chain order
+        (waiting for their reduce-scatters)."""
+        stop = self.groups.index(group) + 1
+        for earlier in self.groups[:stop]:  # from the head: a sync may re-owe any of them
+            earlier.start_replica_sync()
+        self.next_replica = max(self.next_replica, stop)
 
     def _bound_reducing(self) -> None:
         """optim_grads*: finish the reductions in flight that already completed (no wait), and
@@ -123,6 +150,7 @@ class DispatchChain(Generic[M]):
 
     def reset(self) -> None:
         self.next_index = 0
+        self.next_replica = 0
 
 
 def build_chain(groups: Sequence[M], order_key: Callable[[M], int]) -> None:

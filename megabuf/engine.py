@@ -76,6 +76,7 @@ class Engine:
         self.topology = process_groups.topology
         self.rank = self.topology.rank
         self.collectives = collectives
+        collectives.name_groups(process_groups.named())  # [Note: wire accounting by group]
         self.memory_ledger = MemoryLedger()  # [Note: sharded grad lifecycle]
         self.residency = Residency(self.rank)  # [Note: offloaded engine]
         self._build(disable_bucketing, init_sync)
@@ -96,7 +97,9 @@ class Engine:
         check_devices(named)
         check_replicas_match(named, pgs.dp, self.collectives)
         planned = plan_model(  # the same path as `megabuf inspect`
-            self.module, cfg, dp_size=pgs.dp_size, expt_dp_size=self.topology.expt_dp_size,
+            # laid out over the group a buffer is sharded over: dp, or the shard group
+            self.module, cfg, dp_size=self.topology.sharding(False)[1],
+            expt_dp_size=self.topology.sharding(True)[1],
             expert_shares_dp_group=pgs.expt_dp is pgs.dp, disable_bucketing=disable_bucketing,
         )  # fmt: skip
         self.param_to_name: dict[nn.Parameter, str] = {p: n for n, p in planned.trainable}

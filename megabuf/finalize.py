@@ -69,7 +69,9 @@ def check_scaling_invariant(model: DistributedDataParallel) -> None:
         )
     average = model.ddp_config.average_in_collective
     for buf in _dense_buffers(model) + model.engine.expert_parallel_buffers:
-        effective = buf.gradient_scaling_factor / (buf.dp_size if average else 1)
+        # averaged over the shard group, then (hybrid) over the replicas too
+        reduced_over = buf.dp_size * pgs.topology.dp_replicate_size
+        effective = buf.gradient_scaling_factor / (reduced_over if average else 1)
         factors = {b.gradient_scaling_factor for b in buf.buckets} | {buf.gradient_scaling_factor}
         if len(factors) != 1 or not math.isclose(effective, 1.0 / dp_size, rel_tol=1e-12):
             raise RuntimeError(

@@ -84,6 +84,7 @@ class GradSync:
         self.backward_end.require_sync = bool(value)
         for group in self.groups:
             group.is_last_microbatch = bool(value) or self.reduce_each
+            group.is_final_microbatch = bool(value)  # [Note: two-level reduction]
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -142,9 +143,12 @@ class GradSync:
         if self.phase is not SyncPhase.MICROBATCH_OWED:
             return
         self.phase = SyncPhase.ACCUMULATING
+        for group in self.groups:  # not the step's last: nothing crosses replicas
+            group.is_final_microbatch = False
         self._reduce_and_wait()
         for group in self.groups:
             group.next_microbatch()
+            group.is_final_microbatch = self.require_sync
         for chain in self.chains:
             chain.reset()
 
@@ -160,6 +164,8 @@ class GradSync:
             self.timeline.record(BACKWARD_END_GROUP_ID, "backward_end")
         self._before_sync()
         self.phase = SyncPhase.ACCUMULATING  # an owed micro-batch reduces with this sync
+        for group in self.groups:
+            group.end_step_at_sync()  # [Note: two-level reduction]
         self._reduce_and_wait()
         for check in self._checks:
             check()
@@ -188,6 +194,7 @@ class GradSync:
             chain.reset()
         for group in self.groups:
             group.is_last_microbatch = self.require_sync or self.reduce_each
+            group.is_final_microbatch = self.require_sync
         self.grads.clear()
         self.backward_end.queued = False
         self.phase = SyncPhase.ACCUMULATING

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from megabuf.config import DistributedDataParallelConfig
+from megabuf.hybrid import HybridSplit, describe_split, planned_split
 from megabuf.layout import BufferLayout
 from megabuf.model_plan import plan_model
 from megabuf.plan import BufferPlan, ParamSpec, Plan
@@ -110,6 +111,7 @@ class Inspection:
     plan: Plan  # what DistributedDataParallel allocates
     units: tuple[UnitInfo, ...] = ()  # optim_grads_params only, by unit index
     memory: tuple[StrategyMemory, ...] = ()  # persistent bytes per sharding strategy (Adam)
+    split: HybridSplit | None = None  # hybrid: dp = replicas x shard ([Note: hybrid rank order])
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -185,12 +187,21 @@ def inspect_model(
     model_name: str = "model",
     ep_size: int = 1,
     disable_bucketing: bool = False,
+    dp_shard_size: int | None = None,
 ) -> Inspection:
-    """What `DistributedDataParallel(model, config)` would build at `dp_size` ranks."""
+    """What `DistributedDataParallel(model, config)` would build at `dp_size` ranks: with
+    `dp_shard_size` (or the config's num_distributed_optimizer_instances) as a hybrid split,
+    whose buffers are laid out, sharded and gathered over the shard group."""
     if dp_size < 1 or ep_size < 1 or dp_size % ep_size:
         raise ValueError(
             f"megabuf: need dp_size >= 1 divisible by ep_size; got {dp_size}, {ep_size}"
         )
+    strategy = config.sharding.name if config.sharding.shards_optimizer else None
+    split = planned_split(
+        dp_size, shard_size=dp_shard_size, replicas=config.num_distributed_optimizer_instances,
+        ep_size=ep_size, strategy=strategy,
+    )  # fmt: skip
+    full_dp, dp_size = dp_size, split.shard_size if split is not None else dp_size
     named = list(model.named_parameters())
     planned = plan_model(
         model, config, dp_size=dp_size, expt_dp_size=dp_size // ep_size,
@@ -207,8 +218,8 @@ def inspect_model(
         unit_of_param=_zero3_units(model, unit_plan, trainable),
     )  # fmt: skip
     return Inspection(
-        model_name, config, dp_size, plan.bucket_size, numel_total, buffers, _group_infos(plan),
-        plan, units, memory,
+        model_name, config, full_dp, plan.bucket_size, numel_total, buffers, _group_infos(plan),
+        plan, units, memory, split,
     )  # fmt: skip
 
 
@@ -285,7 +296,8 @@ def format_inspection(info: Inspection, *, show_params: bool = False) -> str:
     cfg = info.config
     size = "one bucket per buffer" if info.bucket_size is None else f"{info.bucket_size:,} elements"
     lines = [
-        f"model {info.model_name}: {info.numel_total:,} params, dp_size={info.dp_size}",
+        f"model {info.model_name}: {info.numel_total:,} params, dp_size={info.dp_size}"
+        + describe_split(info.split),
         f"config: overlap_grad_reduce={cfg.overlap_grad_reduce} "
         f"use_distributed_optimizer={cfg.sharding.shards_optimizer} "
         f"overlap_param_gather={cfg.overlap_param_gather} "
@@ -307,7 +319,8 @@ def format_inspection(info: Inspection, *, show_params: bool = False) -> str:
     lines.extend(_format_units(info, show_params))
     lines.append(f"bucket groups ({len(info.plan.groups)}), in dispatch order:")
     lines.extend(_format_chains(info))
-    lines.extend(format_memory_table(info.memory, info.dp_size, "Adam"))
+    shard = info.split.shard_size if info.split is not None else info.dp_size
+    lines.extend(format_memory_table(info.memory, shard, "Adam"))
     return "\n".join(lines)
 
 
@@ -365,6 +378,8 @@ def inspection_to_dict(info: Inspection) -> dict[str, object]:
     return {
         "model": info.model_name,
         "dp_size": info.dp_size,
+        "dp_replicate_size": info.split.replicate_size if info.split else 1,
+        "dp_shard_size": info.split.shard_size if info.split else info.dp_size,
         "bucket_size": info.bucket_size,
         "numel_total": info.numel_total,
         "buffers": [

@@ -16,18 +16,21 @@ expt_dp [0,2] [1,3] [4,6] [5,7]; pp [0,4] [1,5] [2,6] [3,7].
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from megabuf.strategy import backend_for_device
+from megabuf.config import DistributedDataParallelConfig
+from megabuf.hybrid import HybridSplit, hybrid_layout, node_shard_size, split_for
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -47,12 +50,24 @@ class Topology:
     pp_rank: int
     pp_size: int
     embd_size: int  # 0 without an embedding group
+    # the replicate x shard split of dp ([Note: hybrid rank order]); flat: shard = dp, R = 1
+    dp_shard_rank: int = 0
+    dp_shard_size: int = 1
+    dp_replicate_rank: int = 0
+    dp_replicate_size: int = 1
 
     def data_parallel(self, expert: bool) -> tuple[int, int]:
         """(rank, size) in the group a buffer's grads reduce over: expt_dp or dp."""
         if expert:
             return self.expt_dp_rank, self.expt_dp_size
         return self.dp_rank, self.dp_size
+
+    def sharding(self, expert: bool) -> tuple[int, int]:
+        """(rank, size) in the group a buffer is laid out, sharded and gathered over: the
+        shard group under a hybrid split ([Note: hybrid rank order]), else expt_dp or dp."""
+        if self.dp_replicate_size > 1:
+            return self.dp_shard_rank, self.dp_shard_size
+        return self.data_parallel(expert)
 
 
 @dataclass(frozen=True)
@@ -71,6 +86,40 @@ class ProcessGroups:
     """First and last pipeline stage of this pipeline (tied embeddings); None without pp."""
     pp_ranks: tuple[int, ...] = (0,)
     """Global ranks of this rank's pipeline, in stage order (for point-to-point send/recv)."""
+    dp_shard: ProcessGroup | None = None
+    """Hybrid sharding: the S ranks of dp a bucket is sharded over ([Note: hybrid rank order]);
+    None when flat (the shard group is dp)."""
+    dp_replicate: ProcessGroup | None = None
+    """Hybrid sharding: the R ranks of dp holding the same shard; None when flat."""
+
+    def __post_init__(self) -> None:
+        if (self.dp_shard is None) != (self.dp_replicate is None):
+            raise ValueError(
+                "megabuf: ProcessGroups needs both dp_shard and dp_replicate, or neither"
+            )
+
+    def named(self) -> dict[str, ProcessGroup | None]:
+        """Every group by name, the hybrid levels first ([Note: wire accounting by group])."""
+        return {
+            "dp_shard": self.dp_shard, "dp_replicate": self.dp_replicate, "dp": self.dp,
+            "expt_dp": self.expt_dp, "ep": self.ep, "pp": self.pp, "embd": self.embd,
+        }  # fmt: skip
+
+    @property
+    def hybrid(self) -> bool:
+        """dp is split into replicas of a shard ([Note: hybrid rank order])."""
+        return self.dp_replicate is not None
+
+    def shard_group(self, expert: bool) -> ProcessGroup:
+        """The group a buffer is sharded and its params gathered over (`Topology.sharding`)."""
+        if self.dp_shard is not None:
+            return self.dp_shard
+        return self.expt_dp if expert else self.dp
+
+    def replicate_group(self) -> ProcessGroup | None:
+        """The group a reduced shard is all-reduced over after the shard group's
+        reduce-scatter; None when flat."""
+        return self.dp_replicate
 
     @functools.cached_property
     def topology(self) -> Topology:
@@ -83,7 +132,19 @@ class ProcessGroups:
             ep_rank=dist.get_rank(self.ep), ep_size=dist.get_world_size(self.ep),
             pp_rank=dist.get_rank(self.pp), pp_size=dist.get_world_size(self.pp),
             embd_size=0 if self.embd is None else dist.get_world_size(self.embd),
+            **self._split_topology(),
         )  # fmt: skip
+
+    def _split_topology(self) -> dict[str, int]:
+        if self.dp_shard is None or self.dp_replicate is None:
+            return {"dp_shard_rank": dist.get_rank(self.dp),
+                    "dp_shard_size": dist.get_world_size(self.dp)}  # fmt: skip
+        return {
+            "dp_shard_rank": dist.get_rank(self.dp_shard),
+            "dp_shard_size": dist.get_world_size(self.dp_shard),
+            "dp_replicate_rank": dist.get_rank(self.dp_replicate),
+            "dp_replicate_size": dist.get_world_size(self.dp_replicate),
+        }
 
     @property
     def dp_size(self) -> int:
@@ -116,10 +177,72 @@ class ProcessGroups:
         )
         return cls(dp=group, expt_dp=group, ep=alone, pp=alone, pp_ranks=(rank,))
 
+    def split_dp(self, split: HybridSplit) -> ProcessGroups:
+        """These groups with every dp group split into `split.replicate_size` replicas of a
+        `split.shard_size`-way shard ([Note: hybrid rank order]). Collective over each dp
+        group (its ranks only). A flat split (one replica) returns `self`."""
+        if split.dp_size != self.dp_size:
+            raise ValueError(
+                f"megabuf: a hybrid split of {split.replicate_size} replicas x "
+                f"{split.shard_size} shards needs dp_size {split.dp_size}, got {self.dp_size}"
+            )
+        if split.is_flat:
+            return self
+        _refuse_expert_split(self)
+        dp_ranks = group_ranks(self.dp)
+        layout = hybrid_layout([dp_ranks], split)
+        rank = dist.get_rank()
+        made = [_split_group(next(g for g in layout[kind] if rank in g)) for kind in
+                ("dp_shard", "dp_replicate")]  # fmt: skip
+        return dataclasses.replace(self, dp_shard=made[0], dp_replicate=made[1])
+
     @classmethod
-    def build(cls, *, pp_size: int = 1, ep_size: int = 1) -> ProcessGroups:
-        """Carve the world into (pp, dp, ep) groups; see [Note: rank order]. Collective: every
-        rank must call it with the same sizes."""
+    def from_device_mesh(cls, mesh: DeviceMesh) -> ProcessGroups:
+        """Hybrid data parallelism over a 2-D torch `DeviceMesh` whose dims are named
+        "replicate" and "shard" (FSDP2's HSDP mesh): the mesh's own groups are the replicate
+        and shard groups, and dp is the mesh's ranks in row-major order (no expert or pipeline
+        parallelism). Collective: every rank of the mesh calls it."""
+        names = tuple(mesh.mesh_dim_names or ())
+        if mesh.ndim != 2 or sorted(names) != ["replicate", "shard"]:
+            raise ValueError(
+                f"megabuf: ProcessGroups.from_device_mesh needs a 2-D DeviceMesh with dims "
+                f"named ('replicate', 'shard'), got {mesh.ndim} dims named {names or None}; "
+                "build it with init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
+            )
+        ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+        if ranks == list(range(dist.get_world_size())):
+            dp: ProcessGroup = dist.group.WORLD  # type: ignore[assignment]
+        else:
+            dp = _cached(("mesh_dp", tuple(ranks)), lambda: new_subgroup(None, ranks))
+        rank = dist.get_rank()
+        alone = _cached(
+            ("alone", rank), lambda: dist.new_group([rank], use_local_synchronization=True)
+        )
+        return cls(
+            dp=dp, expt_dp=dp, ep=alone, pp=alone, pp_ranks=(rank,),
+            dp_shard=mesh.get_group("shard"), dp_replicate=mesh.get_group("replicate"),
+        )  # fmt: skip
+
+    @classmethod
+    def build(
+        cls, *, pp_size: int = 1, ep_size: int = 1, dp_shard_size: int | str | None = None
+    ) -> ProcessGroups:
+        """Carve the world into (pp, dp, ep) groups; see [Note: rank order]. `dp_shard_size`
+        splits dp for hybrid sharding ([Note: hybrid rank order]): an int, "node" (torchrun's
+        LOCAL_WORLD_SIZE) or None (flat). Collective: every rank must call it with the same
+        sizes."""
+        flat = cls._build_flat(pp_size=pp_size, ep_size=ep_size)
+        if dp_shard_size is None:
+            return flat
+        size = node_shard_size() if dp_shard_size == "node" else dp_shard_size
+        if not isinstance(size, int):
+            raise ValueError(
+                f"megabuf: dp_shard_size={dp_shard_size!r} must be an int, 'node' or None"
+            )
+        return flat.split_dp(split_for(flat.dp_size, shard_size=size))
+
+    @classmethod
+    def _build_flat(cls, *, pp_size: int, ep_size: int) -> ProcessGroups:
         if not dist.is_initialized():
             raise RuntimeError(
                 "megabuf: torch.distributed is not initialised; call megabuf.init_distributed() "
@@ -147,6 +270,47 @@ class ProcessGroups:
             pp=_required(groups["pp"]),
             embd=embd,
             pp_ranks=tuple(my_pp),
+        )
+
+
+def resolve_split(pgs: ProcessGroups, config: DistributedDataParallelConfig) -> ProcessGroups:
+    """The groups an engine runs over: `pgs`, split into R replicas when the config asks for
+    `num_distributed_optimizer_instances = R` > 1 (collective over dp), checked against a
+    split the groups already carry and against the strategy."""
+    field = "DistributedDataParallelConfig.num_distributed_optimizer_instances"
+    replicas = config.num_distributed_optimizer_instances
+    if replicas > 1 and not pgs.hybrid:
+        pgs = pgs.split_dp(split_for(pgs.dp_size, replicas=replicas, what=field))
+    have = pgs.topology.dp_replicate_size
+    if replicas > 1 and have != replicas:
+        raise ValueError(
+            f"megabuf: {field}={replicas} but the process groups are already split into {have} "
+            "replicas; give one of them (or the same R in both)"
+        )
+    if pgs.hybrid and not config.sharding.shards_optimizer:
+        raise ValueError(
+            f"megabuf: the process groups split dp into {have} replicas x "
+            f"{pgs.topology.dp_shard_size} shards (hybrid sharding), which needs a strategy that "
+            f"shards the optimizer; data_parallel_sharding_strategy="
+            f"{config.sharding.name!r} would only all-reduce: use 'optim', 'optim_grads' or "
+            "'optim_grads_params', or flat process groups"
+        )
+    return pgs
+
+
+def _split_group(ranks: list[int]) -> ProcessGroup:
+    """One shard or replicate group, made by its members only (once per world)."""
+    return _cached(("split", tuple(ranks)), lambda: new_subgroup(None, ranks))
+
+
+def _refuse_expert_split(pgs: ProcessGroups) -> None:
+    if pgs.expt_dp is not pgs.dp:
+        raise ValueError(
+            f"megabuf: hybrid sharding with expert parallelism (ep_size "
+            f"{dist.get_world_size(pgs.ep)}) is not supported: the expert-dp group of "
+            f"{dist.get_world_size(pgs.expt_dp)} ranks would need its own replicate x shard "
+            "split; use a flat strategy (dp_shard_size=None, "
+            "num_distributed_optimizer_instances=1) with ep_size > 1"
         )
 
 
@@ -244,67 +408,3 @@ def _cached(key: object, make: Callable[[], _G]) -> _G:
     if key not in _GROUP_CACHE:
         _GROUP_CACHE[key] = make()
     return _GROUP_CACHE[key]  # type: ignore[return-value]
-
-
-DEFAULT_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl"}
-"""Device type of the model -> the backend `init_distributed` picks for it."""
-
-
-def init_distributed(
-    *,
-    device: str | torch.device = "cpu",
-    backend: str | None = None,
-    timeout_s: float = 600.0,
-    pp_size: int = 1,
-    ep_size: int = 1,
-) -> ProcessGroups:
-    """Start torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT, LOCAL_RANK) and return the groups.
-
-    `device` is where the model and its batches live, which decides the backend (unless
-    `backend` is given): "cpu" -> gloo, whatever accelerators the machine has; "cuda" -> NCCL,
-    with this rank on GPU LOCAL_RANK, whatever index `device` names (`torch.cuda.set_device`,
-    and `device_id` passed to `init_process_group`, which binds the communicator to that GPU
-    eagerly). If torch.distributed is already initialised, its groups are used as they are,
-    provided a backend of them serves `device`."""
-    device_type = torch.device(device).type
-    if backend is None and device_type not in DEFAULT_BACKENDS:
-        raise ValueError(
-            f"megabuf: init_distributed(device={device!r}): known devices are "
-            f"{sorted(DEFAULT_BACKENDS)}; pass backend= for another"
-        )
-    missing = [
-        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
-    ]
-    if missing and not dist.is_initialized():
-        raise RuntimeError(
-            f"megabuf: init_distributed() needs torchrun's environment; missing {missing}. "
-            "Run under torchrun or megabuf.testing.launch.spawn"
-        )
-    if not dist.is_initialized():
-        backend = backend or DEFAULT_BACKENDS[device_type]
-        device_id = _bind_local_gpu() if device_type == "cuda" else None
-        dist.init_process_group(
-            backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id
-        )
-    if backend_for_device(dist.get_backend_config(), device_type) is None:
-        raise ValueError(
-            f"megabuf: init_distributed(device={device!r}): torch.distributed's backend "
-            f"{dist.get_backend_config()!r} serves no {device_type} tensors"
-        )
-    return ProcessGroups.build(pp_size=pp_size, ep_size=ep_size)
-
-
-def _bind_local_gpu() -> torch.device:
-    """Make GPU LOCAL_RANK this process's current device and return it."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if local_rank >= count:
-        raise RuntimeError(
-            f"megabuf: init_distributed(device='cuda') on LOCAL_RANK {local_rank} needs "
-            f"{local_rank + 1} CUDA devices; this machine shows {count} (run with "
-            "device='cpu', or start one rank per GPU)"
-        )
-    gpu = torch.device("cuda", local_rank)
-    torch.cuda.set_device(gpu)
-    return gpu

@@ -1,5 +1,8 @@
 """`Timeline`: when each bucket group became ready, was dispatched and finished, for the overlap
-report (`megabuf.overlap`). A leaf module: it knows clocks, not buckets.
+report (`megabuf.overlap`). A leaf module: it knows clocks, not buckets. Under hybrid sharding a
+group also records "replicate_dispatch" when its all-reduce across replicas is issued ([Note:
+two-level reduction]): "dispatch" to "replicate_dispatch" is the shard group's level, after it
+the replicate group's, up to "finish".
 
 Events are `(group_id, event name, seconds)`. On the CPU the seconds are `time.perf_counter()`
 at the call. On CUDA they are device times, see [Note: timeline on CUDA].

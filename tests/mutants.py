@@ -41,11 +41,35 @@ class Mutant:
 
 MUTANTS = (
     Mutant(
+        "hybrid-replicate-all-reduce-skipped",
+        "hybrid: each reduced shard is all-reduced across the replicate group once per step",
+        "megabuf/sharding/replicate.py",
+        "        self.owed = self.group is not None and final and not self.crossed\n",
+        "        self.owed = False\n",
+        ("tests/test_hybrid.py",),
+    ),
+    Mutant(
+        "hybrid-replicate-every-microbatch",
+        "hybrid: nothing crosses the replicate group before the step's last micro-batch",
+        "megabuf/sharding/replicate.py",
+        "        self.owed = self.group is not None and final and not self.crossed\n",
+        "        self.owed = self.group is not None\n",
+        ("tests/test_hybrid.py",),
+    ),
+    Mutant(
+        "hybrid-replicate-over-wrong-group",
+        "hybrid: the second level runs over the replicate group, not the shard group",
+        "megabuf/assembly.py",
+        "replicate_group=pgs.replicate_group(),",
+        "replicate_group=pgs.shard_group(False) if pgs.hybrid else None,",
+        ("tests/test_hybrid.py",),
+    ),
+    Mutant(
         "expert-norm-not-over-ep",
         "global grad norm: expert parts are summed over expt_dp, ep and pp",
         "megabuf/optimizer/distributed.py",
-        "(pgs.expt_dp, pgs.ep, pgs.pp)",
-        "(pgs.expt_dp, pgs.pp)",
+        "(pgs.shard_group(True), pgs.ep, pgs.pp)",
+        "(pgs.shard_group(True), pgs.pp)",
         ("tests/test_moe.py", "tests/test_optimizer_contract.py"),
     ),
     Mutant(
@@ -323,8 +347,8 @@ MUTANTS = (
         "dense-norm-over-expert-dp",
         "global grad norm: dense shards are summed over dp (not the expert-dp group)",
         "megabuf/optimizer/distributed.py",
-        'return (pgs.dp, pgs.pp) if kind == "dense"',
-        'return (pgs.expt_dp, pgs.pp) if kind == "dense"',
+        "return (pgs.shard_group(False), pgs.pp)",
+        "return (pgs.expt_dp, pgs.pp)",
         ("tests/test_matrix.py",),
     ),
     Mutant(

@@ -69,7 +69,7 @@ CPU_ALLOWLIST = {
     "live on the host by definition ([Note: cpu offload])",
     ("optimizer/builder.py", "build_optimizer"): "cpu_offload: the inner optimizer steps the "
     "host copies, so its kernels are chosen for the CPU",
-    ("process_groups.py", "init_distributed"): "device='cpu' default: gloo for CPU models "
+    ("distributed_init.py", "init_distributed"): "device='cpu' default: gloo for CPU models "
     "even where CUDA is visible (the caller says which device its model is on)",
 }
 

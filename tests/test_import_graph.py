@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "megabuf.sharding.ledger", "megabuf.sharding.walk", "megabuf.comm_hooks.lowrank",
         "megabuf.optimizer.grad_scaler", "megabuf.optimizer.implementation",
         "megabuf.optimizer.state_layout",
-        "megabuf.pipeline.order", "megabuf.checkpoint.files",
+        "megabuf.pipeline.order", "megabuf.checkpoint.files", "megabuf.hybrid",
     )),
     ("plan", (
         "megabuf.config", "megabuf.plan", "megabuf.sharding.formula",
@@ -42,14 +42,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("transport", (
         "megabuf.collectives", "megabuf.comm_records", "megabuf.devices",
         "megabuf.process_groups", "megabuf.replicas", "megabuf.torch_compat",
-        "megabuf.pipeline.p2p", "megabuf.model_plan",
+        "megabuf.pipeline.p2p", "megabuf.model_plan", "megabuf.distributed_init",
     )),
     ("hook_lib", ("megabuf.comm_hooks", "megabuf.comm_hooks.*")),
     ("storage", (
         "megabuf.buffer", "megabuf.sharding.grads", "megabuf.sharding.params",
         "megabuf.sharding.read_guard", "megabuf.sharding.units_runtime",
+        "megabuf.sharding.replicate",
     )),
-    ("group", ("megabuf.bucket_group", "megabuf.dispatch", "megabuf.grad_math")),
+    ("group", (
+        "megabuf.bucket_group", "megabuf.dispatch", "megabuf.grad_math", "megabuf.two_level",
+    )),
     ("engine", (
         "megabuf.nan_check", "megabuf.hooks", "megabuf.grads", "megabuf.backward_sync",
         "megabuf.hook_registry", "megabuf.param_units", "megabuf.grad_sync",

@@ -150,3 +150,19 @@ def test_send_ranges_tile_the_bucket_and_match_shards() -> None:
             assert ranges[0][0] == 0 and ranges[-1][1] == numel
             assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
     assert send_range(64, 1, 2) == (32, 64)  # a padded bucket: the dp shard
+
+
+def test_publisher_refuses_a_hybrid_split_by_name() -> None:
+    """Issue 26 x 27: under a replicate x shard split the replicas hold the same shards, which the
+    publish protocol (each trainer sends its 1/n) does not describe: refused, naming the split."""
+    from types import SimpleNamespace
+
+    from megabuf.weights import Publisher
+
+    topo = SimpleNamespace(
+        pp_size=1, ep_size=1, dp_size=4, dp_rank=0, rank=0, dp_replicate_size=2, dp_shard_size=2
+    )
+    model = SimpleNamespace(engine=SimpleNamespace(process_groups=SimpleNamespace(topology=topo)))
+    group = SimpleNamespace(trainers=(0, 1, 2, 3))
+    with pytest.raises(ValueError, match=r"hybrid-sharded \(2 replicas x 2\)"):
+        Publisher(model, group)  # type: ignore[arg-type]

@@ -37,7 +37,7 @@ from megabuf.bench.report import (
 )
 from megabuf.bench.settings import OPTIMIZER_KWARGS
 from megabuf.bench.worker import Job, run_jobs
-from megabuf.process_groups import DEFAULT_BACKENDS
+from megabuf.distributed_init import DEFAULT_BACKENDS
 from megabuf.strategy import choose_strategy
 from megabuf.testing.launch import spawn
 

@@ -18,6 +18,12 @@ when those exist: `model_space_keys`). An optimizer value is
 So `dcp_to_torch_save` turns the directory into one file holding `{"model": {name: param},
 "optimizer": {name: {state: flat tensor}}}`. Each rank builds the ShardedTensor's global shard
 list from every rank's (key, start, end), all-gathered once per save and once per load.
+[Note: hybrid checkpoints]
+Under a hybrid split ([Note: hybrid rank order] in megabuf/hybrid.py) the R replicas hold the
+same optimizer shards: only replica 0 hands its pieces to DCP at save, and at load each rank's
+ShardedTensors list the ranges of its own replica's ranks (`replica_ranges`), which cover each
+param once. The checkpoint is in model space as always, so it loads at any other split or
+flat dp, and a flat one loads into a hybrid run.
 megabuf's own range assembly (`assemble_range`) then only checks that the loaded ranges cover
 each main param exactly; it moves no data across ranges.
 """
@@ -64,6 +70,15 @@ def ranges_from(everyone: list[list[tuple[str, int, int]]]) -> Ranges:
         for key, start, end in items:
             ranges.setdefault(key, []).append((rank, start, end))
     return ranges
+
+
+def replica_ranges(
+    everyone: list[tuple[int, list[tuple[str, int, int]]]], replica: int
+) -> list[list[tuple[str, int, int]]]:
+    """[Note: hybrid checkpoints] Each rank's (replicate rank, ranges) as all-gathered -> the
+    ranges of the ranks of `replica` only (the others' empty): the replicas of a hybrid split
+    hold the same shards, and a ShardedTensor's shard list must not overlap. Flat: all ranks."""
+    return [ranges if r == replica else [] for r, ranges in everyone]
 
 
 def chunk_tensor(local: Tensor, key: str, start: int, numel: int, ranges: Ranges) -> Any:

@@ -16,6 +16,7 @@ from megabuf.checkpoint.dcp_state import (
     optimizer_template,
     quiet_sharded_tensor,
     ranges_from,
+    replica_ranges,
     saved_layout,
     saved_optimizer_entries,
     wanted_ranges,
@@ -211,7 +212,9 @@ def load_checkpoint(
             merged = not all(collectives.all_gather_object(own, None))
         hook_state = hook_template(found["hooks"], merged)
         wanted: Wanted = found["wanted"]
-        ranges = ranges_from(collectives.all_gather_object(wanted_ranges(wanted), None))
+        replica = chunks[0].process_groups.topology.dp_replicate_rank
+        everyone = collectives.all_gather_object((replica, wanted_ranges(wanted)), None)
+        ranges = ranges_from(replica_ranges(everyone, replica))
         opt_template, locals_ = optimizer_template(
             wanted, saved_optimizer_entries(found["dcp"]), ranges
         )

@@ -134,6 +134,8 @@ def save_checkpoint(
             prepare_tmp(final)
         model_state = owned_model_state(chunks)  # collective with the distributed optimizer
         common, pieces = optimizer_state(chunks, optimizer)
+        if chunks[0].process_groups.topology.dp_replicate_rank != 0:
+            pieces = []  # replica 0 saves the same shards ([Note: hybrid checkpoints])
         hook_entries, hook_record = gathered_hook_state(chunks)
         own: list[FileRecord] = []
         if rank == 0:  # rank 0's own files first: `extra` as it is now

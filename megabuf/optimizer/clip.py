@@ -7,6 +7,8 @@ over exactly the groups across which ownership differs, so no element is counted
   whose stages hold different params);
 - distributed optimizer, expert params: shards are disjoint inside expt_dp, and ep ranks hold
   different experts -> sum over expt_dp, then ep (then pp);
+- hybrid sharding ([Note: two-level reduction]): each shard group owns every shard once and
+  its replicas own the same shards again -> sum over the shard group only (and pp);
 - non-distributed optimizer: dense grads are replicated over dp (sum over pp only); expert grads
   are replicated over expt_dp (sum over ep, then pp).
 Groups of size 1 are skipped. The result equals torch.nn.utils.clip_grad_norm_ over all params of

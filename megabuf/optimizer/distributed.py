@@ -82,7 +82,11 @@ class DistributedOptimizer(MegabufOptimizer):
 
     def _norm_groups(self, kind: DomainKind) -> tuple[ProcessGroup, ...]:
         pgs = self.process_groups  # see [Note: global grad norm]
-        return (pgs.dp, pgs.pp) if kind == "dense" else (pgs.expt_dp, pgs.ep, pgs.pp)
+        # a shard group holds every shard once; its replicas hold the same shards again
+        # ([Note: two-level reduction]), so the sum of squares runs over the shard group
+        if kind == "dense":
+            return (pgs.shard_group(False), pgs.pp)
+        return (pgs.shard_group(True), pgs.ep, pgs.pp)
 
     def _before_update(self) -> None:
         for chunk in self.model_chunks:

@@ -87,6 +87,13 @@ class Publisher:
                 f"megabuf: Publisher supports dp-only models (pp_size={topo.pp_size}, "
                 f"ep_size={topo.ep_size}); publish each stage's model with its own group"
             )
+        if topo.dp_replicate_size > 1:  # replicas hold the same shards: not in the protocol yet
+            raise ValueError(
+                f"megabuf: Publisher on rank {topo.rank}: the model is hybrid-sharded "
+                f"({topo.dp_replicate_size} replicas x {topo.dp_shard_size}); publishing from a "
+                "hybrid split is not supported yet: export with megabuf.weights.export_weights "
+                "on one replica, or train flat (num_distributed_optimizer_instances=1)"
+            )
         if len(group.trainers) != topo.dp_size or group.trainers[topo.dp_rank] != topo.rank:
             raise ValueError(
                 f"megabuf: Publisher on rank {topo.rank} (dp rank {topo.dp_rank}): the group's "

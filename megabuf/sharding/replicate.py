@@ -1,0 +1,113 @@
+"""The second level of a hybrid reduction: one bucket group's shards all-reduced across replicas.
+
+[Note: two-level reduction]
+Under a hybrid split ([Note: hybrid rank order] in megabuf/hybrid.py) a bucket group reduces in
+two levels: the reduce-scatter of each bucket inside the shard group (the bucket group's
+`collective_group`, as flat), then an all-reduce of this rank's reduced shard across the
+replicate group: the bucket's local shard of `grad_data` under "optim", the persistent
+`grad_shard` under "optim_grads*" (after the reduce-scatter's result was copied or added into
+it, so micro-batches reduced one by one are summed before anything crosses replicas). The wire
+bytes are the flat strategy's reduce-scatter over S ranks plus a ring all-reduce of 1/S of the
+bucket over R ranks: (S-1)/S + 2(R-1)/(R S) of a bucket per rank, of which only the second term
+crosses the replicate (inter-node) links, against (RS-1)/(RS) for the flat reduce-scatter over
+all of dp, most of which crosses them. (A reduce-scatter over R of the shard followed by an
+all-gather moves the same bytes; the all-reduce is one collective and keeps every replica's
+shard whole.)
+- Once per step: the all-reduce runs only for a reduction that is the step's last micro-batch
+  (`final`, set by the grad sync: require_sync, or an explicit finish_grad_sync()); under
+  no_sync() with "accumulate_unsharded" nothing is reduced at all, with
+  "reduce_each_microbatch" only inside the shard group.
+- Order: the all-reduces of one dispatch chain are issued in chain order on every rank (the
+  chain's `start_replicas_upto` / `progress_replicas`; [Note: dispatch order]), whatever order
+  the reduce-scatters complete in, so the replicate communicator pairs the right shards; they
+  overlap backward as soon as the head of the chain's reduce-scatter has landed.
+- Scaling: the grads carry the flat factor (1/dp, or an AVG at each level with
+  average_in_collective), so the two levels together are the flat mean.
+A `ReplicaStage` without a replicate group (flat) is armed never and does nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from megabuf.collectives import Collectives, PendingCollective
+
+
+class ReplicaStage:
+    """One bucket group's all-reduce across the replicate group; see [Note: two-level
+    reduction]. `owed`: the group's first level was dispatched for a final micro-batch and its
+    all-reduce is not issued yet."""
+
+    def __init__(
+        self,
+        group: ProcessGroup | None,
+        collectives: Collectives,
+        *,
+        average: bool,
+        group_id: int,
+        rank: int,
+    ) -> None:
+        self.group = group  # None: flat, nothing to do
+        self.collectives = collectives
+        self.average = average
+        self.group_id = group_id
+        self.rank = rank
+        self.owed = False
+        self.crossed = False  # issued since the step began (reset by `new_step`)
+        self._work: list[PendingCollective] = []
+
+    @property
+    def active(self) -> bool:
+        return self.group is not None
+
+    def arm(self, final: bool) -> None:
+        """The first level was dispatched: owe the all-reduce if this is the step's last
+        micro-batch (and it has not crossed yet this step)."""
+        if self._work:
+            raise RuntimeError(
+                f"megabuf: bucket group {self.group_id} (rank {self.rank}) was dispatched again "
+                "while its replicate all-reduce is in flight ([Note: two-level reduction])"
+            )
+        self.owed = self.group is not None and final and not self.crossed
+
+    def owe_at_sync(self) -> None:
+        """The grad sync ends the step: a first level that ran as a non-final micro-batch (its
+        reduction landed, or is in flight, before the sync knew it was the last) owes the
+        all-reduce now."""
+        if self.group is not None and not self.crossed:
+            self.owed = True
+
+    def new_step(self) -> None:
+        self.owed = False
+        self.crossed = False
+
+    def start(self, shards: Sequence[Tensor]) -> None:
+        """Issue the all-reduce of `shards` (this rank's reduced shards) across replicas."""
+        if not self.owed:
+            return
+        self.owed = False
+        self.crossed = True
+        self._work = self.collectives.all_reduce_many(
+            shards, self.group, average=self.average, async_op=True
+        )
+
+    def completed(self) -> bool:
+        """Nothing owed and the issued all-reduce (if any) has landed; never waits."""
+        if self.owed:
+            return False
+        return all(
+            hasattr(h, "is_completed") and h.is_completed() for w in self._work for h in w.handles
+        )
+
+    def wait(self) -> None:
+        works, self._work = self._work, []
+        for work in works:
+            work.wait()
+
+    def abandon(self) -> None:
+        """After an exception: wait out what is in flight and owe nothing."""
+        self.wait()
+        self.new_step()
