@@ -25,9 +25,9 @@ from megabuf.comm_records import (
     CommStats,
     P2PMessage,
     PendingCollective,
-    _nbytes,
-    _WaitOnce,
+    WaitOnce,
     adjacent_runs,
+    nbytes_of,
     sum_chunks,
 )
 from megabuf.strategy import (
@@ -147,7 +147,7 @@ class Collectives:
                 f"megabuf: reduce_scatter input has {input.numel()} elements, expected "
                 f"{output.numel()} x group size {size}"
             )
-        strategy, ring = self.strategy(group, input.device), (size - 1) * _nbytes(output)
+        strategy, ring = self.strategy(group, input.device), (size - 1) * nbytes_of(output)
         with torch.profiler.record_function("megabuf::reduce_scatter"):
             if strategy.reduce_scatter == "all_to_all":
                 if scratch is None:
@@ -162,7 +162,7 @@ class Collectives:
         return self._pending("reduce_scatter", work, output, None, divide, scale)
 
     def _record_all_reduce(self, tensor: Tensor, size: int, group: Group) -> None:
-        nbytes = _nbytes(tensor)  # in place: handed over as input and written as output
+        nbytes = nbytes_of(tensor)  # in place: handed over as input and written as output
         self._record(
             group,
             "all_reduce", input_nbytes=nbytes, output_nbytes=nbytes,
@@ -174,7 +174,7 @@ class Collectives:
     ) -> None:
         self._record(
             group,
-            "reduce_scatter", input_nbytes=_nbytes(input), output_nbytes=_nbytes(landing),
+            "reduce_scatter", input_nbytes=nbytes_of(input), output_nbytes=nbytes_of(landing),
             ring_nbytes=ring_nbytes,
         )  # fmt: skip
 
@@ -188,11 +188,11 @@ class Collectives:
                 f"megabuf: all_gather output has {output.numel()} elements, expected "
                 f"{input.numel()} x group size {size}"
             )
-        ring = (size - 1) * _nbytes(input)
+        ring = (size - 1) * nbytes_of(input)
         with torch.profiler.record_function("megabuf::all_gather"):
             if self.strategy(group, input.device).all_gather != "p2p":
                 self._record(group,
-                    "all_gather", input_nbytes=_nbytes(input), output_nbytes=_nbytes(output),
+                    "all_gather", input_nbytes=nbytes_of(input), output_nbytes=nbytes_of(output),
                     ring_nbytes=ring,
                 )  # fmt: skip
                 work = dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
@@ -210,13 +210,13 @@ class Collectives:
             chunks = output.view(size, -1)
             if chunks[rank].data_ptr() != input.data_ptr():
                 chunks[rank].copy_(input)
-            ring += (size - 1) * _nbytes(input)
+            ring += (size - 1) * nbytes_of(input)
             for peer in range(size):
                 if peer != rank:
                     peer_global = dist.get_global_rank(group, peer) if group else peer
                     ops.append(dist.P2POp(dist.isend, input, peer_global, group, tag))
                     ops.append(dist.P2POp(dist.irecv, chunks[peer], peer_global, group, tag))
-                    sent, received = sent + _nbytes(input), received + _nbytes(chunks[peer])
+                    sent, received = sent + nbytes_of(input), received + nbytes_of(chunks[peer])
         self._record(
             group, "all_gather", input_nbytes=sent, output_nbytes=received, ring_nbytes=ring
         )
@@ -305,7 +305,7 @@ class Collectives:
         epilogue already applied). Counted as one call."""
         with _coalescing_manager(group, None, async_ops=True) as manager:
             pendings = issue()  # placeholders: torch returns no real work inside the manager
-        batch = _WaitOnce(list(manager.works))
+        batch = WaitOnce(list(manager.works))
         for pending in pendings:
             pending.handles = [batch]
         self.stats.calls[op] -= len(pendings) - 1
@@ -318,7 +318,7 @@ class Collectives:
     def broadcast(self, tensor: Tensor, src_group_rank: int, group: Group) -> None:
         """Synchronously copy `tensor` from group rank `src_group_rank` to every rank."""
         src = dist.get_global_rank(group, src_group_rank) if group else src_group_rank
-        nbytes = _nbytes(tensor)
+        nbytes = nbytes_of(tensor)
         if dist.get_rank() == src:
             self._record(
                 group, "broadcast", input_nbytes=nbytes, output_nbytes=0, ring_nbytes=nbytes
@@ -349,10 +349,10 @@ class Collectives:
                     f"megabuf: all_to_all {name} split sizes {splits} must have group size "
                     f"{size} entries summing to the {name}'s {rows} rows (rank {dist.get_rank()})"
                 )
-        row_nbytes = _nbytes(input) // max(1, input.shape[0]) if input.dim() else 0
+        row_nbytes = nbytes_of(input) // max(1, input.shape[0]) if input.dim() else 0
         kept = input_split_sizes[rank] if input_split_sizes is not None else input.shape[0] // size
         self._record(group,
-            "all_to_all", input_nbytes=_nbytes(input), output_nbytes=_nbytes(output),
+            "all_to_all", input_nbytes=nbytes_of(input), output_nbytes=nbytes_of(output),
             ring_nbytes=(input.shape[0] - kept) * row_nbytes,
         )  # fmt: skip
         with torch.profiler.record_function("megabuf::all_to_all"):
@@ -368,7 +368,7 @@ class Collectives:
         """Asynchronous point-to-point send to group rank `dst_group_rank` (pipelines). The
         returned record owns `tensor` until `wait()`: do not modify it before then."""
         dst = dist.get_global_rank(group, dst_group_rank) if group else dst_group_rank
-        nbytes = _nbytes(tensor)
+        nbytes = nbytes_of(tensor)
         self._record(group, "send", input_nbytes=nbytes, output_nbytes=0, ring_nbytes=nbytes)
         with torch.profiler.record_function("megabuf::send"):
             work = dist.isend(tensor, dst=dst, group=group, tag=tag)
@@ -380,7 +380,7 @@ class Collectives:
     ) -> PendingCollective:
         """Asynchronous point-to-point receive into `tensor` from group rank `src_group_rank`."""
         src = dist.get_global_rank(group, src_group_rank) if group else src_group_rank
-        self._record(group, "recv", input_nbytes=0, output_nbytes=_nbytes(tensor), ring_nbytes=0)
+        self._record(group, "recv", input_nbytes=0, output_nbytes=nbytes_of(tensor), ring_nbytes=0)
         with torch.profiler.record_function("megabuf::recv"):
             work = dist.irecv(tensor, src=src, group=group, tag=tag)
         return PendingCollective("recv", [work] if work is not None else [], output=tensor)
@@ -398,9 +398,9 @@ class Collectives:
                 dist.P2POp(dist.isend if m.send else dist.irecv, m.tensor, peer, group, m.tag)
             )
             if m.send:
-                sent += _nbytes(m.tensor)
+                sent += nbytes_of(m.tensor)
             else:
-                received += _nbytes(m.tensor)
+                received += nbytes_of(m.tensor)
         self._record(
             group, "batch_p2p", input_nbytes=sent, output_nbytes=received, ring_nbytes=sent
         )

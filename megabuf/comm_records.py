@@ -101,7 +101,7 @@ class PendingCollective:
                 self.scale = 1.0
 
 
-class _WaitOnce:
+class WaitOnce:
     """Works shared by several `PendingCollective`s: the first `wait()` waits for them all, later
     ones return at once."""
 
@@ -143,7 +143,7 @@ def sum_chunks(scratch: Tensor, output: Tensor) -> None:
         output.add_(chunk)
 
 
-def _nbytes(t: Tensor) -> int:
+def nbytes_of(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
