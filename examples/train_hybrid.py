@@ -88,17 +88,24 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def say(line: str) -> None:
+    """One write per line: the ranks of a node share one stdout, and print() writes the text and
+    its newline separately, so two ranks' lines could run together."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def report(result: dict[str, Any], args: argparse.Namespace) -> bool:
     r, s = result["split"]
     groups = ", ".join(f"{k} {v:,}" for k, v in sorted(result["ring_nbytes"].items()))
-    print(f"rank {result['rank']}: {r} replicas x {s}-way shard; ring bytes per group: {groups}")
+    say(f"rank {result['rank']}: {r} replicas x {s}-way shard; ring bytes per group: {groups}")
     if not args.check:
         return True
     want = reference(args.steps)
     diff = max((result["state"][k] - want[k]).abs().max().item() for k in want)
     ok = diff < 1e-5
-    print(f"rank {result['rank']} check vs 1 process: max param diff {diff:.2e} -> "
-          f"{'OK' if ok else 'FAILED'}")  # fmt: skip
+    say(f"rank {result['rank']} check vs 1 process: max param diff {diff:.2e} -> "
+        f"{'OK' if ok else 'FAILED'}")  # fmt: skip
     return ok
 
 
