@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("storage", (
         "megabuf.buffer", "megabuf.sharding.grads", "megabuf.sharding.params",
         "megabuf.sharding.read_guard", "megabuf.sharding.units_runtime",
-        "megabuf.sharding.replicate",
+        "megabuf.sharding.replicate", "megabuf.sharding.replica_hooks",
     )),
     ("group", (
         "megabuf.bucket_group", "megabuf.dispatch", "megabuf.grad_math", "megabuf.two_level",

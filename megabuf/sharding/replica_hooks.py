@@ -1,0 +1,96 @@
+"""Communication hooks on the second level of a hybrid reduction: which hooks may run there, and
+the `GradBucket` views they run on.
+
+[Note: comm hooks under hybrid]
+Under a hybrid split ([Note: two-level reduction] in megabuf/sharding/replicate.py) a registered
+hook reduces on both levels, with the same contract ([Note: comm hook contract]) at each:
+  1. first level, exactly as flat: the bucket's `GradBucket` over its full grads, `group` the
+     shard group (group_size S), reduce-scatter mode; the engine pre-scales `data` first;
+  2. second level: a `GradBucket` over this rank's reduced shard of the bucket (`data` = the
+     shard: the bucket's local shard of `grad_data` under "optim", its persistent `grad_shard`
+     under "optim_grads*"), all-reduce mode, `group` the replicate group (group_size R,
+     group_rank the replicate rank), `gradient_scaling_factor` 1 and no pre-scale (the first
+     level's already scaled the grads), `average` as configured (the first level divided by
+     S, this one by R), no params (`gradients()` is empty), the same `index` as the bucket.
+     Built once at registration; `setup` sees only the first-level views.
+The second level runs once per bucket per step, where the engine's own all-reduce of the shard
+would run: when the group's first level has landed for the step's last micro-batch, in
+dispatch-chain order. A hook's first level never reports completion to the chain (its work is
+a `HookWork`), so the second level is only issued from the group's own finish, which waits for
+it at once; the engine therefore runs every stage of the second-level hook there, buckets in
+order (each bucket's stage one, then each one's later stages, each wait bounded: [Note: bounded
+hook wait]). Nothing overlaps less than with stages split across start and finish, and no stage
+of a group's second level can come after a later group's collective on the replicate group, on
+any rank, whatever the timing.
+A hook runs on the second level only if it declares `two_level = True`: it must keep no state
+per bucket across calls (the two levels' views share an `index` but not a shape) and reduce
+correctly in all-reduce mode on a view without params. `Reduce`, `Compress`, `Quantize` and
+`Deterministic` do; PowerSGD (error feedback and Q factors per bucket), LocalSGD (averaging
+periods over its own subgroups), torch hooks (unscaled grads, a flat dp group) and
+`CompressWrapper` (copies keyed by bucket index) do not, and registering one under hybrid raises
+`CommHookHybridError` naming the hook and why. So the deterministic mode's sum is defined
+hierarchically under hybrid: [Note: deterministic reduction under hybrid] in
+megabuf/comm_hooks/fixed_order.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from megabuf.collectives import Collectives
+from megabuf.comm_hooks.contract import (
+    CommHookModeError,
+    GradBucket,
+    HookTally,
+    check_modes,
+    hook_name,
+)
+
+
+class CommHookHybridError(CommHookModeError):
+    """A hook that cannot run on both levels of a hybrid reduction ([Note: comm hooks under
+    hybrid])."""
+
+
+def check_two_level(hook: object, *, group_id: int, rank: int) -> None:
+    """Raise `CommHookHybridError` unless `hook` declares `two_level = True` and all-reduce
+    mode (the second level's)."""
+    if getattr(hook, "two_level", False) is not True:
+        why = getattr(hook, "two_level_note", None)
+        raise CommHookHybridError(
+            f"megabuf: comm hook {hook_name(hook)} cannot run under hybrid sharding (bucket "
+            f"group {group_id}, rank {rank}): a hybrid reduction runs the hook on both levels, "
+            "inside the shard group and then across the replicate group on the reduced shard "
+            "([Note: comm hooks under hybrid]), and it does not declare `two_level = True`"
+            + (f" ({why})" if why else "")
+            + ". Hooks that do: Reduce, Compress, Quantize, Deterministic (and "
+            "deterministic_reduction); use flat process groups for this hook"
+        )
+    check_modes(hook, "all_reduce", f"the second level of a hybrid reduction (rank {rank})")
+
+
+def replica_views(
+    first_level: Sequence[GradBucket],
+    shards: Sequence[Tensor],
+    group: ProcessGroup,
+    collectives: Collectives,
+) -> list[GradBucket]:
+    """The second-level view of each bucket: over `shards[i]`, this rank's reduced shard of
+    bucket `first_level[i]`, in all-reduce mode over the replicate `group`."""
+    if len(shards) != len(first_level):
+        raise ValueError(
+            f"megabuf: {len(first_level)} hooked buckets but {len(shards)} reduced shards"
+        )
+    size, group_rank = collectives.size(group), collectives.rank(group)
+    return [
+        dataclasses.replace(
+            bucket, mode="all_reduce", data=shard, shard=None, params=(), param_names=(),
+            group=group, group_size=size, group_rank=group_rank, gradient_scaling_factor=1.0,
+            _grads=(), _workspace={}, tally=HookTally(),
+        )  # fmt: skip
+        for bucket, shard in zip(first_level, shards, strict=True)
+    ]
