@@ -184,8 +184,7 @@ def test_named_errors(sweep: list[dict[str, Any]]) -> None:
     errors = _result(sweep, "misuse")[0]
     assert "dp_shard_size=3 does not divide the data-parallel size 4" in errors["not_divisible"]
     assert "needs a strategy that shards the optimizer" in errors["no_shard"]
-    assert "not supported under hybrid sharding" in errors["hook"]
-    assert "deterministic_reduction) are not supported under hybrid" in errors["deterministic"]
+    assert "comm hook PowerSGD cannot run under hybrid sharding" in errors["hook"]
     assert (
         "num_distributed_optimizer_instances=3 does not divide" in errors["config_r_not_dividing"]
     )

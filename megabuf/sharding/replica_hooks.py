@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -86,11 +87,12 @@ def replica_views(
             f"megabuf: {len(first_level)} hooked buckets but {len(shards)} reduced shards"
         )
     size, group_rank = collectives.size(group), collectives.rank(group)
+    fields: dict[str, Any] = {
+        "mode": "all_reduce", "shard": None, "params": (), "param_names": (), "_grads": (),
+        "group": group, "group_size": size, "group_rank": group_rank,
+        "gradient_scaling_factor": 1.0,
+    }  # fmt: skip
     return [
-        dataclasses.replace(
-            bucket, mode="all_reduce", data=shard, shard=None, params=(), param_names=(),
-            group=group, group_size=size, group_rank=group_rank, gradient_scaling_factor=1.0,
-            _grads=(), _workspace={}, tally=HookTally(),
-        )  # fmt: skip
+        dataclasses.replace(bucket, data=shard, _workspace={}, tally=HookTally(), **fields)
         for bucket, shard in zip(first_level, shards, strict=True)
     ]
