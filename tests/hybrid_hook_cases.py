@@ -1,5 +1,7 @@
 """Rank side of tests/test_hybrid_hooks.py: comm hooks and deterministic_reduction under a hybrid
-split ([Note: comm hooks under hybrid]), 2 replicas x 2-way shard on 4 gloo ranks.
+split ([Note: comm hooks under hybrid]) on 4 gloo ranks: 2 replicas x 2-way shard (each level
+sums two terms, which any order rounds alike), and 4 x 1 (four replicas: the second level's
+order shows).
 
 Each case trains hybrid_cases' model (optimizer_cases.Net, AdamW, `micro` micro-batches) with a
 hook, and returns per step: the calls each process group was handed, a digest of the published
@@ -22,7 +24,7 @@ from optimizer_cases import GLOBAL_BATCH, Reference, loss_fn, make_data
 import megabuf
 from megabuf.comm_hooks import Compress, PowerSGD, Quantize, Reduce
 
-WORLD, SHARD = 4, 2  # 2 x 2: dp_rank = replicate_rank * SHARD + shard_rank
+WORLD = 4  # R x S: dp_rank = replicate_rank * S + shard_rank
 
 
 class HierarchicalReference(Reference):
@@ -32,9 +34,11 @@ class HierarchicalReference(Reference):
     shard-rank order inside each replica (per micro-batch under reduce_each_microbatch, the
     micro-batches then added in order), then the replicas' sums in replicate-rank order."""
 
-    def __init__(self, micro_by_rank: list[int], each: bool, wire: torch.dtype | None) -> None:
+    def __init__(
+        self, micro_by_rank: list[int], each: bool, wire: torch.dtype | None, shard_size: int
+    ) -> None:
         super().__init__({"optimizer": "adamw"})
-        self.micro_by_rank, self.each = micro_by_rank, each
+        self.micro_by_rank, self.each, self.shard_size = micro_by_rank, each, shard_size
         self.wire = wire  # Compress(wire): each level's sum of 2 in this dtype, then fp32
         self.grads: list[torch.Tensor] = []  # the last step's, per param
 
@@ -57,8 +61,9 @@ class HierarchicalReference(Reference):
 
     def _grads(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
         replicas = []
-        for r in range(WORLD // SHARD):
-            ranks = [self._local(x, y, r * SHARD + s) for s in range(SHARD)]
+        s_size = self.shard_size
+        for r in range(WORLD // s_size):
+            ranks = [self._local(x, y, r * s_size + s) for s in range(s_size)]
             acc: list[torch.Tensor] | None = None
             for reduction in zip(*ranks, strict=True):  # micro-batch order
                 first = [self._sum(list(per_param)) for per_param in zip(*reduction)]
@@ -122,12 +127,13 @@ def hooked_case(case: dict[str, Any]) -> dict[str, Any]:
     extra `ddp` fields."""
     det = case["hook"] == "deterministic"
     ddp = {"deterministic_reduction": det, **case.get("ddp", {})}
-    model, opt = build({**case, "split": "2x2", "ddp": ddp})
+    split = case.get("split", "2x2")
+    model, opt = build({**case, "split": split, "ddp": ddp})
     _register(model, case["hook"])
     micro_by_rank = case.get("micro_by_rank", [case.get("micro", 1)] * WORLD)
     each = case.get("accumulation") == "reduce_each_microbatch"
     wire = torch.bfloat16 if case["hook"] == "compress" else None
-    hier = HierarchicalReference(micro_by_rank, each, wire)
+    hier = HierarchicalReference(micro_by_rank, each, wire, int(split.split("x")[1]))
     flat = reference({})
     calls, digests, bitwise = [], [], []
     for step in range(STEPS):

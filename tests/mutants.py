@@ -65,6 +65,31 @@ MUTANTS = (
         ("tests/test_hybrid.py",),
     ),
     Mutant(
+        "hybrid-hook-second-level-skipped",
+        "hybrid: a registered comm hook also reduces the shard across the replicate group",
+        "megabuf/sharding/replicate.py",
+        "[HookWork(self.hook, b, self.timeout_s) for b in self.hook_buckets]",
+        "[]",
+        ("tests/test_hybrid_hooks.py",),
+    ),
+    Mutant(
+        "hybrid-deterministic-second-level-backend-order",
+        "hybrid deterministic mode: the second level is the fixed-order sum, not the backend's",
+        "megabuf/sharding/replicate.py",
+        "        if self.hook is not None:  # every stage now",
+        "        if self.hook is not None and not getattr(self.hook, 'deterministic', False):  #",
+        ("tests/test_hybrid_hooks.py",),
+    ),
+    Mutant(
+        "hybrid-deterministic-second-level-rank-dependent-order",
+        "hybrid deterministic mode: every rank sums the replicas in replicate-rank order",
+        "megabuf/comm_hooks/fixed_order.py",
+        "    sum_chunks(received, total)  # fp32, group-rank order\n",
+        "    sum_chunks(received if bucket.params else received.view(size, -1).roll(\n"
+        "        -bucket.group_rank, 0).reshape(-1), total)\n",
+        ("tests/test_hybrid_hooks.py",),
+    ),
+    Mutant(
         "expert-norm-not-over-ep",
         "global grad norm: expert parts are summed over expt_dp, ep and pp",
         "megabuf/optimizer/distributed.py",

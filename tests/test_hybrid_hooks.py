@@ -31,6 +31,11 @@ def _cases() -> dict[str, tuple[Any, ...]]:
             cases[f"{strategy}-{hook}"] = (
                 hooked_case, {"strategy": strategy, "hook": hook, "micro": 2},
             )  # fmt: skip
+    for strategy in ("optim", "optim_grads"):
+        cases[f"{strategy}-deterministic-4x1"] = (
+            hooked_case, {"strategy": strategy, "hook": "deterministic", "split": "4x1"},
+        )  # fmt: skip
+    cases["optim-none-4x1"] = (hooked_case, {"strategy": "optim", "hook": "none", "split": "4x1"})
     cases["optim-deterministic-repeat"] = (  # another bucket size, no overlap: same bits
         hooked_case,
         {"strategy": "optim", "hook": "deterministic", "micro": 2,
@@ -94,6 +99,22 @@ def test_deterministic_sum_is_the_hierarchical_fixed_order_sum(
     assert all(r["grads_bitwise"] == [True, True, True] for r in ranks)
     assert max(r["hier_error"] for r in ranks) == 0.0  # its AdamW steps too, bitwise
     assert max(r["error"] for r in ranks) < FP32_BOUND
+
+
+def test_deterministic_second_level_sums_replicas_in_rank_order(
+    sweep: list[dict[str, Any]],
+) -> None:
+    """4 x 1: the second level sums four replicas, where the order shows: bitwise the fp32 sum
+    (((x_0 + x_1) + x_2) + x_3), and its AdamW steps bitwise too. The engine's own all-reduce
+    (gloo's ring) sums in another order: its grads are not that sum on some step."""
+    for strategy in ("optim", "optim_grads"):
+        ranks = case_result(sweep, f"{strategy}-deterministic-4x1")
+        assert all(r["grads_bitwise"] == [True, True, True] for r in ranks), strategy
+        assert max(r["hier_error"] for r in ranks) == 0.0
+        assert len({r["digests"][-1] for r in ranks}) == 1  # four replicas, one model
+        assert max(r["error"] for r in ranks) < FP32_BOUND
+    plain = case_result(sweep, "optim-none-4x1")
+    assert not all(r["grads_bitwise"] == [True, True, True] for r in plain)
 
 
 def test_deterministic_is_reproducible_across_bucket_sizes_and_overlap(
