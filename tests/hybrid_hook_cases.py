@@ -23,6 +23,7 @@ from optimizer_cases import GLOBAL_BATCH, Reference, loss_fn, make_data
 
 import megabuf
 from megabuf.comm_hooks import Compress, PowerSGD, Quantize, Reduce
+from megabuf.comm_hooks.telemetry import hooked_buckets, wire_formula
 
 WORLD = 4  # R x S: dp_rank = replicate_rank * S + shard_rank
 
@@ -166,7 +167,22 @@ def hooked_case(case: dict[str, Any]) -> dict[str, Any]:
         "hooks": sorted({type(g.comm_hook).__name__ for g in model.engine.all_bucket_groups}),
         "buckets": sum(len(g.buckets) for g in model.engine.all_bucket_groups),
         "replica_views": sum(len(g.replicas.hook_buckets) for g in model.engine.all_bucket_groups),
+        "wire": _wire(model, case["hook"]),
     }
+
+
+def _wire(model: megabuf.DistributedDataParallel, hook: str) -> list[tuple[Any, ...]]:
+    """comm_hook_report's rows, (level, mode, group size, dispatches, ring bytes per dispatch,
+    wire_formula's figure for the row's view)."""
+    spec = {"compress": {"name": "compress", "dtype": "bfloat16"}, "reduce": {"name": "reduce"}}
+    formulas = [
+        wire_formula(spec[hook], b) if hook in spec else None for _, b in hooked_buckets(model)
+    ]
+    rows = model.engine.hooks.comm_hook_report().buckets
+    return [
+        (w.level, w.mode, w.group_size, w.dispatches, w.ring_nbytes_per_dispatch, f)
+        for w, f in zip(rows, formulas, strict=True)
+    ]
 
 
 def _train_and_compare(

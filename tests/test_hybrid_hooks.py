@@ -84,6 +84,17 @@ def test_compress_runs_on_both_levels(sweep: list[dict[str, Any]], strategy: str
     assert all(r["grads_bitwise"] == [True, True, True] for r in ranks)
     assert max(r["hier_error"] for r in ranks) == 0.0
     assert max(r["error"] for r in ranks) < BF16_BOUND
+    _check_hook_report(ranks[0])
+
+
+def _check_hook_report(res: dict[str, Any]) -> None:
+    """comm_hook_report: per bucket a first-level row (reduce-scatter over the shard group) and
+    a second-level row (all-reduce over the replicate group), each dispatched once per step,
+    with the bytes wire_formula gives for its view."""
+    levels = [(level, mode, size) for level, mode, size, *_ in res["wire"]]
+    assert levels == [(1, "reduce_scatter", 2), (2, "all_reduce", 2)] * res["buckets"]
+    for _, _, _, dispatches, ring_nbytes, formula in res["wire"]:
+        assert dispatches == 3 and ring_nbytes == formula > 0
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -146,6 +157,7 @@ def test_reduce_hook_on_both_levels_is_the_engine_bitwise(sweep: list[dict[str, 
     result bit for bit: the second level's view carries no second pre-scale."""
     hooked, plain = case_result(sweep, "optim-reduce"), case_result(sweep, "optim-none")
     _check_replicas_and_levels(hooked, {"all_reduce": 1})
+    _check_hook_report(hooked[0])
     assert [r["params"] for r in hooked] == [r["params"] for r in plain]
     assert max(r["error"] for r in hooked) < FP32_BOUND
 
