@@ -136,7 +136,7 @@ class BucketGroup(TwoLevelReduction):
         self.timeline = timeline
 
     def set_comm_hook(self, hook: object, buckets: Sequence[GradBucket]) -> None:
-        """Reduce with `hook` from now on, one call per bucket ([Note: comm hook contract])."""
+        """Reduce with `hook` from now on, per bucket and level ([Note: comm hook contract])."""
         if len(buckets) != len(self.buckets):
             raise ValueError(
                 f"megabuf: bucket group {self.group_id} has {len(self.buckets)} buckets, "

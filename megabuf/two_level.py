@@ -92,9 +92,9 @@ class TwoLevelReduction:
         if not self.replicas.owed:
             return
         self._finish_first_level()
-        self.replicas.start(self._reduced_shards())
         if self.timeline is not None:  # the second level's dispatch; "finish" covers both
-            self.timeline.record(self.group_id, "replicate_dispatch")
+            self.timeline.record(self.group_id, "replicate_dispatch")  # (a hook's runs in start)
+        self.replicas.start(self._reduced_shards())
 
     def first_level_completed(self) -> bool:
         """The reduction in the group's own collective group has landed (never waits)."""

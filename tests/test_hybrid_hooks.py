@@ -35,6 +35,10 @@ def _cases() -> dict[str, tuple[Any, ...]]:
         cases[f"{strategy}-deterministic-4x1"] = (
             hooked_case, {"strategy": strategy, "hook": "deterministic", "split": "4x1"},
         )  # fmt: skip
+    cases["optim_grads-deterministic-expert"] = (  # ep 1: expert buffers split as the dense
+        hooked_case,
+        {"strategy": "optim_grads", "hook": "deterministic", "micro": 2, "expert": True},
+    )  # fmt: skip
     cases["optim-none-4x1"] = (hooked_case, {"strategy": "optim", "hook": "none", "split": "4x1"})
     cases["optim-deterministic-repeat"] = (  # another bucket size, no overlap: same bits
         hooked_case,
@@ -110,6 +114,14 @@ def test_deterministic_sum_is_the_hierarchical_fixed_order_sum(
     assert all(r["grads_bitwise"] == [True, True, True] for r in ranks)
     assert max(r["hier_error"] for r in ranks) == 0.0  # its AdamW steps too, bitwise
     assert max(r["error"] for r in ranks) < FP32_BOUND
+
+
+def test_deterministic_with_expert_buffers(sweep: list[dict[str, Any]]) -> None:
+    """ep_size 1: the mode's hook on the expert buffers' groups too, on both levels."""
+    ranks = case_result(sweep, "optim_grads-deterministic-expert")
+    _check_replicas_and_levels(ranks, {"all_to_all": 1, "all_gather": 1})
+    assert all(r["grads_bitwise"] == [True, True, True] for r in ranks)
+    assert max(r["hier_error"] for r in ranks) == 0.0
 
 
 def test_deterministic_second_level_sums_replicas_in_rank_order(
