@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "megabuf.timeline", "megabuf.overlap", "megabuf.sharding", "megabuf.sharding.ledger",
         "megabuf.sharding.walk", "megabuf.comm_hooks.lowrank", "megabuf.optimizer.grad_scaler",
         "megabuf.optimizer.implementation", "megabuf.optimizer.state_layout",
-        "megabuf.pipeline.order", "megabuf.checkpoint.files",
+        "megabuf.pipeline.order", "megabuf.checkpoint.files", "megabuf.bucket_planner",
     )),
     ("plan", (
         "megabuf.config", "megabuf.plan", "megabuf.sharding.formula",
