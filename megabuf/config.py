@@ -15,7 +15,7 @@ import sys
 import textwrap
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -180,10 +180,20 @@ class DistributedDataParallelConfig:
     also raises on every rank, naming each such param and the ranks that lacked it (one small
     all-reduce per iteration)."""
 
-    bucket_size: int | None = None
+    bucket_size: int | Literal["auto"] | None = None
     """Bucket size in elements. None: with `overlap_grad_reduce`, Megatron's
     max(40_000_000, 1_000_000 * dp_size) capped at a quarter of the largest buffer (so small
-    models overlap too); without overlap, one bucket per buffer."""
+    models overlap too); without overlap, one bucket per buffer. "auto": start with the default,
+    measure `auto_bucket_warmup_steps` steps, then re-plan the bucket boundaries once, in place,
+    so the predicted communication left after backward is least ([Note: auto bucket plan] in
+    megabuf/bucket_planner.py, [Note: auto bucket re-plan] in megabuf/autobucket.py). Needs
+    `overlap_grad_reduce` and the all-reduce path (data_parallel_sharding_strategy "no_shard"),
+    and no `comm_hook` or `deterministic_reduction`."""
+
+    auto_bucket_warmup_steps: int = 3
+    """With `bucket_size = "auto"`: the number of steps run on the default buckets before the
+    re-plan; the first is not measured (it learns the grad arrival order), the others are, and
+    the re-plan happens at the step boundary after the last (`zero_grad_buffer()`). >= 2."""
 
     pad_buckets_for_high_nccl_busbw: bool = False
     """Pad buckets to a multiple of 2**16 elements as well (NCCL reaches higher bus bandwidth
@@ -231,14 +241,16 @@ class DistributedDataParallelConfig:
                     "use_distributed_optimizer=True (only the distributed optimizer gathers "
                     "params); set use_distributed_optimizer=True or turn it off"
                 )
-        if self.bucket_size is not None and (
+        if self.bucket_size is not None and self.bucket_size != "auto" and (
             isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int)
         ):
             raise ValueError(
                 f"megabuf: DistributedDataParallelConfig.bucket_size must be an int number of "
-                f"elements or None, got {self.bucket_size!r}"
+                f"elements, \"auto\" or None, got {self.bucket_size!r}"
             )
-        if self.bucket_size is not None and self.bucket_size <= 0:
+        if self.bucket_size == "auto":
+            self._check_auto_bucket()
+        elif self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(
                 f"megabuf: DistributedDataParallelConfig.bucket_size must be > 0 elements, got "
                 f"{self.bucket_size}; use None for the default"
@@ -250,6 +262,33 @@ class DistributedDataParallelConfig:
                 "megabuf: DistributedDataParallelConfig.num_distributed_optimizer_instances="
                 f"{self.num_distributed_optimizer_instances} is not supported; use 1"
             )
+
+    def _check_auto_bucket(self) -> None:
+        """bucket_size="auto" re-plans in place ([Note: auto bucket re-plan]): only where the
+        re-plan moves nothing a user or another object holds."""
+        warmup = self.auto_bucket_warmup_steps
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 2:
+            raise ValueError(
+                "megabuf: DistributedDataParallelConfig.auto_bucket_warmup_steps must be an int "
+                f">= 2 (one learning step, then at least one measured), got {warmup!r}"
+            )
+        refusals = [
+            (not self.overlap_grad_reduce, "overlap_grad_reduce=False (nothing to overlap: "
+             "set overlap_grad_reduce=True, or leave bucket_size=None)"),
+            (self.sharding.shards_optimizer, f"data_parallel_sharding_strategy="
+             f"{self.sharding.name!r} (a re-plan would move every optimizer shard: give an "
+             "int bucket_size, e.g. the one a no_shard run's auto plan logged)"),
+            (self.comm_hook is not None, "comm_hook (hook state follows the bucket boundaries: "
+             "give an int bucket_size)"),
+            (self.deterministic_reduction, "deterministic_reduction=True (its fixed-order hook "
+             "is installed per bucket: give an int bucket_size)"),
+        ]  # fmt: skip
+        for refused, why in refusals:
+            if refused:
+                raise ValueError(
+                    f"megabuf: DistributedDataParallelConfig.bucket_size=\"auto\" cannot be used "
+                    f"with {why}"
+                )
 
     def _resolve_sharding_strategy(self) -> None:
         """Make `data_parallel_sharding_strategy` and `use_distributed_optimizer` agree (one may

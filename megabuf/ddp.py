@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from megabuf import torch_compat
-from megabuf.assembly import assemble
+from megabuf.assembly import Assembly, assemble, rebucket
+from megabuf.autobucket import AutoBucket
 from megabuf.bucket_group import BucketGroup, Timeline
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
@@ -98,15 +99,20 @@ class DistributedDataParallel(nn.Module):
         self._sharding = self.ddp_config.sharding  # [Note: sharding strategy objects]
         self.memory_ledger = MemoryLedger()  # [Note: sharded grad lifecycle]
         self._build(options.init_sync)
-        self._hooks = CommHookRegistry(
-            self.all_bucket_groups, self.plan, self.ddp_config, self.memory_ledger, self.rank
-        )
         if self.ddp_config.comm_hook is not None:
             spec = dict(self.ddp_config.comm_hook)
             buffers = spec.pop("buffers", "all")
             self.register_comm_hook(build_comm_hook(spec), buffers=buffers)
         if self.ddp_config.deterministic_reduction:
             self._hooks.install_deterministic()
+        self._auto: AutoBucket | None = None  # [Note: auto bucket re-plan]
+        if self.ddp_config.bucket_size == "auto":
+            device = params_device(self.param_to_name, self.process_groups.dp)
+            self._auto = AutoBucket(
+                list((n, p) for p, n in self.param_to_name.items()), self.ddp_config,
+                self.collectives, self.process_groups.dp, device,
+            )  # fmt: skip
+            self._sync.on_backward_end = self._auto.on_backward_end
 
     @property
     def all_bucket_groups(self) -> list[BucketGroup]:
@@ -142,6 +148,24 @@ class DistributedDataParallel(nn.Module):
             [b for b, e in zip(self._all_buffers, expert) if not e], self
         )
         self.expert_parallel_buffers = [b for b, e in zip(self._all_buffers, expert) if e]
+        self._module_buffers = list(self.module.buffers())
+        self._wire(built, params)
+        if init_sync:
+            self.broadcast_params()
+        if self._sharding.shards_params:
+            runtime = ParamUnits.build(  # shards filled, full params released
+                units, self.plan, self.all_bucket_groups, self.param_to_name, self.ddp_config,
+                self.memory_ledger, self.rank,
+            )  # fmt: skip
+            self.param_side = UnitParams(
+                self.all_bucket_groups, self._param_gather_hooks, self.ddp_config, runtime
+            )
+        for buf in self._all_buffers:
+            logger.debug("megabuf: %s", buf.describe())
+
+    def _wire(self, built: Assembly, params: list[nn.Parameter]) -> None:
+        """Everything built on the bucket groups: at construction, and again at the auto
+        bucket re-plan ([Note: auto bucket re-plan] in autobucket.py)."""
         expert_group = [planned.expert for planned in self.plan.groups]
         self.bucket_groups = [g for g, e in zip(built.groups, expert_group) if not e]
         self.expert_parallel_bucket_groups = [g for g, e in zip(built.groups, expert_group) if e]
@@ -160,7 +184,6 @@ class DistributedDataParallel(nn.Module):
             if group.sharded_grads is not None:
                 names = [self.param_to_name[p] for p in group.params_list]
                 group.sharded_grads.guard_main_grads(group.params_list, names)
-        self._module_buffers = list(self.module.buffers())
         self._param_gather_hooks = ParamGatherHooks(self.module, self.param_to_bucket_group)
         if self.ddp_config.overlap_param_gather:
             self._param_gather_hooks.enable()
@@ -168,16 +191,41 @@ class DistributedDataParallel(nn.Module):
         # the param side (megabuf/param_sync.py): what the optimizer tells before and after a
         # step (`before_step()`, `stepped()`) and what the param methods below call
         self.param_side: GatheredParams = GatheredParams(groups, hooks, cfg)
-        if init_sync:
-            self.broadcast_params()
-        if self._sharding.shards_params:
-            runtime = ParamUnits.build(  # shards filled, full params released
-                units, self.plan, self.all_bucket_groups, self.param_to_name, self.ddp_config,
-                self.memory_ledger, self.rank,
-            )  # fmt: skip
-            self.param_side = UnitParams(groups, hooks, cfg, runtime)
-        for buf in self._all_buffers:
-            logger.debug("megabuf: %s", buf.describe())
+        self._hooks = CommHookRegistry(
+            self.all_bucket_groups, self.plan, self.ddp_config, self.memory_ledger, self.rank
+        )
+
+    def _replan_buckets(self) -> None:
+        """bucket_size="auto": the one re-plan, at a step boundary (grads zero); see [Note: auto
+        bucket re-plan] in autobucket.py. Collective over dp."""
+        auto, self._auto = self._auto, None
+        hooks = self._hooks.comm_hooks()
+        if auto is None or hooks:
+            raise RuntimeError(
+                f"megabuf: bucket_size=\"auto\" cannot re-plan buckets with comm hooks {hooks} "
+                f"registered (their state follows the bucket boundaries; rank {self.rank}): "
+                "register them after the warm-up, or give an int bucket_size"
+            )
+        pgs = self.process_groups
+        self._rebuild(auto.replan(
+            self.plan, dp_size=pgs.dp_size, expt_dp_size=pgs.topology.expt_dp_size,
+            expert_shares_dp_group=pgs.expt_dp is pgs.dp,
+        ))  # fmt: skip
+
+    def _rebuild(self, plan: Plan) -> None:
+        """Rebuild the buckets of `plan` (boundaries only) in place; grads must be zero."""
+        self.plan, pgs, sync = plan, self.process_groups, self._sync
+        for handle in self._grad_hook_handles:
+            handle.remove()
+        self._param_gather_hooks.disable()
+        built = rebucket(
+            self.plan, self._all_buffers, self.ddp_config, pgs, self.collectives,
+            self.memory_ledger, self.param_to_name,
+        )  # fmt: skip
+        self._wire(built, list(self.param_to_name))
+        self._sync.require_sync = sync.require_sync
+        if sync.timeline is not None:
+            self._sync.enable_timeline(sync.timeline)
 
     def _exposed_grads(self, params: Sequence[nn.Parameter]) -> ExposedGrads:
         """[Note: grad contract]: nothing is exposed with the distributed optimizer."""
@@ -301,8 +349,11 @@ class DistributedDataParallel(nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Start a new iteration's grads: lazily, see [Note: grad accumulation into main_grad]
-        (no pass over the buffer; each param's first grad overwrites its main_grad)."""
+        (no pass over the buffer; each param's first grad overwrites its main_grad). With
+        bucket_size="auto", after the warm-up also the one re-plan ([Note: auto bucket re-plan])."""
         self._sync.zero()
+        if self._auto is not None and self._auto.due:
+            self._replan_buckets()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Same as zero_grad_buffer(): grads live in the buffers, see [Note: grad accumulation
