@@ -41,8 +41,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t[dist.get_rank() * n : (dist.get_rank() + 1) * n]
 
 
+def _agreed(model: Any) -> None:
+    """Raise on every rank, before any collective of the new plan, if the ranks chose
+    different plans (a rank-local plan would pair collectives of different sizes: a hang)."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, model.plan.bucket_ends)
+    if any(e != everyone[0] for e in everyone):
+        raise RuntimeError(f"ranks chose different bucket plans: {everyone}")
+
+
 def _step(model: Any, opt: Any, step: int, micro: int) -> None:
-    model.zero_grad_buffer()
+    model.zero_grad_buffer()  # with bucket_size="auto", where the re-plan happens
+    if model.ddp_config.bucket_size == "auto":
+        _agreed(model)
     for m in range(micro):
         x, y = make_batch(MODEL, GLOBAL_BATCH, seed=100 * step + m)
         last = m == micro - 1
@@ -86,12 +97,6 @@ def replan_case(flags: dict[str, Any], opt_kind: str, micro: int) -> dict[str, A
     opt = _optimizer(opt_kind, auto)
     for step in range(STEPS):
         _step(auto, opt, step, micro)
-        if step == WARMUP - 1:  # the next zero_grad_buffer() re-plans: check it agreed first
-            auto.zero_grad_buffer()
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, auto.plan.bucket_ends)
-            if any(e != everyone[0] for e in everyone):
-                raise RuntimeError(f"ranks chose different bucket plans: {everyone}")
     replanned = auto.plan
     mine = fake_measurement(n, dist.get_rank())
     group = megabuf.ProcessGroups.default().dp
@@ -107,6 +112,10 @@ def replan_case(flags: dict[str, Any], opt_kind: str, micro: int) -> dict[str, A
     opt2 = _optimizer(opt_kind, fixed)
     for step in range(STEPS):
         _step(fixed, opt2, step, micro)
+    default = megabuf.DistributedDataParallel(copy.deepcopy(base), fixed_cfg)  # never re-planned
+    opt3 = _optimizer(opt_kind, default)
+    for step in range(STEPS):
+        _step(default, opt3, step, micro)
     storage = [b.grad_data.untyped_storage().data_ptr() for b in auto._all_buffers]
     views_ok = all(
         p.main_grad.untyped_storage().data_ptr() in storage  # type: ignore[attr-defined]
@@ -117,6 +126,10 @@ def replan_case(flags: dict[str, Any], opt_kind: str, micro: int) -> dict[str, A
         "max_diff": max(
             (a - b).abs().max().item()
             for a, b in zip(auto.module.parameters(), fixed.module.parameters())
+        ),
+        "vs_default": max(
+            (a - b).abs().max().item()
+            for a, b in zip(auto.module.parameters(), default.module.parameters())
         ),
         "moved": max(
             (a - b).abs().max().item() for a, b in zip(auto.module.parameters(), base.parameters())

@@ -29,6 +29,8 @@ def test_replan_mid_training_is_bitwise_invisible(results: Any, name: str) -> No
         assert res["auto_done"], res
         assert res["moved"] > 1e-3, "training did not move the params: the test proves nothing"
         assert res["max_diff"] == 0.0, f"rank {rank}: re-plan at step k changed the params: {res}"
+        # another bucket plan only regroups the same 2-rank sums (the clip norm may round apart)
+        assert res["vs_default"] <= 1e-6, f"rank {rank}: differs from the default plan: {res}"
         assert res["views_ok"], f"rank {rank}: a main_grad view or group membership was lost"
         assert res["groups"] != res["default_groups"], "the re-plan changed nothing: no test"
 
