@@ -30,7 +30,7 @@ from megabuf.devices import params_device
 from megabuf.grad_sync import GradSync
 from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
 from megabuf.hook_registry import CommHookRegistry
-from megabuf.hooks import ParamGatherHooks, register_grad_hooks
+from megabuf.hooks import ParamGatherHooks, register_grad_hooks, remove_hooks_when_collected
 from megabuf.model_plan import plan_model
 from megabuf.nan_check import raise_on_nonfinite_grads
 from megabuf.param_sync import GatheredParams, UnitParams
@@ -187,6 +187,7 @@ class DistributedDataParallel(nn.Module):
         self._param_gather_hooks = ParamGatherHooks(self.module, self.param_to_bucket_group)
         if self.ddp_config.overlap_param_gather:
             self._param_gather_hooks.enable()
+        remove_hooks_when_collected(self, self._grad_hook_handles, self._param_gather_hooks)
         groups, hooks, cfg = self.all_bucket_groups, self._param_gather_hooks, self.ddp_config
         # the param side (megabuf/param_sync.py): what the optimizer tells before and after a
         # step (`before_step()`, `stepped()`) and what the param methods below call

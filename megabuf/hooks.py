@@ -24,10 +24,20 @@ finished by the pre-hook of its first reader, whoever owns the param (a parent r
 weight through `F.linear`, an `nn.ParameterList`, a sibling's weight); groups never read in
 forward are finished at the root. The read order of the groups drives prefetching, so a forward
 order different from registration order costs overlap, never correctness.
+
+[Note: hooks hold the engine weakly]
+A post-accumulate-grad hook lives in its param's C++ autograd state, which the garbage collector
+cannot see into: a hook holding the engine strongly kept every engine (its buffers, on a GPU its
+memory) alive for the life of the process, even after `del model` and `gc.collect()`. So each
+hook holds its bucket group and the engine's callback weakly, does nothing once they are gone (the
+param trains as a plain one again), and the engine removes its hooks (grad and forward pre-hooks)
+when it is collected, so a module the user kept does not hold the engine's buffers either.
 """
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -47,14 +57,19 @@ def make_grad_hook(
     on_grad: Callable[[], None],
 ) -> Callable[[nn.Parameter], None]:
     """The post-accumulate-grad hook of one param; see [Note: grad accumulation into main_grad].
-    `on_grad` runs first (the model's per-backward bookkeeping, [Note: grad contract])."""
-    register = group.register_grad_ready_at
-    mark_written = group.mark_written
+    `on_grad` runs first (the model's per-backward bookkeeping, [Note: grad contract]).
+    The hook holds its group and `on_grad` weakly ([Note: hooks hold the engine weakly])."""
+    group_ref = weakref.ref(group)
+    on_grad_ref = _weak_callable(on_grad)
 
     def hook(param: nn.Parameter) -> None:
+        group = group_ref()
+        on_grad = on_grad_ref()
+        if group is None or on_grad is None:  # the engine is gone: the param is plain again
+            return
         on_grad()
         grad = param.grad
-        first = mark_written(index)
+        first = group.mark_written(index)
         if grad is not None and grad is not main_grad:
             if first or link:
                 # linked: param.grad is not main_grad only when it was None (zero_grad_buffer
@@ -63,9 +78,15 @@ def make_grad_hook(
             else:
                 main_grad.add_(grad)
             param.grad = main_grad if link else None
-        register(index, param)
+        group.register_grad_ready_at(index, param)
 
     return hook
+
+
+def _weak_callable(fn: Callable[[], None]) -> Callable[[], Callable[[], None] | None]:
+    if inspect.ismethod(fn):
+        return weakref.WeakMethod(fn)
+    return lambda: fn  # a plain function holds no engine
 
 
 def register_grad_hooks(
@@ -83,6 +104,24 @@ def register_grad_hooks(
         hook = make_grad_hook(main_grad, group, group.index_of(param), param in linked, on_grad)
         handles.append(param.register_post_accumulate_grad_hook(hook))
     return handles
+
+
+def remove_hooks_when_collected(
+    owner: object, handles: Sequence[RemovableHandle], gather_hooks: ParamGatherHooks
+) -> None:
+    """Remove the grad hooks `handles` and the forward pre-hooks of `gather_hooks` once `owner`
+    (the engine) is garbage collected: see [Note: hooks hold the engine weakly]."""
+    weakref.finalize(owner, _remove_all, list(handles), weakref.ref(gather_hooks))
+
+
+def _remove_all(
+    handles: list[RemovableHandle], gather_hooks: weakref.ref[ParamGatherHooks]
+) -> None:
+    for handle in handles:
+        handle.remove()
+    hooks = gather_hooks()  # alive only while a module the user kept holds its pre-hooks
+    if hooks is not None:
+        hooks.disable()
 
 
 class _ReadRecorder(TorchFunctionMode):

@@ -57,3 +57,34 @@ def test_memory_table_compares_measured_with_formula() -> None:
     assert "9.000" in lines[3] and "8.000" in lines[3] and "no (+100 B)" in lines[3]
     assert "| fsdp2_reshard" in lines[4] and "textbook" in lines[4]
     assert memory_table([rows[3]]) == ""
+
+
+class _KeyedState:
+    """A mapping readable by key only, as megatron-core's ProxyDict (no `.values()`)."""
+
+    def __init__(self, inner: dict) -> None:
+        self._inner = inner
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._inner)
+
+    def __getitem__(self, key):  # type: ignore[no-untyped-def]
+        return self._inner[key]
+
+
+def test_storage_walk_reads_a_chained_foreign_optimizer() -> None:
+    """The GPU bench's megatron-core rows crashed here (2026-11-26, H200): its optimizer's state
+    has no `.values()`. Walked: main params of each chained torch optimizer and their state."""
+    from types import SimpleNamespace
+
+    from megabuf.sharding.walk import storage_walk
+
+    main = torch.nn.Parameter(torch.zeros(10))
+    inner = torch.optim.Adam([main])
+    main.grad = torch.ones(10)
+    inner.step()
+    chained = SimpleNamespace(optimizer=inner)
+    outer = SimpleNamespace(chained_optimizers=[chained], state=_KeyedState(dict(inner.state)))
+    walked = storage_walk(torch.nn.Linear(1, 1, bias=False), outer)["cpu"]
+    # the Linear's weight (4 B), main (40 B), exp_avg and exp_avg_sq (80 B), step (4 B)
+    assert walked == 4 + 40 + 80 + 4

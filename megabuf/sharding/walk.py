@@ -57,10 +57,8 @@ def _chunk_tensors(chunk: nn.Module) -> Iterator[Tensor]:
 
 
 def _optimizer_tensors(optimizer: Any) -> Iterator[Tensor]:
-    if not hasattr(optimizer, "domains"):  # a torch optimizer (ZeroRedundancyOptimizer: .optim)
-        inner = getattr(optimizer, "optim", optimizer)
-        for state in getattr(inner, "state", {}).values():
-            yield from (v for v in state.values() if isinstance(v, Tensor))
+    if not hasattr(optimizer, "domains"):
+        yield from _foreign_optimizer_tensors(optimizer)
         return
     for domain in optimizer.domains:
         for mp in domain.main_params:
@@ -72,6 +70,21 @@ def _optimizer_tensors(optimizer: Any) -> Iterator[Tensor]:
                 yield mp.model_data
         for state in domain.optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, Tensor))
+
+
+def _foreign_optimizer_tensors(optimizer: Any) -> Iterator[Tensor]:
+    """A torch optimizer's params and state; ZeroRedundancyOptimizer's (`.optim`) and
+    megatron-core's (`.chained_optimizers`, each wrapping a torch `.optimizer` whose params are
+    its fp32 main params; its `state` is a mapping without `.values()`, so read by key)."""
+    for chained in getattr(optimizer, "chained_optimizers", None) or []:
+        yield from _foreign_optimizer_tensors(chained)
+    inner = getattr(optimizer, "optim", optimizer)
+    inner = getattr(inner, "optimizer", inner)
+    for group in getattr(inner, "param_groups", []):
+        yield from (p for p in group["params"] if isinstance(p, Tensor))
+    state = getattr(inner, "state", {})
+    for key in list(state):
+        yield from (v for v in state[key].values() if isinstance(v, Tensor))
 
 
 def unique_storage_nbytes(tensors: Iterable[Tensor]) -> dict[str, int]:
