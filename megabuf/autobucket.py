@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,7 +64,9 @@ class Measurement:
     steps: int  # measured steps
 
 
-def ready_times(events: Sequence[Event], n_params: int, skip_steps: int = 1) -> tuple[list[float], int]:
+def ready_times(
+    events: Sequence[Event], n_params: int, skip_steps: int = 1
+) -> tuple[list[float], int]:
     """Per param, the median over steps (after the first `skip_steps`) of its last "param_ready"
     before the step's "backward_end", relative to it (<= 0); 0.0 when it had no grad."""
     per_step: list[list[float]] = []
@@ -154,7 +157,9 @@ class AutoBucket:
         collectives: Collectives,
         group: Group,
         device: torch.device,
+        owner: object,
     ) -> None:
+        """`owner`: the engine; its hooks go when it is collected before the re-plan."""
         self.trainable = list(trainable)
         self.config = config
         self.collectives = collectives
@@ -165,6 +170,7 @@ class AutoBucket:
             p.register_post_accumulate_grad_hook(self._hook(i))
             for i, (_, p) in enumerate(self.trainable)
         ]
+        weakref.finalize(owner, _remove_all, list(self._handles))
         self.choices: tuple[BucketChoice, ...] = ()
         self.summary = ""  # the chosen plan, as logged (after the re-plan)
         self.syncs = 0  # grad syncs seen (the grad sync calls `on_backward_end`)
@@ -218,6 +224,11 @@ class AutoBucket:
         self.summary = describe(self.choices, agreed)
         logger.info("megabuf: %s", self.summary)
         return new_plan
+
+
+def _remove_all(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def describe(choices: Sequence[BucketChoice], measurement: Measurement) -> str:

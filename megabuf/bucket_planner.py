@@ -53,7 +53,9 @@ class CollectiveModel:
         for name in ("latency_s", "seconds_per_byte"):
             value = getattr(self, name)
             if not value >= 0.0 or value == float("inf"):
-                raise ValueError(f"megabuf: CollectiveModel.{name} must be finite >= 0, got {value}")
+                raise ValueError(
+                    f"megabuf: CollectiveModel.{name} must be finite >= 0, got {value}"
+                )
 
     def seconds(self, nbytes: int) -> float:
         return self.latency_s + self.seconds_per_byte * nbytes
@@ -142,7 +144,9 @@ def plan_buckets(
     if len(cuts) != len(numels):
         raise ValueError(f"megabuf: breaks_after has {len(cuts)} entries for {len(numels)} params")
     runs = _runs(len(numels), cuts)
-    packed = [bucket_numel(numels[lo:hi], param_align=param_align, pad_multiple=1) for lo, hi in runs]
+    packed = [
+        bucket_numel(numels[lo:hi], param_align=param_align, pad_multiple=1) for lo, hi in runs
+    ]
     ends = _solve(
         packed, [max(ready_s[lo:hi]) for lo, hi in runs], [cuts[hi - 1] for _, hi in runs],
         model, element_size, param_align, pad_multiple,

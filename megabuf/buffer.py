@@ -173,6 +173,7 @@ class _ParamAndGradBuffer:
                 f"megabuf: {self.describe()} cannot change its buckets in place under "
                 f"{self.ddp_config.sharding.name!r} (params would move); rank {self.dp_rank}"
             )
+
         def offsets(lay: BufferLayout) -> list[tuple[int, int]]:
             return [(slot.start, slot.end) for slot in lay.params]
 

@@ -241,12 +241,14 @@ class DistributedDataParallelConfig:
                     "use_distributed_optimizer=True (only the distributed optimizer gathers "
                     "params); set use_distributed_optimizer=True or turn it off"
                 )
-        if self.bucket_size is not None and self.bucket_size != "auto" and (
-            isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int)
+        if (
+            self.bucket_size is not None
+            and self.bucket_size != "auto"
+            and (isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int))
         ):
             raise ValueError(
                 f"megabuf: DistributedDataParallelConfig.bucket_size must be an int number of "
-                f"elements, \"auto\" or None, got {self.bucket_size!r}"
+                f'elements, "auto" or None, got {self.bucket_size!r}'
             )
         if self.bucket_size == "auto":
             self._check_auto_bucket()
@@ -286,7 +288,7 @@ class DistributedDataParallelConfig:
         for refused, why in refusals:
             if refused:
                 raise ValueError(
-                    f"megabuf: DistributedDataParallelConfig.bucket_size=\"auto\" cannot be used "
+                    f'megabuf: DistributedDataParallelConfig.bucket_size="auto" cannot be used '
                     f"with {why}"
                 )
 

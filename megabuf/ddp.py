@@ -110,7 +110,7 @@ class DistributedDataParallel(nn.Module):
             device = params_device(self.param_to_name, self.process_groups.dp)
             self._auto = AutoBucket(
                 list((n, p) for p, n in self.param_to_name.items()), self.ddp_config,
-                self.collectives, self.process_groups.dp, device,
+                self.collectives, self.process_groups.dp, device, self,
             )  # fmt: skip
             self._sync.on_backward_end = self._auto.on_backward_end
 
@@ -157,7 +157,7 @@ class DistributedDataParallel(nn.Module):
                 units, self.plan, self.all_bucket_groups, self.param_to_name, self.ddp_config,
                 self.memory_ledger, self.rank,
             )  # fmt: skip
-            self.param_side = UnitParams(
+            self.param_side: GatheredParams = UnitParams(
                 self.all_bucket_groups, self._param_gather_hooks, self.ddp_config, runtime
             )
         for buf in self._all_buffers:
@@ -191,7 +191,7 @@ class DistributedDataParallel(nn.Module):
         groups, hooks, cfg = self.all_bucket_groups, self._param_gather_hooks, self.ddp_config
         # the param side (megabuf/param_sync.py): what the optimizer tells before and after a
         # step (`before_step()`, `stepped()`) and what the param methods below call
-        self.param_side: GatheredParams = GatheredParams(groups, hooks, cfg)
+        self.param_side = GatheredParams(groups, hooks, cfg)
         self._hooks = CommHookRegistry(
             self.all_bucket_groups, self.plan, self.ddp_config, self.memory_ledger, self.rank
         )
@@ -203,7 +203,7 @@ class DistributedDataParallel(nn.Module):
         hooks = self._hooks.comm_hooks()
         if auto is None or hooks:
             raise RuntimeError(
-                f"megabuf: bucket_size=\"auto\" cannot re-plan buckets with comm hooks {hooks} "
+                f'megabuf: bucket_size="auto" cannot re-plan buckets with comm hooks {hooks} '
                 f"registered (their state follows the bucket boundaries; rank {self.rank}): "
                 "register them after the warm-up, or give an int bucket_size"
             )

@@ -186,7 +186,9 @@ def _bucket_ends(
     if bucket_ends is None:
         return None
     if disable_bucketing:
-        raise ValueError("megabuf: build_plan(bucket_ends=...) cannot be used with disable_bucketing")
+        raise ValueError(
+            "megabuf: build_plan(bucket_ends=...) cannot be used with disable_bucketing"
+        )
     if len(bucket_ends) != n_buffers:
         raise ValueError(
             f"megabuf: build_plan(bucket_ends=...) needs one entry per buffer: got "

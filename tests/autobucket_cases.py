@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 import megabuf
-from megabuf.comm_hooks import build as build_hook
 from megabuf.autobucket import Measurement, agree, choose_buckets, ends_of
 from megabuf.bucket_planner import CollectiveModel
+from megabuf.comm_hooks import build as build_hook
 from megabuf.overlap import analyze
 from megabuf.replicas import param_specs
 from megabuf.testing.models import build_model, loss_fn, make_batch

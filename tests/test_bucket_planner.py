@@ -105,9 +105,15 @@ def test_plan_is_optimal_among_all_boundaries_of_small_inputs(d: dict) -> None:
     n = len(numels)
     best = min(
         predict_exposed(
-            [b - a for a, b in zip((0, *ends), (*ends, n))], numels, d["ready"], 0.0, d["model"],
-            element_size=d["element_size"], param_align=d["align"], pad_multiple=d["pad"],
-        )  # fmt: skip
+            [b - a for a, b in zip((0, *ends), (*ends, n))],
+            numels,
+            d["ready"],
+            0.0,
+            d["model"],
+            element_size=d["element_size"],
+            param_align=d["align"],
+            pad_multiple=d["pad"],
+        )
         for k in range(n)
         for ends in itertools.combinations(range(1, n), k)
     )
