@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", (
         "megabuf.nan_check", "megabuf.hooks", "megabuf.grads", "megabuf.backward_sync",
         "megabuf.hook_registry", "megabuf.param_units", "megabuf.grad_sync",
-        "megabuf.param_sync", "megabuf.assembly",
+        "megabuf.param_sync", "megabuf.assembly", "megabuf.autobucket",
     )),
     ("wrapper", ("megabuf.ddp",)),
     ("above", (
