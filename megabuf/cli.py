@@ -59,18 +59,28 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--dp-size", type=int, default=2, help="data-parallel size (default 2)")
     p.add_argument("--ep-size", type=int, default=1, help="expert-parallel size (default 1)")
     p.add_argument("--disable-bucketing", action="store_true")
+    p.add_argument("--bucket-ends", metavar="ENDS",
+                   help="show a bucket_size=auto re-plan: the bucket_ends it logged, e.g. "
+                   "'14,21,26' (buffers separated by ';')")  # fmt: skip
     p.add_argument("--params", action="store_true", help="list every param of every bucket")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from megabuf.inspect import format_inspection, inspect_model, inspection_to_dict, load_model
+    from megabuf.inspect import (
+        format_inspection,
+        inspect_model,
+        inspection_to_dict,
+        load_model,
+        parse_bucket_ends,
+    )
 
     config = load_config(args.config, args.set)
     model = load_model(args.model)
     info = inspect_model(
         model, config, args.dp_size, model_name=args.model, ep_size=args.ep_size,
         disable_bucketing=args.disable_bucketing,
+        bucket_ends=parse_bucket_ends(args.bucket_ends) if args.bucket_ends else None,
     )  # fmt: skip
     if args.json:
         print(json.dumps(inspection_to_dict(info), indent=1))

@@ -208,6 +208,8 @@ class DistributedDataParallel(nn.Module):
                 "register them after the warm-up, or give an int bucket_size"
             )
         pgs = self.process_groups
+        if self._sync.timeline is not None:  # the overlap report says where the plan changed
+            self._sync.timeline.record(-1, "replan")
         self._rebuild(auto.replan(
             self.plan, dp_size=pgs.dp_size, expt_dp_size=pgs.topology.expt_dp_size,
             expert_shares_dp_group=pgs.expt_dp is pgs.dp,

@@ -185,8 +185,10 @@ def inspect_model(
     model_name: str = "model",
     ep_size: int = 1,
     disable_bucketing: bool = False,
+    bucket_ends: Sequence[Sequence[int]] | None = None,
 ) -> Inspection:
-    """What `DistributedDataParallel(model, config)` would build at `dp_size` ranks."""
+    """What `DistributedDataParallel(model, config)` would build at `dp_size` ranks; with
+    `bucket_ends` (what a bucket_size="auto" re-plan logged), the plan it re-planned to."""
     if dp_size < 1 or ep_size < 1 or dp_size % ep_size:
         raise ValueError(
             f"megabuf: need dp_size >= 1 divisible by ep_size; got {dp_size}, {ep_size}"
@@ -195,6 +197,7 @@ def inspect_model(
     planned = plan_model(
         model, config, dp_size=dp_size, expt_dp_size=dp_size // ep_size,
         expert_shares_dp_group=ep_size == 1, disable_bucketing=disable_bucketing,
+        bucket_ends=bucket_ends,
     )  # fmt: skip
     trainable, unit_plan, plan = list(planned.trainable), planned.unit_plan, planned.plan
     specs = param_specs(trainable)
@@ -284,6 +287,10 @@ def format_inspection(info: Inspection, *, show_params: bool = False) -> str:
     """The human-readable report `megabuf inspect` prints."""
     cfg = info.config
     size = "one bucket per buffer" if info.bucket_size is None else f"{info.bucket_size:,} elements"
+    if info.plan.bucket_ends is not None:
+        size = f"chosen boundaries (bucket_ends {_ends_arg(info.plan.bucket_ends)})"
+    elif cfg.bucket_size == "auto":  # [Note: auto bucket re-plan]
+        size = f"auto: {size} until the re-plan after {cfg.auto_bucket_warmup_steps} steps"
     lines = [
         f"model {info.model_name}: {info.numel_total:,} params, dp_size={info.dp_size}",
         f"config: overlap_grad_reduce={cfg.overlap_grad_reduce} "
@@ -360,12 +367,29 @@ def _unit_name(info: Inspection, index: int) -> str:
     return (info.units[index].name if index < len(info.units) else "") or "<root>"
 
 
+def _ends_arg(ends: Sequence[Sequence[int]]) -> str:
+    """`--bucket-ends` syntax: a buffer's ends comma-separated, buffers split by ';'."""
+    return ";".join(",".join(map(str, e)) for e in ends)
+
+
+def parse_bucket_ends(text: str) -> tuple[tuple[int, ...], ...]:
+    """The inverse of the `--bucket-ends` syntax ("23,26" or "10,20;4" for two buffers)."""
+    try:
+        return tuple(tuple(int(x) for x in part.split(",")) for part in text.split(";"))
+    except ValueError:
+        raise ValueError(
+            f"--bucket-ends {text!r}: expected comma-separated param counts per buffer, "
+            "buffers separated by ';' (as the bucket_size=auto re-plan logs them)"
+        ) from None
+
+
 def inspection_to_dict(info: Inspection) -> dict[str, object]:
     """A JSON-serialisable form (for `megabuf inspect --json`)."""
     return {
         "model": info.model_name,
         "dp_size": info.dp_size,
         "bucket_size": info.bucket_size,
+        "bucket_ends": info.plan.bucket_ends,
         "numel_total": info.numel_total,
         "buffers": [
             {

@@ -161,8 +161,11 @@ def measured_case() -> dict[str, Any]:
         _step(model, opt, step, 1)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, model.plan.bucket_ends)
-    steps = analyze(timeline.events).steps
+    report = analyze(timeline.events)
+    steps = report.steps
     return {
+        "replanned_before_step": report.replanned_before_step,
+        "report_text": report.format(),
         "same_plan": all(e == everyone[0] for e in everyone),
         "ends": model.plan.bucket_ends,
         "replanned": model._auto is None,

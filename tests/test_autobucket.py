@@ -49,6 +49,8 @@ def test_measured_warmup_replans_the_same_on_every_rank(results: Any) -> None:
     for res in case_result(results, "measured"):
         assert res["replanned"] and res["same_plan"] and res["ends"] is not None, res
         assert res["groups_last_step"] == res["groups"], res  # the timeline follows new groups
+        assert res["replanned_before_step"] == 2, res  # warm-up of 2 steps
+        assert "re-planned (bucket_size=auto) before step 2" in res["report_text"], res
 
 
 def test_replan_with_a_comm_hook_registered_is_refused_by_name(results: Any) -> None:

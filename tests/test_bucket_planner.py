@@ -21,6 +21,7 @@ from megabuf.bucket_planner import (
     predict_exposed,
 )
 from megabuf.layout import compute_layout
+from megabuf.overlap import analyze
 
 numels_st = st.lists(st.integers(1, 5000), min_size=1, max_size=12)
 
@@ -210,3 +211,32 @@ def test_auto_bucket_config_refusals_name_the_field(flags: dict, words: str) -> 
 def test_auto_bucket_config_is_accepted_on_the_all_reduce_path() -> None:
     cfg = megabuf.DistributedDataParallelConfig(bucket_size="auto", overlap_grad_reduce=True)
     assert cfg.bucket_size == "auto" and cfg.auto_bucket_warmup_steps == 3
+
+
+def test_overlap_report_says_before_which_step_the_buckets_were_replanned() -> None:
+    def step(t: float, groups: int) -> list[tuple[int, str, float]]:
+        ev = [(g, "ready", t + 0.1 * g) for g in range(groups)]
+        ev += [(g, "dispatch", t + 0.1 * g + 0.01) for g in range(groups)]
+        ev += [(-1, "backward_end", t + 1.0)]
+        return ev + [(g, "finish", t + 1.1) for g in range(groups)]
+
+    events = step(0.0, 4) + step(2.0, 4) + [(-1, "replan", 3.5)] + step(4.0, 2) + step(6.0, 2)
+    report = analyze(events)
+    assert report.replanned_before_step == 2 and len(report.steps[-1].groups) == 2
+    assert "before step 2" in report.format()
+    assert analyze(events, skip_steps=1).replanned_before_step == 1
+    assert analyze(step(0.0, 3)).replanned_before_step is None
+
+
+def test_inspect_shows_the_auto_start_plan_and_a_logged_re_plan() -> None:
+    from megabuf.inspect import format_inspection, inspect_model, parse_bucket_ends
+    from megabuf.testing.models import build_model
+
+    cfg = megabuf.DistributedDataParallelConfig(bucket_size="auto", overlap_grad_reduce=True)
+    model = build_model("gpt_tiny")
+    assert "auto:" in format_inspection(inspect_model(model, cfg, 2))
+    info = inspect_model(model, cfg, 2, bucket_ends=parse_bucket_ends("14,21,26"))
+    assert [len(b.layout.buckets) for b in info.buffers] == [3]
+    assert "bucket_ends 14,21,26" in format_inspection(info)
+    with pytest.raises(ValueError, match="bucket-ends"):
+        parse_bucket_ends("14,x")
