@@ -239,7 +239,8 @@ def describe(choices: Sequence[BucketChoice], measurement: Measurement) -> str:
         f"latency {1e6 * m.latency_s:.1f} us, {1e-9 / max(m.seconds_per_byte, 1e-30):.3g} GB/s"
     )
     ends = ";".join(",".join(map(str, ends_of(c))) for c in choices)
-    lines = [head, f"  show it: megabuf inspect <model> --set bucket_size=auto --bucket-ends '{ends}'"]
+    show = f"megabuf inspect <model> --set bucket_size=auto --bucket-ends '{ends}'"
+    lines = [head, f"  show it: {show}"]
     for b, c in enumerate(choices):
         lines.append(
             f"  buffer {b}: {len(c.param_counts)} buckets of {list(c.bucket_numels)} elements, "
