@@ -151,8 +151,9 @@ class DistributedDataParallel(nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Start a new iteration's grads: lazily, see [Note: grad accumulation into main_grad]
-        (no pass over the buffer; each param's first grad overwrites its main_grad)."""
-        self.engine.sync.zero()
+        (no pass over the buffer; each param's first grad overwrites its main_grad). With
+        bucket_size="auto", after the warm-up also the one re-plan ([Note: auto bucket re-plan])."""
+        self.engine.zero_grad_buffer()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Same as zero_grad_buffer(): grads live in the buffers, see [Note: grad accumulation
