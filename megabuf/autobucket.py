@@ -179,6 +179,7 @@ class AutoBucket:
         weakref.finalize(owner, _remove_all, list(self._handles))
         self.choices: tuple[BucketChoice, ...] = ()
         self.summary = ""  # the chosen plan, as logged (after the re-plan)
+        self.replanned = False
         self.syncs = 0  # grad syncs seen (the grad sync calls `on_backward_end`)
 
     def _hook(self, index: int):  # type: ignore[no-untyped-def]
@@ -196,8 +197,18 @@ class AutoBucket:
 
     @property
     def due(self) -> bool:
-        """True once `auto_bucket_warmup_steps` grad syncs were seen (no device sync)."""
-        return self.syncs >= self.config.auto_bucket_warmup_steps
+        """True once `auto_bucket_warmup_steps` grad syncs were seen and the re-plan has not
+        run yet (no device sync)."""
+        return not self.replanned and self.syncs >= self.config.auto_bucket_warmup_steps
+
+    @property
+    def predicted_exposed_s(self) -> float | None:
+        """After the re-plan: the model's exposed time of the chosen plan (the largest over
+        the buffers; buffers reduced on one chain queue behind each other, so this is a lower
+        bound when there are several), for the bench's model check."""
+        if not self.replanned:
+            return None
+        return max((c.predicted_exposed_s for c in self.choices), default=0.0)
 
     def close(self) -> None:
         for handle in self._handles:
@@ -216,6 +227,7 @@ class AutoBucket:
     ) -> Plan:
         """Measure, agree and choose (collective over the dp group); the new plan."""
         self.close()
+        self.replanned = True
         grad_dtype = plan.buffers[0].grad_dtype if plan.buffers else torch.float32
         agreed = agree(self.measure(grad_dtype), self.collectives, self.group, self.device)
         specs = param_specs(self.trainable)

@@ -269,7 +269,7 @@ class DistributedDataParallel(nn.Module):
         """Reduce the `buffers` ("dense", "expert" or "all") buckets with `hook` instead of the
         engine's collective (the built-ins: `megabuf.comm_hooks`). Once per kind, before the
         first backward; every rank must register the same hook."""
-        self.engine.hooks.register_comm_hook(hook, buffers=buffers)
+        self.engine.register_comm_hook(hook, buffers)
 
     def comm_hooks(self) -> dict[str, object]:
         """The registered comm hooks: "dense" / "expert" -> hook (a hook registered for "all"

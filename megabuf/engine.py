@@ -18,8 +18,9 @@ as plain attributes of one object rather than members of the nn.Module:
     memory_ledger                  device bytes by category ([Note: sharded grad lifecycle])
     residency                      whether the engine is offloaded; every entry point asks it
                                    ([Note: offloaded engine] in residency.py)
-    auto                           bucket_size="auto": the warm-up watcher until its one re-plan
-                                   (autobucket.py, [Note: auto bucket re-plan]); else None
+    auto                           bucket_size="auto": the warm-up watcher and, after its one
+                                   re-plan, what it chose (autobucket.py, [Note: auto bucket
+                                   re-plan]); else None
 
 Construction order: plan (shared with `megabuf inspect`, model_plan.py) -> allocation
 (assembly.py) -> grad sync + grad hooks -> param side (+ the ZeRO-3 units, after the initial
@@ -157,11 +158,22 @@ class Engine:
         if self.auto is not None and self.auto.due:
             self._replan_buckets()
 
+    def register_comm_hook(self, hook: object, buffers: str) -> None:
+        """The registry's, refused while a bucket_size="auto" re-plan is pending (a hook's state
+        follows the bucket boundaries the re-plan changes)."""
+        if self.auto is not None and not self.auto.replanned:
+            raise RuntimeError(
+                f'megabuf: cannot register comm hook {hook!r} before the bucket_size="auto" '
+                f"re-plan (after {self.config.auto_bucket_warmup_steps} steps; rank "
+                f"{self.rank}): a hook's state follows the bucket boundaries; register it after "
+                "the re-plan, before the next backward, or give an int bucket_size"
+            )
+        self.hooks.register_comm_hook(hook, buffers=buffers)
+
     def _replan_buckets(self) -> None:
         """The one re-plan, at a step boundary with every grad zero ([Note: auto bucket
         re-plan]); collective over dp."""
-        auto, self.auto = self.auto, None
-        hooks = self.hooks.comm_hooks()
+        auto, hooks = self.auto, self.hooks.comm_hooks()
         if auto is None or hooks:
             raise RuntimeError(
                 f'megabuf: bucket_size="auto" cannot re-plan buckets with comm hooks {hooks} '

@@ -139,7 +139,7 @@ def replan_case(flags: dict[str, Any], opt_kind: str, micro: int) -> dict[str, A
         "default_groups": default_groups,
         "groups": len(auto.engine.all_bucket_groups),
         "views_ok": views_ok,
-        "auto_done": auto.engine.auto is None,
+        "auto_done": auto.engine.auto.replanned,  # type: ignore[union-attr]
     }
 
 
@@ -168,23 +168,30 @@ def measured_case() -> dict[str, Any]:
         "report_text": report.format(),
         "same_plan": all(e == everyone[0] for e in everyone),
         "ends": model.engine.plan.bucket_ends,
-        "replanned": model.engine.auto is None,
+        "replanned": model.engine.auto.replanned,  # type: ignore[union-attr]
         "groups_last_step": len(steps[-1].groups),
         "groups": len(model.engine.all_bucket_groups),
     }
 
 
 def hook_refused_case() -> dict[str, Any]:
-    """A comm hook registered before the re-plan: it raises on every rank, naming the hook."""
+    """A comm hook registered before the re-plan raises on every rank, naming the hook; after the
+    re-plan (before the next backward) it registers and reduces."""
     cfg = megabuf.DistributedDataParallelConfig(
         overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2
     )
     model = megabuf.DistributedDataParallel(build_model(MODEL, seed=0), cfg)
-    model.register_comm_hook(build_hook({"name": "reduce"}))
-    opt = _optimizer("torch", model)
     try:
-        for step in range(3):
-            _step(model, opt, step, 1)
+        model.register_comm_hook(build_hook({"name": "reduce"}))
+        error = ""
     except RuntimeError as err:
-        return {"error": str(err)}
-    return {"error": ""}
+        error = str(err)
+    opt = _optimizer("torch", model)
+    for step in range(2):
+        _step(model, opt, step, 1)
+    model.zero_grad_buffer()  # the re-plan
+    model.register_comm_hook(build_hook({"name": "reduce"}))
+    _step(model, opt, 2, 1)
+    wire = model.engine.hooks.comm_hook_report().buckets
+    n_buckets = sum(len(g.buckets) for g in model.engine.all_bucket_groups)
+    return {"error": error, "dispatches": [b.dispatches for b in wire], "buckets": n_buckets}

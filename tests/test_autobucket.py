@@ -55,4 +55,7 @@ def test_measured_warmup_replans_the_same_on_every_rank(results: Any) -> None:
 
 def test_replan_with_a_comm_hook_registered_is_refused_by_name(results: Any) -> None:
     for res in case_result(results, "hook_refused"):
-        assert "comm hooks" in res["error"] and "reduce" in res["error"].lower(), res
+        assert "cannot register comm hook" in res["error"], res
+        assert "re-plan" in res["error"] and "reduce" in res["error"].lower(), res
+        # registered after the re-plan: every bucket of the new plan reduced once by the hook
+        assert res["dispatches"] == [1] * res["buckets"] and res["buckets"] > 1, res
