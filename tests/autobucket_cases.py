@@ -6,6 +6,7 @@ deliberately asymmetric input; one case runs on the real measured warm-up."""
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import torch
@@ -195,3 +196,39 @@ def hook_refused_case() -> dict[str, Any]:
     wire = model.engine.hooks.comm_hook_report().buckets
     n_buckets = sum(len(g.buckets) for g in model.engine.all_bucket_groups)
     return {"error": error, "dispatches": [b.dispatches for b in wire], "buckets": n_buckets}
+
+
+def checkpoint_case(root: str) -> dict[str, Any]:
+    """A checkpoint saved after the re-plan loads into a model that never re-planned (checkpoints
+    are model-space, independent of the bucket plan), and both then train alike."""
+    base = build_model(MODEL, seed=0)
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2
+    )
+    auto = megabuf.DistributedDataParallel(copy.deepcopy(base), cfg)
+    opt = _optimizer("megabuf", auto)
+    for step in range(3):  # the re-plan runs in step 2's zero_grad_buffer()
+        _step(auto, opt, step, 1)
+    path = os.path.join(root, "auto_replanned")
+    megabuf.save_checkpoint(path, auto, opt)
+    plain_cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True)
+    plain = megabuf.DistributedDataParallel(copy.deepcopy(base), plain_cfg)
+    plain_opt = _optimizer("megabuf", plain)
+    megabuf.load_checkpoint(path, plain, plain_opt)
+    loaded = _max_diff(auto, plain)
+    for step in range(3, 5):
+        _step(auto, opt, step, 1)
+        _step(plain, plain_opt, step, 1)
+    return {
+        "replanned": auto.engine.auto.replanned,  # type: ignore[union-attr]
+        "plans": (auto.engine.plan.bucket_ends, plain.engine.plan.bucket_ends),
+        "loaded": loaded,
+        "continued": _max_diff(auto, plain),
+        "moved": _max_diff(auto, megabuf.DistributedDataParallel(copy.deepcopy(base), plain_cfg)),
+    }
+
+
+def _max_diff(a: Any, b: Any) -> float:
+    return max(
+        (x - y).abs().max().item() for x, y in zip(a.module.parameters(), b.module.parameters())
+    )

@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from autobucket_cases import hook_refused_case, measured_case, replan_case
+from autobucket_cases import checkpoint_case, hook_refused_case, measured_case, replan_case
 from dist_pool import case_result, run_each
+from matrix_cases import pp_ep_case
 
 CASES: dict[str, tuple[Any, ...]] = {
     "megabuf_opt": (replan_case, {}, "megabuf", 1),
@@ -19,8 +20,10 @@ REPLAN = ("megabuf_opt", "torch_opt_fp32_accum")
 
 
 @pytest.fixture(scope="module")
-def results(pools: Any) -> list[dict[str, Any]]:
-    return pools(2).run(run_each, CASES)  # type: ignore[no-any-return]
+def results(pools: Any, tmp_path_factory: Any) -> list[dict[str, Any]]:
+    root = str(tmp_path_factory.mktemp("autobucket"))
+    cases = {**CASES, "checkpoint": (checkpoint_case, root)}
+    return pools(2).run(run_each, cases)  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("name", REPLAN)
@@ -59,3 +62,47 @@ def test_replan_with_a_comm_hook_registered_is_refused_by_name(results: Any) -> 
         assert "re-plan" in res["error"] and "reduce" in res["error"].lower(), res
         # registered after the re-plan: every bucket of the new plan reduced once by the hook
         assert res["dispatches"] == [1] * res["buckets"] and res["buckets"] > 1, res
+
+
+def test_a_checkpoint_saved_after_the_replan_loads_into_a_model_that_never_replanned(
+    results: Any,
+) -> None:
+    for rank, res in enumerate(case_result(results, "checkpoint")):
+        assert res["replanned"] and res["plans"][0] is not None, res
+        assert res["plans"][1] is None, res  # the loading model keeps its sized plan
+        assert res["moved"] > 1e-3, "training did not move the params: the test proves nothing"
+        assert res["loaded"] == 0.0, f"rank {rank}: {res}"
+        # both continue on the same state; only the bucket regrouping of the clip norm differs
+        assert res["continued"] <= 1e-6, f"rank {rank}: {res}"
+
+
+@pytest.fixture(scope="module")
+def pp_results(pools: Any) -> list[dict[str, Any]]:
+    cases = {
+        f"pp2_ep{ep}": (pp_ep_case, "no_shard", ep, False, False, False, True) for ep in (1, 2)
+    }
+    return pools(4).run(run_each, cases)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_pipeline_chunks_and_expert_buffers_replan_per_chunk_and_match_the_whole_model(
+    pp_results: Any, ep: int
+) -> None:
+    """pp 2 on 4 ranks (1F1B, 3 micro-batches; the experts of stage 0 in a buffer of their own,
+    reduced over expert dp 1 at ep 2): each chunk re-plans after its 2 warm-up syncs from
+    numbers agreed over its own dp group (both ranks of a stage end with the same plan,
+    measured, not injected), and the 4 clipped SGD steps still give the whole model's norm and
+    params on every rank."""
+    per_rank = case_result(pp_results, f"pp2_ep{ep}")
+    for rank, res in enumerate(per_rank):
+        assert res["replanned"] and res["ends"] is not None, (rank, res)
+        # one boundary list per buffer: stage 0 holds the dense and the expert buffer
+        assert len(res["ends"]) == (2 if res["pp_rank"] == 0 else 1), res
+        assert len(res["norms"]) == 4, res
+        for step, norm in enumerate(res["norms"]):
+            assert abs(norm["got"] - norm["want"]) <= 1e-5 * norm["want"], (rank, step, norm)
+        worst = max(res["errors"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-6, (rank, worst)
+    for stage in (0, 1):
+        ends = {str(r["ends"]) for r in per_rank if r["pp_rank"] == stage}
+        assert len(ends) == 1, (stage, ends)  # one plan per stage, on both of its dp ranks
