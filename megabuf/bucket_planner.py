@@ -228,15 +228,18 @@ def _solve(
     start of the last bucket."""
     n = len(packed)
     k_max = min(n, MAX_BUCKETS)
-    rounded = torch.tensor([_round_up(p, param_align) for p in packed], dtype=torch.int64)
-    before = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(rounded, 0)])
-    ready_t = torch.tensor(list(ready), dtype=torch.float64)
-    end = torch.full((k_max + 1, n + 1), float("inf"), dtype=torch.float64)
-    start = torch.zeros((k_max + 1, n + 1), dtype=torch.int64)
+    host = torch.device("cpu")  # a few scalars per param: planned on the host, any device
+    rounds = [_round_up(p, param_align) for p in packed]
+    rounded = torch.tensor(rounds, dtype=torch.int64, device=host)
+    zero = torch.zeros(1, dtype=torch.int64, device=host)
+    before = torch.cat([zero, torch.cumsum(rounded, 0)])
+    ready_t = torch.tensor(list(ready), dtype=torch.float64, device=host)
+    end = torch.full((k_max + 1, n + 1), float("inf"), dtype=torch.float64, device=host)
+    start = torch.zeros((k_max + 1, n + 1), dtype=torch.int64, device=host)
     end[0, 0] = float("-inf")
     first = 0  # no bucket starts before the latest forced cut
     for hi in range(1, n + 1):
-        lo = torch.arange(first, hi)
+        lo = torch.arange(first, hi, device=host)
         numel = before[hi - 1] - before[lo] + packed[hi - 1]  # runs lo..hi-1, packed
         nbytes = -(-numel // pad_multiple) * pad_multiple * element_size
         cost = model.latency_s + model.seconds_per_byte * nbytes.to(torch.float64)
