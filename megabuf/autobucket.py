@@ -15,7 +15,9 @@ With `bucket_size = "auto"` the engine starts on the default plan and an `AutoBu
   plans from the same (most pessimistic) numbers: a rank-local plan could differ across ranks
   and pair collectives of different sizes (a hang or wrong sums). `plan_buckets` is
   deterministic, so the same numbers give the same boundaries everywhere ([Note: auto bucket
-  plan] in bucket_planner.py).
+  plan] in bucket_planner.py). At dp 1 nothing is measured: nothing crosses a link, so the plan
+  is the fewest buckets the layout rules allow (one per buffer unless a param keeps a bucket of
+  its own), never fragmented.
 - Re-plan: once, in `zero_grad_buffer()` after the `auto_bucket_warmup_steps`-th grad sync
   (every rank syncs the same number of times, so every rank re-plans at the same call). Only
   the unsharded all-reduce path is allowed (config.py refuses the rest by name): there the
@@ -229,7 +231,11 @@ class AutoBucket:
         self.close()
         self.replanned = True
         grad_dtype = plan.buffers[0].grad_dtype if plan.buffers else torch.float32
-        agreed = agree(self.measure(grad_dtype), self.collectives, self.group, self.device)
+        if dp_size == 1:  # nothing crosses a link: the fewest buckets the layout rules allow
+            zero = tuple(0.0 for _ in self.trainable)
+            agreed = Measurement(zero, CollectiveModel(0.0, 0.0), 0)
+        else:
+            agreed = agree(self.measure(grad_dtype), self.collectives, self.group, self.device)
         specs = param_specs(self.trainable)
         self.choices = choose_buckets(
             plan, [s.numel for s in specs], [s.own_bucket for s in specs], agreed

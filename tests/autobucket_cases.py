@@ -232,3 +232,24 @@ def _max_diff(a: Any, b: Any) -> float:
     return max(
         (x - y).abs().max().item() for x, y in zip(a.module.parameters(), b.module.parameters())
     )
+
+
+def world_one_case() -> dict[str, Any]:
+    """dp 1: nothing to overlap, so the re-plan keeps one bucket per buffer (no fragmentation)
+    even where the default plan had several."""
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2
+    )
+    model = megabuf.DistributedDataParallel(build_model("mlp_34m", seed=0), cfg)
+    before = [len(b.layout.buckets) for b in model.engine.plan.buffers]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(3):
+        model.zero_grad_buffer()
+        x, y = make_batch("mlp_34m", 2, seed=step)
+        loss_fn("mlp_34m")(model(x), y).backward()
+        opt.step()
+    return {
+        "replanned": model.engine.auto.replanned,  # type: ignore[union-attr]
+        "before": before,
+        "after": [len(b.layout.buckets) for b in model.engine.plan.buffers],
+    }

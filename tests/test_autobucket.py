@@ -6,7 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from autobucket_cases import checkpoint_case, hook_refused_case, measured_case, replan_case
+from autobucket_cases import (
+    checkpoint_case,
+    hook_refused_case,
+    measured_case,
+    replan_case,
+    world_one_case,
+)
 from dist_pool import case_result, run_each
 from matrix_cases import pp_ep_case
 
@@ -106,3 +112,11 @@ def test_pipeline_chunks_and_expert_buffers_replan_per_chunk_and_match_the_whole
     for stage in (0, 1):
         ends = {str(r["ends"]) for r in per_rank if r["pp_rank"] == stage}
         assert len(ends) == 1, (stage, ends)  # one plan per stage, on both of its dp ranks
+
+
+def test_at_world_one_the_replan_keeps_one_bucket_per_buffer(pools: Any) -> None:
+    """Nothing crosses a link at dp 1: the plan must not fragment buckets (issue 30's world-1
+    target), even where the default plan had several (mlp_34m: 34M params)."""
+    (res,) = case_result(pools(1).run(run_each, {"w1": (world_one_case,)}), "w1")
+    assert res["replanned"], res
+    assert res["before"][0] > 1 and res["after"] == [1] * len(res["after"]), res
