@@ -19,7 +19,9 @@ With `bucket_size = "auto"` the engine starts on the default plan and an `AutoBu
   is the fewest buckets the layout rules allow (one per buffer unless a param keeps a bucket of
   its own), never fragmented.
 - Re-plan: once, in `zero_grad_buffer()` after the `auto_bucket_warmup_steps`-th grad sync
-  (every rank syncs the same number of times, so every rank re-plans at the same call). Only
+  (every rank syncs the same number of times, so every rank re-plans at the same call), or
+  at the first one after that outside `no_sync()` (whose exit would reset the replaced grad
+  sync's flag). Only
   the unsharded all-reduce path is allowed (config.py refuses the rest by name): there the
   buffer layout has no padding, so every param keeps its offset, `param.data`, `param.main_grad`,
   `.grad` links and anything an optimizer or the user holds stay valid; what changes is the

@@ -155,8 +155,9 @@ class Engine:
         """A new iteration's grads (lazily: [Note: grad accumulation into main_grad]); with
         bucket_size="auto", after the warm-up also the one re-plan."""
         self.sync.zero()
-        if self.auto is not None and self.auto.due:
-            self._replan_buckets()
+        # not inside no_sync(): its exit would restore the flag of the replaced grad sync
+        if self.auto is not None and self.auto.due and self.sync.require_sync:
+            self._replan_buckets(self.auto)
 
     def register_comm_hook(self, hook: object, buffers: str) -> None:
         """The registry's, refused while a bucket_size="auto" re-plan is pending (a hook's state
@@ -170,11 +171,11 @@ class Engine:
             )
         self.hooks.register_comm_hook(hook, buffers=buffers)
 
-    def _replan_buckets(self) -> None:
+    def _replan_buckets(self, auto: AutoBucket) -> None:
         """The one re-plan, at a step boundary with every grad zero ([Note: auto bucket
         re-plan]); collective over dp."""
-        auto, hooks = self.auto, self.hooks.comm_hooks()
-        if auto is None or hooks:
+        hooks = self.hooks.comm_hooks()  # registered around `register_comm_hook`'s check
+        if hooks:
             raise RuntimeError(
                 f'megabuf: bucket_size="auto" cannot re-plan buckets with comm hooks {hooks} '
                 f"registered (their state follows the bucket boundaries; rank {self.rank}): "
@@ -192,18 +193,17 @@ class Engine:
     def rebucket(self, plan: Plan) -> None:
         """Rebuild on `plan` (the same params and buffers; other bucket boundaries) in place,
         at a step boundary with every grad zero ([Note: auto bucket re-plan])."""
-        pgs, old = self.process_groups, self.sync
+        timeline = self.sync.timeline
         self.plan = plan
         for handle in self._grad_hook_handles:
             handle.remove()
         self.gather_hooks.disable()
         self._wire(rebucket(
-            self.plan, self.buffers, self.config, pgs, self.collectives, self.memory_ledger,
-            self.param_to_name,
+            self.plan, self.buffers, self.config, self.process_groups, self.collectives,
+            self.memory_ledger, self.param_to_name,
         ))  # fmt: skip
-        self.sync.require_sync = old.require_sync
-        if old.timeline is not None:
-            self.sync.enable_timeline(old.timeline)
+        if timeline is not None:
+            self.sync.enable_timeline(timeline)
 
     def _split_by_kind(self, buffers: list[_ParamAndGradBuffer], groups: list[BucketGroup]) -> None:
         self.buffers = buffers  # plan order

@@ -253,3 +253,28 @@ def world_one_case() -> dict[str, Any]:
         "before": before,
         "after": [len(b.layout.buckets) for b in model.engine.plan.buffers],
     }
+
+
+def no_sync_deferral_case() -> dict[str, Any]:
+    """A due re-plan waits for a zero_grad_buffer() outside no_sync() (whose exit would reset
+    the flag of the grad sync the re-plan replaces); then grads sync again as usual."""
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2
+    )
+    model = megabuf.DistributedDataParallel(build_model(MODEL, seed=0), cfg)
+    opt = _optimizer("torch", model)
+    for step in range(2):
+        _step(model, opt, step, 1)
+    auto = model.engine.auto
+    with model.no_sync():
+        model.zero_grad_buffer()
+        inside = auto.replanned  # type: ignore[union-attr]
+    model.zero_grad_buffer()
+    after = auto.replanned  # type: ignore[union-attr]
+    _step(model, opt, 2, 1)  # the new plan's grads are reduced
+    x = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, x)
+    same = all(torch.equal(a, b) for a, b in zip(everyone[0], everyone[1]))
+    return {"inside": inside, "after": after, "require": model.require_backward_grad_sync,
+            "same_grads": same}  # fmt: skip

@@ -10,6 +10,7 @@ from autobucket_cases import (
     checkpoint_case,
     hook_refused_case,
     measured_case,
+    no_sync_deferral_case,
     replan_case,
     world_one_case,
 )
@@ -21,6 +22,7 @@ CASES: dict[str, tuple[Any, ...]] = {
     "torch_opt_fp32_accum": (replan_case, {"grad_reduce_in_fp32": True}, "torch", 2),
     "measured": (measured_case,),
     "hook_refused": (hook_refused_case,),
+    "no_sync_deferral": (no_sync_deferral_case,),
 }
 REPLAN = ("megabuf_opt", "torch_opt_fp32_accum")
 
@@ -120,3 +122,9 @@ def test_at_world_one_the_replan_keeps_one_bucket_per_buffer(pools: Any) -> None
     (res,) = case_result(pools(1).run(run_each, {"w1": (world_one_case,)}), "w1")
     assert res["replanned"], res
     assert res["before"][0] > 1 and res["after"] == [1] * len(res["after"]), res
+
+
+def test_a_due_replan_waits_for_a_zero_grad_buffer_outside_no_sync(results: Any) -> None:
+    for res in case_result(results, "no_sync_deferral"):
+        assert not res["inside"] and res["after"], res
+        assert res["require"] and res["same_grads"], res  # the new grad sync reduces
