@@ -70,6 +70,8 @@ class GradSync:
         self.backward_end.every_backward = self.reduce_each
         self.phase = SyncPhase.ACCUMULATING
         self.timeline: Timeline | None = None
+        # bucket_size="auto" warm-up: told when each grad sync starts ([Note: auto bucket re-plan])
+        self.on_backward_end: Callable[[], None] | None = None
         self._before_sync = before_sync
         self._checks = tuple(checks)
 
@@ -162,6 +164,8 @@ class GradSync:
             return
         if self.timeline is not None:
             self.timeline.record(BACKWARD_END_GROUP_ID, "backward_end")
+        if self.on_backward_end is not None:
+            self.on_backward_end()
         self._before_sync()
         self.phase = SyncPhase.ACCUMULATING  # an owed micro-batch reduces with this sync
         for group in self.groups:

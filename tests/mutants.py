@@ -500,6 +500,31 @@ MUTANTS = (
         "lo, hi = send_range(flat.numel(), len(trainers) - 1 - r, len(trainers))",
         ("tests/test_weights_publish.py",),
     ),
+    Mutant(
+        "auto-bucket-rank-local-plan",
+        "bucket_size=auto plans from numbers agreed over dp, never from rank-local timings",
+        "megabuf/autobucket.py",
+        "agreed = agree(self.measure(grad_dtype), self.collectives, self.group, self.device)",
+        "agreed = self.measure(grad_dtype)",
+        ("tests/test_autobucket.py",),
+    ),
+    Mutant(
+        "auto-bucket-views-not-relinked",
+        "the auto re-plan keeps every main_grad a view of the buffer the buckets reduce",
+        "megabuf/buffer.py",
+        "        self._grad_data.zero_()\n        self.buckets = [self._make_bucket(",
+        "        self._grad_data = torch.zeros_like(self._grad_data)\n"
+        "        self.buckets = [self._make_bucket(",
+        ("tests/test_autobucket.py",),
+    ),
+    Mutant(
+        "auto-bucket-old-grad-hooks-kept",
+        "the auto re-plan removes the grad hooks of the old bucket groups",
+        "megabuf/engine.py",
+        "        for handle in self._grad_hook_handles:\n            handle.remove()\n",
+        "",
+        ("tests/test_autobucket.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")

@@ -284,3 +284,21 @@ def test_pipeline_with_a_hybrid_split_per_stage(pools: Any) -> None:
     assert all(
         abs(a - b) <= 1e-5 * abs(b) for r in ranks for a, b in zip(r["norms"], r["ref_norms"])
     )
+
+
+def test_pipeline_with_a_two_by_two_split_per_stage(pools: Any) -> None:
+    """pp 2 x dp 4 on 8 ranks, each stage's dp split as 2 replicas x a 2-way shard (a real
+    reduce-scatter inside the shard group, then the all-reduce across replicas): 1F1B with the
+    distributed optimizer against the single-process GPT."""
+    from pipeline_cases import pipeline_case
+
+    config = {"use_distributed_optimizer": True, "bucket_size": 200, "overlap_grad_reduce": True,
+              "overlap_param_gather": True, "num_distributed_optimizer_instances": 2}  # fmt: skip
+    ranks = pools(8).run(pipeline_case, {"pp": 2, "config": config})
+    assert len(ranks) == 8
+    for rank, res in enumerate(ranks):
+        worst = max(res["errors"].values())
+        assert worst <= 1e-6, (rank, res["errors"])
+    assert all(
+        abs(a - b) <= 1e-5 * abs(b) for r in ranks for a, b in zip(r["norms"], r["ref_norms"])
+    )

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "megabuf.optimizer.grad_scaler", "megabuf.optimizer.implementation",
         "megabuf.optimizer.state_layout",
         "megabuf.pipeline.order", "megabuf.checkpoint.files", "megabuf.hybrid",
+        "megabuf.config_fields", "megabuf.bucket_planner",
     )),
     ("plan", (
         "megabuf.config", "megabuf.plan", "megabuf.sharding.formula",
@@ -57,6 +58,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "megabuf.nan_check", "megabuf.hooks", "megabuf.grads", "megabuf.backward_sync",
         "megabuf.hook_registry", "megabuf.param_units", "megabuf.grad_sync",
         "megabuf.param_sync", "megabuf.assembly", "megabuf.engine", "megabuf.residency",
+        "megabuf.autobucket",
     )),
     ("wrapper", ("megabuf.ddp",)),
     ("above", (
