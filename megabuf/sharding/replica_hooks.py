@@ -16,19 +16,23 @@ hook reduces on both levels, with the same contract ([Note: comm hook contract])
 The second level runs once per bucket per step, where the engine's own all-reduce of the shard
 would run: when the group's first level has landed for the step's last micro-batch, in
 dispatch-chain order. A hook's first level never reports completion to the chain (its work is
-a `HookWork`), so the second level is only issued from the group's own finish, which waits for
-it at once; the engine therefore runs every stage of the second-level hook there, buckets in
-order (each bucket's stage one, then each one's later stages, each wait bounded: [Note: bounded
-hook wait]). Nothing overlaps less than with stages split across start and finish, and no stage
-of a group's second level can come after a later group's collective on the replicate group, on
-any rank, whatever the timing.
+a `HookWork`: `first_level_completed` is False), so the chain's `progress_replicas` does not
+issue a hooked group's second level during backward; it is issued from a `finish_grad_sync`
+(the group's own, or a later group's of its chain, which first issues the owed ones before it
+in chain order), and the group's own finish would wait for it right after. So the engine runs
+every stage of the second-level hook when it is issued, buckets in order (each bucket's stage
+one, then each one's later stages, every wait bounded: [Note: bounded hook wait]). That gives
+up (almost) no overlap, and no stage of one group's second level can come after a later
+group's collective on the replicate group, on any rank, whatever the timing (a stage left for
+the group's finish could: a later group may be finished first).
 A hook runs on the second level only if it declares `two_level = True`: it must keep no state
 per bucket across calls (the two levels' views share an `index` but not a shape) and reduce
 correctly in all-reduce mode on a view without params. `Reduce`, `Compress`, `Quantize` and
-`Deterministic` do; PowerSGD (error feedback and Q factors per bucket), LocalSGD (averaging
-periods over its own subgroups), torch hooks (unscaled grads, a flat dp group) and
+`Deterministic` do; PowerSGD and BatchedPowerSGD (error feedback and Q factors per bucket) and
 `CompressWrapper` (copies keyed by bucket index) do not, and registering one under hybrid raises
-`CommHookHybridError` naming the hook and why. So the deterministic mode's sum is defined
+`CommHookHybridError` naming the hook and why (`Noop` does not declare it either). LocalSGD and
+torch hooks support all-reduce mode only, which no hybrid strategy's first level is: they raise
+`CommHookModeError` as under any distributed optimizer. So the deterministic mode's sum is defined
 hierarchically under hybrid: [Note: deterministic reduction under hybrid] in
 megabuf/comm_hooks/fixed_order.py.
 """
