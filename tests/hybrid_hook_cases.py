@@ -35,12 +35,11 @@ class HierarchicalReference(Reference):
     shard-rank order inside each replica (per micro-batch under reduce_each_microbatch, the
     micro-batches then added in order), then the replicas' sums in replicate-rank order."""
 
-    def __init__(
-        self, micro_by_rank: list[int], each: bool, wire: torch.dtype | None, shard_size: int
-    ) -> None:
+    def __init__(self, micro_by_rank: list[int], each: bool, hook: str, shard_size: int) -> None:
         super().__init__({"optimizer": "adamw"})
         self.micro_by_rank, self.each, self.shard_size = micro_by_rank, each, shard_size
-        self.wire = wire  # Compress(wire): each level's sum of 2 in this dtype, then fp32
+        self.hook = hook  # "compress": each level's sum of 2 in bf16, then fp32; "compress_fp32":
+        # bf16 terms summed in fp32 in rank order, the second level's sum rounded to bf16
         self.grads: list[torch.Tensor] = []  # the last step's, per param
 
     def _local(self, x: torch.Tensor, y: torch.Tensor, k: int) -> list[list[torch.Tensor]]:
@@ -67,19 +66,25 @@ class HierarchicalReference(Reference):
             ranks = [self._local(x, y, r * s_size + s) for s in range(s_size)]
             acc: list[torch.Tensor] | None = None
             for reduction in zip(*ranks, strict=True):  # micro-batch order
-                first = [self._sum(list(per_param)) for per_param in zip(*reduction)]
+                first = [self._sum(list(per_param), 1) for per_param in zip(*reduction)]
                 acc = first if acc is None else [a + f for a, f in zip(acc, first, strict=True)]
             replicas.append(acc)
-        self.grads = [self._sum(list(per_param)) for per_param in zip(*replicas)]
+        self.grads = [self._sum(list(per_param), 2) for per_param in zip(*replicas)]
         return [g.clone() for g in self.grads]
 
-    def _sum(self, values: list[torch.Tensor]) -> torch.Tensor:
-        """fp32 in rank order; or, for Compress, in the wire dtype (2 terms: order-free)."""
-        if self.wire is not None:
-            values = [v.to(self.wire) for v in values]
+    def _sum(self, values: list[torch.Tensor], level: int) -> torch.Tensor:
+        """One level's sum, as the case's hook takes it: fp32 in rank order (the mode, Reduce
+        at 2 terms); Compress: in bf16 (2 terms: order-free); Compress(accumulate="fp32"): bf16
+        terms, fp32 in rank order, the all-reduce's (second level's) result rounded to bf16."""
+        if self.hook == "compress":
+            values = [v.bfloat16() for v in values]
+        elif self.hook == "compress_fp32":
+            values = [v.bfloat16().float() for v in values]
         total = values[0].clone()
         for v in values[1:]:
             total += v
+        if self.hook == "compress_fp32" and level == 2:
+            total = total.bfloat16()
         return total.float()
 
 
@@ -104,6 +109,8 @@ def _shard_matches(model: megabuf.DistributedDataParallel, ref: HierarchicalRefe
 def _register(model: megabuf.DistributedDataParallel, hook: str) -> None:
     if hook == "compress":
         model.register_comm_hook(Compress(torch.bfloat16))
+    elif hook == "compress_fp32":  # deterministic: stands in for the mode's hook
+        model.register_comm_hook(Compress(torch.bfloat16, "fp32"))
     elif hook == "quantize":
         model.register_comm_hook(Quantize(block=16))
     elif hook == "reduce":
@@ -126,15 +133,14 @@ def hooked_case(case: dict[str, Any]) -> dict[str, Any]:
     """STEPS steps at 2 x 2 with `case["hook"]` ("compress", "quantize", "reduce", "none" or
     "deterministic": the mode), `strategy`, `micro` (or `micro_by_rank`), `accumulation`,
     extra `ddp` fields."""
-    det = case["hook"] == "deterministic"
+    det = case["hook"] in ("deterministic", "compress_fp32")
     ddp = {"deterministic_reduction": det, **case.get("ddp", {})}
     split = case.get("split", "2x2")
     model, opt = build({**case, "split": split, "ddp": ddp})
     _register(model, case["hook"])
     micro_by_rank = case.get("micro_by_rank", [case.get("micro", 1)] * WORLD)
     each = case.get("accumulation") == "reduce_each_microbatch"
-    wire = torch.bfloat16 if case["hook"] == "compress" else None
-    hier = HierarchicalReference(micro_by_rank, each, wire, int(split.split("x")[1]))
+    hier = HierarchicalReference(micro_by_rank, each, case["hook"], int(split.split("x")[1]))
     flat = reference({})
     calls, digests, bitwise = [], [], []
     for step in range(STEPS):

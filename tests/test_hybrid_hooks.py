@@ -39,6 +39,9 @@ def _cases() -> dict[str, tuple[Any, ...]]:
         hooked_case,
         {"strategy": "optim_grads", "hook": "deterministic", "micro": 2, "expert": True},
     )  # fmt: skip
+    cases["optim-compress_fp32-4x1"] = (
+        hooked_case, {"strategy": "optim", "hook": "compress_fp32", "split": "4x1"},
+    )  # fmt: skip
     cases["optim-none-4x1"] = (hooked_case, {"strategy": "optim", "hook": "none", "split": "4x1"})
     cases["optim-deterministic-repeat"] = (  # another bucket size, no overlap: same bits
         hooked_case,
@@ -128,14 +131,21 @@ def test_deterministic_second_level_sums_replicas_in_rank_order(
     sweep: list[dict[str, Any]],
 ) -> None:
     """4 x 1: the second level sums four replicas, where the order shows: bitwise the fp32 sum
-    (((x_0 + x_1) + x_2) + x_3), and its AdamW steps bitwise too. The engine's own all-reduce
-    (gloo's ring) sums in another order: its grads are not that sum on some step."""
+    (((x_0 + x_1) + x_2) + x_3), and its AdamW steps bitwise too; so is Compress(bf16, "fp32")
+    standing in for the mode's hook (bf16 terms, that fp32 sum, rounded to bf16 once). The
+    engine's own all-reduce (gloo's ring) sums in another order: its grads are not that sum on
+    some step."""
     for strategy in ("optim", "optim_grads"):
         ranks = case_result(sweep, f"{strategy}-deterministic-4x1")
         assert all(r["grads_bitwise"] == [True, True, True] for r in ranks), strategy
         assert max(r["hier_error"] for r in ranks) == 0.0
         assert len({r["digests"][-1] for r in ranks}) == 1  # four replicas, one model
         assert max(r["error"] for r in ranks) < FP32_BOUND
+    fp32_sum = case_result(sweep, "optim-compress_fp32-4x1")  # the mode with Compress(bf16, fp32)
+    assert all(r["hooks"] == ["Compress"] for r in fp32_sum)
+    _check_replicas_and_levels(fp32_sum, {"all_to_all": 1, "all_gather": 1})
+    assert all(r["grads_bitwise"] == [True, True, True] for r in fp32_sum)
+    assert max(r["hier_error"] for r in fp32_sum) == 0.0
     plain = case_result(sweep, "optim-none-4x1")
     assert not all(r["grads_bitwise"] == [True, True, True] for r in plain)
 
