@@ -35,9 +35,14 @@ class HierarchicalReference(Reference):
     shard-rank order inside each replica (per micro-batch under reduce_each_microbatch, the
     micro-batches then added in order), then the replicas' sums in replicate-rank order."""
 
-    def __init__(self, micro_by_rank: list[int], each: bool, hook: str, shard_size: int) -> None:
+    def __init__(
+        self, micro_by_rank: list[int], each: bool, hook: str, shard_size: int, average: bool
+    ) -> None:
         super().__init__({"optimizer": "adamw"})
         self.micro_by_rank, self.each, self.shard_size = micro_by_rank, each, shard_size
+        self.average = average  # average_in_collective: no pre-scale, each level divides by
+        # its group size after its sum
+        self.prescale = 1.0 if average else 1.0 / WORLD
         self.hook = hook  # "compress": each level's sum of 2 in bf16, then fp32; "compress_fp32":
         # bf16 terms summed in fp32 in rank order, the second level's sum rounded to bf16
         self.grads: list[torch.Tensor] = []  # the last step's, per param
@@ -53,10 +58,10 @@ class HierarchicalReference(Reference):
                 m
             ).backward()
             if self.each:
-                out.append([p.grad.clone() * (1.0 / WORLD) for p in self.params])
+                out.append([p.grad.clone() * self.prescale for p in self.params])
                 self.model.zero_grad()
         if not self.each:
-            out.append([p.grad.clone() * (1.0 / WORLD) for p in self.params])
+            out.append([p.grad.clone() * self.prescale for p in self.params])
         return out
 
     def _grads(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
@@ -83,6 +88,8 @@ class HierarchicalReference(Reference):
         total = values[0].clone()
         for v in values[1:]:
             total += v
+        if self.average:
+            total = total / len(values)
         if self.hook == "compress_fp32" and level == 2:
             total = total.bfloat16()
         return total.float()
@@ -140,7 +147,8 @@ def hooked_case(case: dict[str, Any]) -> dict[str, Any]:
     _register(model, case["hook"])
     micro_by_rank = case.get("micro_by_rank", [case.get("micro", 1)] * WORLD)
     each = case.get("accumulation") == "reduce_each_microbatch"
-    hier = HierarchicalReference(micro_by_rank, each, case["hook"], int(split.split("x")[1]))
+    s_size, average = int(split.split("x")[1]), ddp.get("average_in_collective", False)
+    hier = HierarchicalReference(micro_by_rank, each, case["hook"], s_size, average)
     flat = reference({})
     calls, digests, bitwise = [], [], []
     for step in range(STEPS):

@@ -42,6 +42,11 @@ def _cases() -> dict[str, tuple[Any, ...]]:
     cases["optim-compress_fp32-4x1"] = (
         hooked_case, {"strategy": "optim", "hook": "compress_fp32", "split": "4x1"},
     )  # fmt: skip
+    cases["optim_grads-deterministic-4x1-average"] = (
+        hooked_case,
+        {"strategy": "optim_grads", "hook": "deterministic", "split": "4x1", "micro": 2,
+         "ddp": {"average_in_collective": True}},
+    )  # fmt: skip
     cases["optim-none-4x1"] = (hooked_case, {"strategy": "optim", "hook": "none", "split": "4x1"})
     cases["optim-deterministic-repeat"] = (  # another bucket size, no overlap: same bits
         hooked_case,
@@ -131,13 +136,18 @@ def test_deterministic_second_level_sums_replicas_in_rank_order(
     sweep: list[dict[str, Any]],
 ) -> None:
     """4 x 1: the second level sums four replicas, where the order shows: bitwise the fp32 sum
-    (((x_0 + x_1) + x_2) + x_3), and its AdamW steps bitwise too; so is Compress(bf16, "fp32")
+    (((x_0 + x_1) + x_2) + x_3), and its AdamW steps bitwise too (also with
+    average_in_collective: no pre-scale, the sum / 4 once); so is Compress(bf16, "fp32")
     standing in for the mode's hook (bf16 terms, that fp32 sum, rounded to bf16 once). The
     engine's own all-reduce (gloo's ring) sums in another order: its grads are not that sum on
     some step."""
-    for strategy in ("optim", "optim_grads"):
-        ranks = case_result(sweep, f"{strategy}-deterministic-4x1")
-        assert all(r["grads_bitwise"] == [True, True, True] for r in ranks), strategy
+    for name in (
+        "optim-deterministic-4x1",
+        "optim_grads-deterministic-4x1",
+        "optim_grads-deterministic-4x1-average",
+    ):
+        ranks = case_result(sweep, name)
+        assert all(r["grads_bitwise"] == [True, True, True] for r in ranks), name
         assert max(r["hier_error"] for r in ranks) == 0.0
         assert len({r["digests"][-1] for r in ranks}) == 1  # four replicas, one model
         assert max(r["error"] for r in ranks) < FP32_BOUND
