@@ -11,8 +11,15 @@ import torch
 from dist_pool import case_result, run_each
 from hybrid_hook_cases import hooked_case, refusals
 
-from megabuf.comm_hooks import CommHookModeError, Compress, GradBucket, PowerSGD, Reduce
-from megabuf.sharding.replica_hooks import CommHookHybridError, check_two_level
+from megabuf.comm_hooks import (
+    CommHookHybridError,
+    CommHookModeError,
+    Compress,
+    GradBucket,
+    PowerSGD,
+    Reduce,
+)
+from megabuf.sharding.replica_hooks import check_two_level
 
 STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 FP32_BOUND = 1e-6  # as test_hybrid: 3 AdamW steps at lr 1e-2; a replica missing the other's

@@ -48,17 +48,12 @@ from torch.distributed import ProcessGroup
 
 from megabuf.collectives import Collectives
 from megabuf.comm_hooks.contract import (
-    CommHookModeError,
+    CommHookHybridError,
     GradBucket,
     HookTally,
     check_modes,
     hook_name,
 )
-
-
-class CommHookHybridError(CommHookModeError):
-    """A hook that cannot run on both levels of a hybrid reduction ([Note: comm hooks under
-    hybrid])."""
 
 
 def check_two_level(hook: object, *, group_id: int, rank: int) -> None:
