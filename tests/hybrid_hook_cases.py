@@ -116,6 +116,8 @@ def _shard_matches(model: megabuf.DistributedDataParallel, ref: HierarchicalRefe
 def _register(model: megabuf.DistributedDataParallel, hook: str) -> None:
     if hook == "compress":
         model.register_comm_hook(Compress(torch.bfloat16))
+    elif hook == "compress_dense":  # the expert buffers keep the engine's reduction
+        model.register_comm_hook(Compress(torch.bfloat16), buffers="dense")
     elif hook == "compress_fp32":  # deterministic: stands in for the mode's hook
         model.register_comm_hook(Compress(torch.bfloat16, "fp32"))
     elif hook == "quantize":
@@ -179,6 +181,7 @@ def hooked_case(case: dict[str, Any]) -> dict[str, Any]:
             (p - hier_params[n].detach()).abs().max().item() for n, p in params.items()
         ),
         "hooks": sorted({type(g.comm_hook).__name__ for g in model.engine.all_bucket_groups}),
+        "chains": len({id(g.chain) for g in model.engine.all_bucket_groups}),
         "buckets": sum(len(g.buckets) for g in model.engine.all_bucket_groups),
         "replica_views": sum(len(g.replicas.hook_buckets) for g in model.engine.all_bucket_groups),
         "wire": _wire(model, case["hook"]),

@@ -54,6 +54,10 @@ def _cases() -> dict[str, tuple[Any, ...]]:
         {"strategy": "optim_grads", "hook": "deterministic", "split": "4x1", "micro": 2,
          "ddp": {"average_in_collective": True}},
     )  # fmt: skip
+    cases["optim_grads-compress-dense-only"] = (  # hooked and plain groups in one chain
+        hooked_case,
+        {"strategy": "optim_grads", "hook": "compress_dense", "micro": 2, "expert": True},
+    )  # fmt: skip
     cases["optim-none-4x1"] = (hooked_case, {"strategy": "optim", "hook": "none", "split": "4x1"})
     cases["optim-deterministic-repeat"] = (  # another bucket size, no overlap: same bits
         hooked_case,
@@ -199,6 +203,19 @@ def test_reduce_hook_on_both_levels_is_the_engine_bitwise(sweep: list[dict[str, 
     _check_hook_report(hooked[0])
     assert [r["params"] for r in hooked] == [r["params"] for r in plain]
     assert max(r["error"] for r in hooked) < FP32_BOUND
+
+
+def test_hooked_and_plain_groups_in_one_chain(sweep: list[dict[str, Any]]) -> None:
+    """Compress on the dense buffers only, the expert buffers (ep 1: over dp, so in the same
+    dispatch chain) reduced by the engine: both kinds' second levels share the replicate group
+    in chain order, with no hang and replicas equal after every step."""
+    ranks = case_result(sweep, "optim_grads-compress-dense-only")
+    assert all(r["hooks"] == ["Compress", "NoneType"] and r["chains"] == 1 for r in ranks)
+    for k in range(2):
+        assert ranks[k]["digests"] == ranks[k + 2]["digests"], f"replicas of rank {k} differ"
+    for r in ranks:
+        assert [c["dp_replicate"] for c in r["calls"]] == [{"all_reduce": r["buckets"]}] * 3
+    assert max(r["error"] for r in ranks) < BF16_BOUND
 
 
 def test_quantize_runs_on_both_levels(sweep: list[dict[str, Any]]) -> None:
