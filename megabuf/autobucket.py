@@ -10,7 +10,8 @@ With `bucket_size = "auto"` the engine starts on the default plan and an `AutoBu
   measured steps. A param without a grad in a step counts as ready at backward end.
 - Collective model: at the re-plan, a probe of all-reduces of two sizes on the dp group (the
   same communicator, dtype and device as the grads; one untimed round, then the fastest of three)
-  fitted by `fit_collective_model` (latency + bytes / bandwidth).
+  fitted by `fit_collective_model` (latency + bytes / bandwidth), then calibrated against the
+  warm-up ([Note: calibrated collective model] below).
 - Agree: every number above goes through one all-reduce MAX over the dp group, so every rank
   plans from the same (most pessimistic) numbers: a rank-local plan could differ across ranks
   and pair collectives of different sizes (a hang or wrong sums). `plan_buckets` is
@@ -30,6 +31,20 @@ With `bucket_size = "auto"` the engine starts on the default plan and an `AutoBu
   timeline, the comm-hook registry, the param side). A comm hook registered by then holds
   per-bucket state: the re-plan raises naming it. Checkpoints do not depend on the bucket plan
   (model-space optimizer state, [Note: checkpoint layout]), so nothing there changes.
+
+[Note: calibrated collective model]
+The probe times collectives on an idle machine, but the buckets' collectives run while backward
+computes: on a GPU they share memory bandwidth and SMs, on CPU ranks (gloo) they share the cores,
+and there the idle probe predicted a fifth of the exposed time the bench then measured
+(mlp_34m, BENCHMARKS.md), so the planner chose a plan worse than the default. The warm-up
+already ran a plan on the real step: the grad sync records "synced" when every reduction of the
+step has landed, so each measured step also gives the exposed time of the plan it ran (synced -
+backward_end; the median over the measured steps, agreed by MAX like every number). Before
+planning, `calibrate` (bucket_planner.py) slows the probed model down by the least factor
+(1 to MAX_SLOWDOWN) with which the model predicts at least that exposed time for the plan that
+ran (the largest over the buffers, as `predicted_exposed_s`); a probe that already predicts as
+much is kept. One factor for latency and bandwidth alike: the simplest model that reproduces
+the one measured point; the factor is logged.
 """
 
 from __future__ import annotations
@@ -39,7 +54,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -48,9 +63,11 @@ from torch.utils.hooks import RemovableHandle
 from megabuf.bucket_planner import (
     BucketChoice,
     CollectiveModel,
+    calibrate,
     fit_collective_model,
     format_bucket_ends,
     plan_buckets,
+    predict_exposed,
 )
 from megabuf.collectives import Collectives, Group
 from megabuf.config import DistributedDataParallelConfig
@@ -62,6 +79,7 @@ logger = logging.getLogger(__name__)
 
 PARAM_READY = "param_ready"
 BACKWARD_END = "backward_end"
+SYNCED = "synced"
 PROBE_NUMELS = (1 << 12, 1 << 20)  # the two all-reduce sizes of the probe (elements)
 
 
@@ -72,6 +90,10 @@ class Measurement:
     ready_s: tuple[float, ...]  # per trainable param, registration order, rel. to backward end
     model: CollectiveModel
     steps: int  # measured steps
+    exposed_s: float = (
+        0.0  # median exposed time of the plan the warm-up ran (synced - backward end)
+    )
+    slowdown: float = 1.0  # the calibration's factor on the probed model (set at the re-plan)
 
 
 def ready_times(
@@ -93,17 +115,58 @@ def ready_times(
     return [statistics.median(step[i] for step in measured) for i in range(n_params)], len(measured)
 
 
+def exposed_time(events: Sequence[Event], skip_steps: int = 1) -> float:
+    """The median over steps (after the first `skip_steps`) of "synced" - "backward_end": the
+    exposed communication of the plan the warm-up ran ([Note: calibrated collective model])."""
+    gaps: list[float] = []
+    start: float | None = None
+    for _, name, t in events:
+        if name == BACKWARD_END:
+            start = t
+        elif name == SYNCED and start is not None:
+            gaps.append(t - start)
+            start = None
+    measured = gaps[skip_steps:]
+    return statistics.median(measured) if measured else 0.0
+
+
 def agree(
     measurement: Measurement, collectives: Collectives, group: Group, device: torch.device
 ) -> Measurement:
     """The elementwise MAX of every rank's numbers over `group` (one all-reduce)."""
     m = measurement.model
-    values = [*measurement.ready_s, m.latency_s, m.seconds_per_byte, float(measurement.steps)]
+    values = [*measurement.ready_s, m.latency_s, m.seconds_per_byte, measurement.exposed_s,
+              float(measurement.steps)]  # fmt: skip
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     collectives.all_reduce_max(tensor, group)
     out = tensor.tolist()
-    model = CollectiveModel(max(0.0, out[-3]), max(0.0, out[-2]))
-    return Measurement(tuple(out[:-3]), model, int(out[-1]))
+    model = CollectiveModel(max(0.0, out[-4]), max(0.0, out[-3]))
+    return Measurement(tuple(out[:-4]), model, int(out[-1]), max(0.0, out[-2]))
+
+
+def calibrated(plan: Plan, numels: Sequence[int], measurement: Measurement) -> Measurement:
+    """`measurement` with its model slowed down until it predicts, for `plan` (the plan the
+    warm-up ran), the exposed time measured with it ([Note: calibrated collective model])."""
+    model, factor = calibrate(
+        measurement.model, lambda m: _predict_plan(plan, numels, measurement.ready_s, m),
+        measurement.exposed_s,
+    )  # fmt: skip
+    return replace(measurement, model=model, slowdown=factor)
+
+
+def _predict_plan(
+    plan: Plan, numels: Sequence[int], ready_s: Sequence[float], model: CollectiveModel
+) -> float:
+    """The model's exposed time of `plan`'s own buckets (the largest over the buffers)."""
+    worst = 0.0
+    for buf in plan.buffers:
+        order = list(reversed(buf.param_ids))  # placement order, [Note: buffer layout]
+        buckets = sorted(buf.layout.buckets, key=lambda b: b.start)
+        worst = max(worst, predict_exposed(
+            [len(b.param_ids) for b in buckets], [numels[i] for i in order],
+            [ready_s[i] for i in order], 0.0, model, element_size=buf.grad_dtype.itemsize,
+        ))  # fmt: skip
+    return worst
 
 
 def probe_collective(
@@ -199,6 +262,10 @@ class AutoBucket:
         self.timeline.record(-1, BACKWARD_END)
         self.syncs += 1
 
+    def on_synced(self) -> None:
+        """Every reduction of the step has landed (the grad sync's wait returned)."""
+        self.timeline.record(-1, SYNCED)
+
     @property
     def due(self) -> bool:
         """True once `auto_bucket_warmup_steps` grad syncs were seen and the re-plan has not
@@ -222,9 +289,10 @@ class AutoBucket:
     def measure(self, grad_dtype: torch.dtype) -> Measurement:
         """This rank's numbers: the warm-up's ready times and a probe of the collective
         (collective over the dp group)."""
-        ready, steps = ready_times(self.timeline.events, len(self.trainable))
+        events = self.timeline.events
+        ready, steps = ready_times(events, len(self.trainable))
         model = probe_collective(self.collectives, self.group, self.device, grad_dtype)
-        return Measurement(tuple(ready), model, steps)
+        return Measurement(tuple(ready), model, steps, exposed_time(events))
 
     def replan(
         self, plan: Plan, *, dp_size: int, expt_dp_size: int, expert_shares_dp_group: bool
@@ -233,15 +301,14 @@ class AutoBucket:
         self.close()
         self.replanned = True
         grad_dtype = plan.buffers[0].grad_dtype if plan.buffers else torch.float32
+        specs = param_specs(self.trainable)
+        numels = [s.numel for s in specs]
         if dp_size == 1:  # nothing crosses a link: the fewest buckets the layout rules allow
-            zero = tuple(0.0 for _ in self.trainable)
-            agreed = Measurement(zero, CollectiveModel(0.0, 0.0), 0)
+            agreed = Measurement(tuple(0.0 for _ in specs), CollectiveModel(0.0, 0.0), 0)
         else:
             agreed = agree(self.measure(grad_dtype), self.collectives, self.group, self.device)
-        specs = param_specs(self.trainable)
-        self.choices = choose_buckets(
-            plan, [s.numel for s in specs], [s.own_bucket for s in specs], agreed
-        )
+            agreed = calibrated(plan, numels, agreed)
+        self.choices = choose_buckets(plan, numels, [s.own_bucket for s in specs], agreed)
         new_plan = build_plan(
             specs, self.config, dp_size=dp_size, expt_dp_size=expt_dp_size,
             expert_shares_dp_group=expert_shares_dp_group,
@@ -263,6 +330,8 @@ def describe(choices: Sequence[BucketChoice], measurement: Measurement) -> str:
     head = (
         f"bucket_size=auto re-planned from {measurement.steps} measured steps, all-reduce "
         f"latency {1e6 * m.latency_s:.1f} us, {1e-9 / max(m.seconds_per_byte, 1e-30):.3g} GB/s"
+        f" (the probe slowed {measurement.slowdown:.3g}x to the {1e3 * measurement.exposed_s:.3f}"
+        " ms exposed measured with the default plan)"
     )
     ends = format_bucket_ends([ends_of(c) for c in choices])
     show = f"megabuf inspect <model> --set bucket_size=auto --bucket-ends '{ends}'"

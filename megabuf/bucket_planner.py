@@ -32,7 +32,7 @@ the data-parallel group before planning).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +40,7 @@ import torch
 MAX_PLANNED_PARAMS = 512  # above this, neighbouring params are planned in runs (O(n^2 k) DP)
 MAX_BUCKETS = 64  # per buffer
 TIE_S = 1e-6  # plans whose predicted exposed times differ by less are equally good
+MAX_SLOWDOWN = 64.0  # the most `calibrate` slows the probed model down
 
 
 @dataclass(frozen=True)
@@ -283,3 +284,30 @@ def parse_bucket_ends(text: str) -> tuple[tuple[int, ...], ...]:
             f"--bucket-ends {text!r}: expected comma-separated param counts per buffer, "
             "buffers separated by ';' (as the bucket_size=auto re-plan logs them)"
         ) from None
+
+
+def calibrate(
+    model: CollectiveModel,
+    predict: Callable[[CollectiveModel], float],
+    measured_exposed_s: float,
+) -> tuple[CollectiveModel, float]:
+    """The probed `model` slowed down by the least factor in [1, MAX_SLOWDOWN] with which
+    `predict` (the model's exposed time of the plan that was measured) reaches the exposed time
+    measured with that plan, and the factor; see [Note: calibrated collective model] in
+    autobucket.py. Never faster than the probe; deterministic (bisection, fixed steps)."""
+
+    def slowed(factor: float) -> CollectiveModel:
+        return CollectiveModel(model.latency_s * factor, model.seconds_per_byte * factor)
+
+    if predict(model) >= measured_exposed_s:
+        return model, 1.0
+    if predict(slowed(MAX_SLOWDOWN)) < measured_exposed_s:
+        return slowed(MAX_SLOWDOWN), MAX_SLOWDOWN
+    lo, hi = 1.0, MAX_SLOWDOWN  # predict(slowed(lo)) < measured <= predict(slowed(hi))
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if predict(slowed(mid)) >= measured_exposed_s:
+            hi = mid
+        else:
+            lo = mid
+    return slowed(hi), hi

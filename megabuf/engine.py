@@ -98,6 +98,7 @@ class Engine:
                 process_groups.dp, self.device, self,
             )  # fmt: skip
             self.sync.on_backward_end = self.auto.on_backward_end
+            self.sync.on_synced = self.auto.on_synced
 
     # ---- construction -------------------------------------------------------------------------
     def _build(self, disable_bucketing: bool, init_sync: bool) -> None:

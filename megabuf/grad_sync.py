@@ -72,6 +72,7 @@ class GradSync:
         self.timeline: Timeline | None = None
         # bucket_size="auto" warm-up: told when each grad sync starts ([Note: auto bucket re-plan])
         self.on_backward_end: Callable[[], None] | None = None
+        self.on_synced: Callable[[], None] | None = None  # ... and when its reductions landed
         self._before_sync = before_sync
         self._checks = tuple(checks)
 
@@ -171,6 +172,8 @@ class GradSync:
         for group in self.groups:
             group.end_step_at_sync()  # [Note: two-level reduction]
         self._reduce_and_wait()
+        if self.on_synced is not None:
+            self.on_synced()
         for check in self._checks:
             check()
         self.grads.expose()

@@ -170,6 +170,8 @@ def measured_case() -> dict[str, Any]:
         "same_plan": all(e == everyone[0] for e in everyone),
         "ends": model.engine.plan.bucket_ends,
         "replanned": model.engine.auto.replanned,  # type: ignore[union-attr]
+        "summary": model.engine.auto.summary,  # type: ignore[union-attr]
+        "synced_events": sum(e[1] == "synced" for e in model.engine.auto.timeline.events),  # type: ignore[union-attr]
         "groups_last_step": len(steps[-1].groups),
         "groups": len(model.engine.all_bucket_groups),
     }

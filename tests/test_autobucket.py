@@ -62,6 +62,9 @@ def test_measured_warmup_replans_the_same_on_every_rank(results: Any) -> None:
         assert res["groups_last_step"] == res["groups"], res  # the timeline follows new groups
         assert res["replanned_before_step"] == 2, res  # warm-up of 2 steps
         assert "re-planned (bucket_size=auto) before step 2" in res["report_text"], res
+        # the warm-up's two syncs were timed and calibrated the probe ([Note: calibrated
+        # collective model]); the factor is logged with the plan
+        assert res["synced_events"] == 2 and "the probe slowed" in res["summary"], res
 
 
 def test_replan_with_a_comm_hook_registered_is_refused_by_name(results: Any) -> None:

@@ -12,10 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import megabuf
-from megabuf.autobucket import Measurement, agree, ready_times
+from megabuf.autobucket import Measurement, agree, exposed_time, ready_times
 from megabuf.bucket_planner import (
+    MAX_SLOWDOWN,
     CollectiveModel,
     bucket_numel,
+    calibrate,
     fit_collective_model,
     plan_buckets,
     predict_exposed,
@@ -180,12 +182,41 @@ class _MaxOver:
 
 
 def test_agree_takes_the_elementwise_max_of_every_rank() -> None:
-    mine = Measurement((-0.5, -0.1), CollectiveModel(1e-5, 1e-9), 2)
-    theirs = torch.tensor([-0.9, -0.01, 3e-5, 1e-10, 2.0], dtype=torch.float64)
+    mine = Measurement((-0.5, -0.1), CollectiveModel(1e-5, 1e-9), 2, exposed_s=0.004)
+    theirs = torch.tensor([-0.9, -0.01, 3e-5, 1e-10, 0.009, 2.0], dtype=torch.float64)
     agreed = agree(mine, _MaxOver([theirs]), None, torch.device("cpu"))  # type: ignore[arg-type]
     assert agreed.ready_s == pytest.approx((-0.5, -0.01))
     assert (agreed.model.latency_s, agreed.model.seconds_per_byte) == pytest.approx((3e-5, 1e-9))
-    assert agreed.steps == 2
+    assert agreed.steps == 2 and agreed.exposed_s == pytest.approx(0.009)
+
+
+def test_exposed_time_is_the_median_of_synced_minus_backward_end_after_the_first_step() -> None:
+    events = [
+        (-1, "backward_end", 1.0), (-1, "synced", 1.9),  # the first step: skipped
+        (-1, "backward_end", 10.0), (-1, "synced", 10.2),
+        (-1, "backward_end", 20.0), (-1, "synced", 20.5),
+        (-1, "backward_end", 30.0), (-1, "synced", 30.3),
+    ]  # fmt: skip
+    assert exposed_time(events) == pytest.approx(0.3)
+    assert exposed_time(events[:2]) == 0.0  # nothing measured: the probe stays as it is
+
+
+def _tail_plan_exposed(model: CollectiveModel) -> float:
+    """A plan's predicted exposed time: two buckets, the last ready at backward end."""
+    return predict_exposed([1, 1], [1000, 1000], [-0.01, 0.0], 0.0, model, element_size=4)
+
+
+def test_calibrate_slows_the_probe_to_the_measured_exposed_time_and_never_speeds_it() -> None:
+    probe = CollectiveModel(1e-5, 1e-9)
+    assert calibrate(probe, _tail_plan_exposed, 0.0) == (probe, 1.0)  # already pessimistic
+    measured = 20 * _tail_plan_exposed(probe)
+    model, factor = calibrate(probe, _tail_plan_exposed, measured)
+    assert 1.0 < factor < MAX_SLOWDOWN
+    assert model.seconds_per_byte == pytest.approx(probe.seconds_per_byte * factor)
+    assert model.latency_s == pytest.approx(probe.latency_s * factor)
+    assert measured <= _tail_plan_exposed(model) <= measured * (1 + 1e-6)  # the least factor
+    capped, top = calibrate(probe, _tail_plan_exposed, 1e6)
+    assert top == MAX_SLOWDOWN and capped.seconds_per_byte == probe.seconds_per_byte * top
 
 
 @pytest.mark.parametrize(
