@@ -239,6 +239,7 @@ def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, A
     auto = engine.ddp.engine.auto if engine.ddp is not None else None
     if auto is not None and auto.replanned:  # the planner's model check: predicted exposed
         out["auto_predicted_exposed_ms"] = 1e3 * (auto.predicted_exposed_s or 0.0)
+        out["auto_plan"] = auto.summary  # the logged plan, with the calibration's factor
     if engine.ddp is not None and engine.ddp.timeline is not None:
         out["overlap"] = analyze(engine.ddp.timeline.events).to_dict()
         out["timeline_events"] = list(engine.ddp.timeline.events)
