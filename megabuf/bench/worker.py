@@ -246,6 +246,16 @@ def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, A
     return out
 
 
+def _megabuf_overrides(job: Job) -> dict[str, Any]:
+    """The job's config overrides; bucket_size="auto" re-plans at the last warm-up step's
+    zero_grad_buffer(), so every earlier warm-up step is measured and the timed steps run on
+    the chosen plan."""
+    overrides = dict(job.megabuf_overrides or {})
+    if MEGABUF_CONFIGS[job.system].get("bucket_size") == "auto":
+        overrides.setdefault("auto_bucket_warmup_steps", max(2, job.warmup - 1))
+    return overrides
+
+
 def _trainable_numel(engine: Engine) -> int:
     return sum(p.numel() for p in engine.inner.parameters() if p.requires_grad)
 
@@ -290,7 +300,7 @@ def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
         module = model_from_config(cfg, seed=0).to(device)
         result.update(_model_figures(job, module, tokens_per_sample(cfg)))
         if job.system in MEGABUF_CONFIGS:
-            engine = build_megabuf(job.system, module, pgs, job.megabuf_overrides)
+            engine = build_megabuf(job.system, module, pgs, _megabuf_overrides(job))
         elif job.system in HOOK_VARIANTS:
             engine = build_hooked(job.system, module, pgs, job.megabuf_overrides)
         elif job.system in MCORE_SYSTEMS:
