@@ -231,8 +231,8 @@ class DistributedDataParallelConfig:
             )
 
     def _check_auto_bucket(self) -> None:
-        """bucket_size="auto" re-plans in place ([Note: auto bucket re-plan]): only where the
-        re-plan moves nothing a user or another object holds."""
+        """bucket_size="auto" re-plans once ([Note: auto bucket re-plan]; sharded: [Note:
+        sharded auto bucket re-plan]): not where the plan cannot change after construction."""
         warmup = self.auto_bucket_warmup_steps
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 2:
             raise ValueError(
@@ -242,9 +242,10 @@ class DistributedDataParallelConfig:
         refusals = [
             (not self.overlap_grad_reduce, "overlap_grad_reduce=False (nothing to overlap: "
              "set overlap_grad_reduce=True, or leave bucket_size=None)"),
-            (self.sharding.shards_optimizer, f"data_parallel_sharding_strategy="
-             f"{self.sharding.name!r} (a re-plan would move every optimizer shard: give an "
-             "int bucket_size, e.g. the one a no_shard run's auto plan logged)"),
+            (self.sharding.shards_params, f"data_parallel_sharding_strategy="
+             f"{self.sharding.name!r} (its shard units gather and release the params per "
+             "bucket; a re-plan is not supported there: give an int bucket_size, e.g. the one "
+             "an 'optim_grads' run's auto plan logged)"),
             (self.comm_hook is not None, "comm_hook (hook state follows the bucket boundaries: "
              "give an int bucket_size)"),
             (self.deterministic_reduction, "deterministic_reduction=True (its fixed-order hook "

@@ -56,6 +56,7 @@ from megabuf.plan import Plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.replicas import ParamStructure, check_devices, check_replicas_match, is_expert_parallel
 from megabuf.residency import Residency
+from megabuf.sharded_replan import ReplanListeners, reassemble
 from megabuf.sharding.ledger import MemoryLedger
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class Engine:
         collectives.name_groups(process_groups.named())  # [Note: wire accounting by group]
         self.memory_ledger = MemoryLedger()  # [Note: sharded grad lifecycle]
         self.residency = Residency(self.rank)  # [Note: offloaded engine]
+        self.replan_listeners = ReplanListeners(self.rank)  # [Note: sharded auto bucket re-plan]
         self._build(disable_bucketing, init_sync)
         if config.comm_hook is not None:
             spec = dict(config.comm_hook)
@@ -192,17 +194,33 @@ class Engine:
         ))  # fmt: skip
 
     def rebucket(self, plan: Plan) -> None:
-        """Rebuild on `plan` (the same params and buffers; other bucket boundaries) in place,
-        at a step boundary with every grad zero ([Note: auto bucket re-plan])."""
+        """Rebuild on `plan` (the same params; other bucket boundaries) at a step boundary with
+        every grad zero: in place over the same buffers ([Note: auto bucket re-plan]), or, under
+        a sharded strategy, on new buffers with the optimizer's state carried across ([Note:
+        sharded auto bucket re-plan] in sharded_replan.py)."""
+        if self.config.sharding.shards_optimizer:
+            self.replan_listeners.run(lambda: self._rewire(plan, sharded=True))
+        else:
+            self._rewire(plan, sharded=False)
+
+    def _rewire(self, plan: Plan, sharded: bool) -> None:
         timeline = self.sync.timeline
-        self.plan = plan
         for handle in self._grad_hook_handles:
             handle.remove()
         self.gather_hooks.disable()
-        self._wire(rebucket(
-            self.plan, self.buffers, self.config, self.process_groups, self.collectives,
-            self.memory_ledger, self.param_to_name,
-        ))  # fmt: skip
+        pgs, cfg = self.process_groups, self.config
+        if sharded:
+            built = reassemble(
+                plan, self.all_bucket_groups, self._params, cfg, pgs, self.collectives,
+                self.memory_ledger, self.param_to_name,
+            )  # fmt: skip
+        else:
+            built = rebucket(
+                plan, self.buffers, cfg, pgs, self.collectives, self.memory_ledger,
+                self.param_to_name,
+            )  # fmt: skip
+        self.plan = plan
+        self._wire(built)
         if timeline is not None:
             self.sync.enable_timeline(timeline)
 

@@ -117,12 +117,7 @@ def replan_case(flags: dict[str, Any], opt_kind: str, micro: int) -> dict[str, A
     opt3 = _optimizer(opt_kind, default)
     for step in range(STEPS):
         _step(default, opt3, step, micro)
-    storage = [b.grad_data.untyped_storage().data_ptr() for b in auto.engine.buffers]
-    views_ok = all(
-        p.main_grad.untyped_storage().data_ptr() in storage  # type: ignore[attr-defined]
-        and any(p in g.params for g in auto.engine.all_bucket_groups)
-        for p in auto.engine.param_to_name
-    )
+    views_ok = _views_ok(auto)
     return {
         "max_diff": max(
             (a - b).abs().max().item()
@@ -142,6 +137,21 @@ def replan_case(flags: dict[str, Any], opt_kind: str, micro: int) -> dict[str, A
         "views_ok": views_ok,
         "auto_done": auto.engine.auto.replanned,  # type: ignore[union-attr]
     }
+
+
+def _views_ok(model: Any) -> bool:
+    """Every param's memory (sharded: `param.data` in the param buffer; else `main_grad` in the
+    grad buffer) is in the engine's current buffers, and every param is in a bucket group."""
+    sharded = model.ddp_config.sharding.shards_optimizer
+    homes = {
+        (b.param_data if sharded else b.grad_data).untyped_storage().data_ptr()
+        for b in model.engine.buffers
+    }
+    return all(
+        (p.data if sharded else p.main_grad).untyped_storage().data_ptr() in homes
+        and any(p in g.params for g in model.engine.all_bucket_groups)
+        for p in model.engine.param_to_name
+    )
 
 
 def _named(model: Any) -> list[tuple[str, nn.Parameter]]:

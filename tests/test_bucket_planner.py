@@ -224,8 +224,9 @@ def test_calibrate_slows_the_probe_to_the_measured_exposed_time_and_never_speeds
     [
         ({"bucket_size": "big"}, "bucket_size"),
         ({"bucket_size": "auto"}, "overlap_grad_reduce"),
-        ({"bucket_size": "auto", "overlap_grad_reduce": True, "use_distributed_optimizer": True},
-         "data_parallel_sharding_strategy"),
+        ({"bucket_size": "auto", "overlap_grad_reduce": True,
+          "data_parallel_sharding_strategy": "optim_grads_params"},
+         "data_parallel_sharding_strategy='optim_grads_params'"),
         ({"bucket_size": "auto", "overlap_grad_reduce": True, "deterministic_reduction": True},
          "deterministic_reduction"),
         ({"bucket_size": "auto", "overlap_grad_reduce": True, "comm_hook": {"name": "reduce"}},
@@ -242,6 +243,11 @@ def test_auto_bucket_config_refusals_name_the_field(flags: dict, words: str) -> 
 def test_auto_bucket_config_is_accepted_on_the_all_reduce_path() -> None:
     cfg = megabuf.DistributedDataParallelConfig(bucket_size="auto", overlap_grad_reduce=True)
     assert cfg.bucket_size == "auto" and cfg.auto_bucket_warmup_steps == 3
+    for strategy in ("optim", "optim_grads"):  # [Note: sharded auto bucket re-plan]
+        sharded = megabuf.DistributedDataParallelConfig(
+            bucket_size="auto", overlap_grad_reduce=True, data_parallel_sharding_strategy=strategy
+        )
+        assert sharded.bucket_size == "auto", strategy
 
 
 def test_overlap_report_says_before_which_step_the_buckets_were_replanned() -> None:

@@ -57,8 +57,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", (
         "megabuf.nan_check", "megabuf.hooks", "megabuf.grads", "megabuf.backward_sync",
         "megabuf.hook_registry", "megabuf.param_units", "megabuf.grad_sync",
-        "megabuf.param_sync", "megabuf.assembly", "megabuf.engine", "megabuf.residency",
-        "megabuf.autobucket",
+        "megabuf.param_sync", "megabuf.assembly", "megabuf.sharded_replan", "megabuf.engine",
+        "megabuf.residency", "megabuf.autobucket",
     )),
     ("wrapper", ("megabuf.ddp",)),
     ("above", (

@@ -119,12 +119,8 @@ class MegabufOptimizer(torch.optim.Optimizer):
         check_matrix_groups(  # every rank sees every param: all raise alike
             optimizer_cls, self._hparams, self._group_of, self.keys, self._whole_params()
         )
-        self.domains: list[Domain] = []
-        for kind in DOMAIN_KINDS:
-            mains = self._build_main_params(kind)
-            if mains is not None:
-                inner = self._make_inner(mains, optimizer_kwargs)
-                self.domains.append(Domain(kind, mains, inner, self._norm_groups(kind)))
+        self._optimizer_kwargs = optimizer_kwargs
+        self.domains: list[Domain] = self._build_domains()
         self._norm_kinds = self._model_wide_kinds()
         self._copied_grads = False
         self._completed_steps = 0  # updates applied (skipped steps excluded): weight version
@@ -172,6 +168,17 @@ class MegabufOptimizer(torch.optim.Optimizer):
         """Called after updated values were copied into the model's memory."""
 
     # ---- construction helpers -----------------------------------------------------------------
+    def _build_domains(self) -> list[Domain]:
+        """Main params and inner optimizers on the model chunks' current buffers (again after a
+        sharded re-plan: [Note: sharded auto bucket re-plan] in megabuf/sharded_replan.py)."""
+        domains = []
+        for kind in DOMAIN_KINDS:
+            mains = self._build_main_params(kind)
+            if mains is not None:
+                inner = self._make_inner(mains, self._optimizer_kwargs)
+                domains.append(Domain(kind, mains, inner, self._norm_groups(kind)))
+        return domains
+
     def _make_inner(
         self, mains: list[MainParam], optimizer_kwargs: dict[str, Any]
     ) -> torch.optim.Optimizer:

@@ -19,7 +19,8 @@ call `model.publish_params()` first; `model.state_dict()` and `megabuf.save_chec
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
@@ -27,9 +28,11 @@ from torch.distributed import ProcessGroup
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.main_params import MainParam, sharded_main_params
+from megabuf.optimizer.model_space import gathered_state, load_model_space_state
 from megabuf.optimizer.muon import check_owners_agree
 from megabuf.optimizer.offload import CPUOffload
 from megabuf.optimizer.param_groups import grad_buffers
+from megabuf.optimizer.param_versions import ModelParamVersions
 from megabuf.optimizer.records import DomainKind
 
 
@@ -44,6 +47,28 @@ class DistributedOptimizer(MegabufOptimizer):
     sharded = True
     _offload: CPUOffload | None = None  # cpu_offload on CUDA params, see [Note: cpu offload]
     _offload_checked = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for chunk in self.model_chunks:  # [Note: sharded auto bucket re-plan]
+            chunk.engine.replan_listeners.add(self._around_replan)
+
+    def _around_replan(self, rebuild: Callable[[], None]) -> None:
+        """A model chunk re-plans its buckets: carry this optimizer's state across ([Note:
+        sharded auto bucket re-plan] in megabuf/sharded_replan.py). Collective over dp."""
+        if self._offload is not None:
+            raise RuntimeError(
+                'megabuf: bucket_size="auto" cannot re-plan the buckets of a model whose '
+                "optimizer has cpu_offload (its host copies follow the old shards); give an int "
+                "bucket_size"
+            )
+        state = gathered_state(self.parts(), self.collectives, self.process_groups.dp)
+        rebuild()
+        self.domains = self._build_domains()
+        self.defaults = dict(self.domains[0].optimizer.defaults) if self.domains else {}
+        load_model_space_state(self.parts(), state)
+        self._versions = ModelParamVersions(self.main_params)
+        self._versions.record()
 
     def _check_chunks(self, chunks: Sequence[DistributedDataParallel]) -> None:
         for i, chunk in enumerate(chunks):

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megabuf.collectives import Collectives, Group
 from megabuf.optimizer.main_params import MainParam
 from megabuf.optimizer.records import OptimizerParts
 from megabuf.optimizer.state_layout import (
@@ -214,3 +215,25 @@ def check_keys(parts: OptimizerParts, by_key: dict[str, list[dict[str, Any]]]) -
             f"missing params {missing[:10]}, unexpected params {unexpected[:10]}, "
             f"shape mismatches {wrong[:10]}"
         )
+
+
+def gathered_state(
+    parts: OptimizerParts, collectives: Collectives, group: Group
+) -> dict[str, Any]:
+    """Every dp rank's pieces of the params this rank steps, as `load_model_space_state` takes
+    them: step 1 of [Note: sharded auto bucket re-plan] in megabuf/sharded_replan.py. Replicas'
+    copies of a piece are kept once; pieces of params this rank does not hold (other ep ranks'
+    experts) are dropped. Collective over `group`."""
+    mine = [{**p, "state": _to_cpu(p["state"])} for p in owned_pieces(parts)]
+    known = set(parts.keys.values())
+    pieces: dict[tuple[str, int, int], dict[str, Any]] = {}
+    everyone = collectives.all_gather_object(mine, group) if collectives.size(group) > 1 else [mine]
+    for rank_pieces in everyone:
+        for piece in rank_pieces:
+            if piece["key"] in known:
+                pieces.setdefault((piece["key"], piece["start"], piece["end"]), piece)
+    return {"common": common_state(parts), "pieces": list(pieces.values())}
+
+
+def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.cpu() if isinstance(v, Tensor) else v for k, v in state.items()}

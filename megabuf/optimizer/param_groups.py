@@ -32,7 +32,7 @@ def grad_buffers(chunk: DistributedDataParallel, expert: bool) -> list[_ParamAnd
     """The chunk's dense (or expert-parallel) grad buffers."""
     if expert:
         return list(chunk.engine.expert_parallel_buffers)
-    return list(chunk.buffers)  # type: ignore[call-overload]
+    return list(chunk.engine.dense_buffers)  # the current ones (a sharded re-plan renews them)
 
 
 def model_space_keys(chunks: Sequence[DistributedDataParallel]) -> dict[nn.Parameter, str]:
