@@ -135,8 +135,16 @@ def replan_case(flags: dict[str, Any], opt_kind: str, micro: int) -> dict[str, A
         "default_groups": default_groups,
         "groups": len(auto.engine.all_bucket_groups),
         "views_ok": views_ok,
+        "ledger_ok": _grad_shards_ledgered(auto),
         "auto_done": auto.engine.auto.replanned,  # type: ignore[union-attr]
     }
+
+
+def _grad_shards_ledgered(model: Any) -> bool:
+    """The ledger's grad shards are the current groups' (a sharded re-plan frees the old ones)."""
+    shards = [g.sharded_grads for g in model.engine.all_bucket_groups]
+    want = sum(s.shard_nbytes for s in shards if s is not None)
+    return bool(model.engine.memory_ledger.now("grad_shard") == want)
 
 
 def _views_ok(model: Any) -> bool:
@@ -210,20 +218,21 @@ def hook_refused_case() -> dict[str, Any]:
     return {"error": error, "dispatches": [b.dispatches for b in wire], "buckets": n_buckets}
 
 
-def checkpoint_case(root: str) -> dict[str, Any]:
+def checkpoint_case(root: str, flags: dict[str, Any] | None = None) -> dict[str, Any]:
     """A checkpoint saved after the re-plan loads into a model that never re-planned (checkpoints
     are model-space, independent of the bucket plan), and both then train alike."""
     base = build_model(MODEL, seed=0)
+    flags = flags or {}
     cfg = megabuf.DistributedDataParallelConfig(
-        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2
+        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2, **flags
     )
     auto = megabuf.DistributedDataParallel(copy.deepcopy(base), cfg)
     opt = _optimizer("megabuf", auto)
     for step in range(3):  # the re-plan runs in step 2's zero_grad_buffer()
         _step(auto, opt, step, 1)
-    path = os.path.join(root, "auto_replanned")
+    path = os.path.join(root, "auto_replanned_" + "_".join(map(str, flags.values())))
     megabuf.save_checkpoint(path, auto, opt)
-    plain_cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True)
+    plain_cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True, **flags)
     plain = megabuf.DistributedDataParallel(copy.deepcopy(base), plain_cfg)
     plain_opt = _optimizer("megabuf", plain)
     megabuf.load_checkpoint(path, plain, plain_opt)

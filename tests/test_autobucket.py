@@ -36,7 +36,10 @@ REPLAN = ("megabuf_opt", "torch_opt_fp32_accum", "zero1", "zero2_fp32_accum")
 @pytest.fixture(scope="module")
 def results(pools: Any, tmp_path_factory: Any) -> list[dict[str, Any]]:
     root = str(tmp_path_factory.mktemp("autobucket"))
-    cases = {**CASES, "checkpoint": (checkpoint_case, root)}
+    cases = {
+        **CASES, "checkpoint": (checkpoint_case, root),
+        "checkpoint_zero2": (checkpoint_case, root, {"data_parallel_sharding_strategy": "optim_grads"}),
+    }  # fmt: skip
     return pools(2).run(run_each, cases)  # type: ignore[no-any-return]
 
 
@@ -49,6 +52,7 @@ def test_replan_mid_training_is_bitwise_invisible(results: Any, name: str) -> No
         # another bucket plan only regroups the same 2-rank sums (the clip norm may round apart)
         assert res["vs_default"] <= 1e-6, f"rank {rank}: differs from the default plan: {res}"
         assert res["views_ok"], f"rank {rank}: a main_grad view or group membership was lost"
+        assert res["ledger_ok"], f"rank {rank}: the ledger's grad shards are not the new ones"
         assert res["groups"] != res["default_groups"], "the re-plan changed nothing: no test"
 
 
@@ -81,10 +85,11 @@ def test_replan_with_a_comm_hook_registered_is_refused_by_name(results: Any) -> 
         assert res["dispatches"] == [1] * res["buckets"] and res["buckets"] > 1, res
 
 
+@pytest.mark.parametrize("name", ["checkpoint", "checkpoint_zero2"])
 def test_a_checkpoint_saved_after_the_replan_loads_into_a_model_that_never_replanned(
-    results: Any,
+    results: Any, name: str
 ) -> None:
-    for rank, res in enumerate(case_result(results, "checkpoint")):
+    for rank, res in enumerate(case_result(results, name)):
         assert res["replanned"] and res["plans"][0] is not None, res
         assert res["plans"][1] is None, res  # the loading model keeps its sized plan
         assert res["moved"] > 1e-3, "training did not move the params: the test proves nothing"
