@@ -525,6 +525,22 @@ MUTANTS = (
         "",
         ("tests/test_autobucket.py",),
     ),
+    Mutant(
+        "auto-bucket-sharded-optimizer-state-dropped",
+        "a sharded auto re-plan carries the optimizer's model-space state onto the new shards",
+        "megabuf/optimizer/distributed.py",
+        "        load_model_space_state(self.parts(), state)\n",
+        "        del state\n",
+        ("tests/test_autobucket.py",),
+    ),
+    Mutant(
+        "auto-bucket-sharded-old-grad-shards-ledgered",
+        "a sharded auto re-plan takes the old groups' grad shards off the memory ledger",
+        "megabuf/sharded_replan.py",
+        "            ledger.free(GRAD_SHARD, group.sharded_grads.shard_nbytes)\n",
+        "            pass\n",
+        ("tests/test_autobucket.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")
