@@ -19,18 +19,19 @@ With `bucket_size = "auto"` the engine starts on the default plan and an `AutoBu
   plan] in bucket_planner.py). At dp 1 nothing is measured: nothing crosses a link, so the plan
   is the fewest buckets the layout rules allow (one per buffer unless a param keeps a bucket of
   its own), never fragmented.
-- Re-plan: once, in `zero_grad_buffer()` after the `auto_bucket_warmup_steps`-th grad sync
-  (every rank syncs the same number of times, so every rank re-plans at the same call), or
-  at the first one after that outside `no_sync()` (whose exit would reset the replaced grad
-  sync's flag). Only
-  the unsharded all-reduce path is allowed (config.py refuses the rest by name): there the
-  buffer layout has no padding, so every param keeps its offset, `param.data`, `param.main_grad`,
-  `.grad` links and anything an optimizer or the user holds stay valid; what changes is the
-  buckets (new views of the same grad storage, zeroed) and everything built on them, rebuilt
-  by the engine (bucket groups, chains, grad hooks, the grad sync with its no_sync state and
-  timeline, the comm-hook registry, the param side). A comm hook registered by then holds
-  per-bucket state: the re-plan raises naming it. Checkpoints do not depend on the bucket plan
-  (model-space optimizer state, [Note: checkpoint layout]), so nothing there changes.
+- Re-plan: once, in `zero_grad_buffer()` after the `auto_bucket_warmup_steps`-th grad sync (every
+  rank syncs the same number of times, so every rank re-plans at the same call), or at the first one
+  after that outside `no_sync()` (whose exit would reset the replaced grad sync's flag). Under
+  "optim" and "optim_grads" the buffers are padded and sharded, so the re-plan allocates new ones
+  and the optimizer carries its state across in model space ([Note: sharded auto bucket re-plan] in
+  sharded_replan.py); "optim_grads_params" is refused by config.py. On the unsharded path the buffer
+  layout has no padding, so every param keeps its offset, `param.data`, `param.main_grad`, `.grad`
+  links and anything an optimizer or the user holds stay valid; what changes is the buckets (new
+  views of the same grad storage, zeroed) and everything built on them, rebuilt by the engine
+  (bucket groups, chains, grad hooks, the grad sync with its no_sync state and timeline, the
+  comm-hook registry, the param side). A comm hook registered by then holds per-bucket state: the
+  re-plan raises naming it. Checkpoints do not depend on the bucket plan (model-space optimizer
+  state, [Note: checkpoint layout]), so nothing there changes.
 
 [Note: calibrated collective model]
 The probe times collectives on an idle machine, but the buckets' collectives run while backward

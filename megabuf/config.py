@@ -124,11 +124,12 @@ class DistributedDataParallelConfig:
     """Bucket size in elements. None: with `overlap_grad_reduce`, Megatron's
     max(40_000_000, 1_000_000 * dp_size) capped at a quarter of the largest buffer (so small
     models overlap too); without overlap, one bucket per buffer. "auto": start with the default,
-    measure `auto_bucket_warmup_steps` steps, then re-plan the bucket boundaries once, in place,
-    so the predicted communication left after backward is least ([Note: auto bucket plan] in
-    megabuf/bucket_planner.py, [Note: auto bucket re-plan] in megabuf/autobucket.py). Needs
-    `overlap_grad_reduce` and the all-reduce path (data_parallel_sharding_strategy "no_shard"),
-    and no `comm_hook` or `deterministic_reduction`."""
+    measure `auto_bucket_warmup_steps` steps, then re-plan the bucket boundaries once, so the
+    predicted communication left after backward is least ([Note: auto bucket plan] in
+    megabuf/bucket_planner.py, [Note: auto bucket re-plan] in megabuf/autobucket.py; under
+    "optim" / "optim_grads" the optimizer state moves to new buffers: [Note: sharded auto bucket
+    re-plan] in megabuf/sharded_replan.py). Needs `overlap_grad_reduce`, a strategy other than
+    "optim_grads_params", and no `comm_hook` or `deterministic_reduction`."""
 
     auto_bucket_warmup_steps: int = 3
     """With `bucket_size = "auto"`: the number of steps run on the default buckets before the

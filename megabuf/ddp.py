@@ -154,7 +154,7 @@ class DistributedDataParallel(nn.Module):
         (no pass over the buffer; each param's first grad overwrites its main_grad). With
         bucket_size="auto", after the warm-up also the one re-plan ([Note: auto bucket re-plan])."""
         self.engine.zero_grad_buffer()
-        self.buffers[:] = self.engine.dense_buffers  # new ones after a sharded re-plan
+        self.buffers[:] = self.engine.dense_buffers  # type: ignore[index]  # renewed: sharded re-plan
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Same as zero_grad_buffer(): grads live in the buffers, see [Note: grad accumulation

@@ -17,15 +17,13 @@ from autobucket_cases import (
 from dist_pool import case_result, run_each
 from matrix_cases import pp_ep_case
 
+ZERO2 = {"data_parallel_sharding_strategy": "optim_grads"}
 CASES: dict[str, tuple[Any, ...]] = {
     "megabuf_opt": (replan_case, {}, "megabuf", 1),
     "torch_opt_fp32_accum": (replan_case, {"grad_reduce_in_fp32": True}, "torch", 2),
     # [Note: sharded auto bucket re-plan]: the optimizer's state carried across new buffers
     "zero1": (replan_case, {"data_parallel_sharding_strategy": "optim"}, "megabuf", 1),
-    "zero2_fp32_accum": (
-        replan_case, {"data_parallel_sharding_strategy": "optim_grads",
-                      "grad_reduce_in_fp32": True}, "megabuf", 2,
-    ),  # fmt: skip
+    "zero2_fp32_accum": (replan_case, {**ZERO2, "grad_reduce_in_fp32": True}, "megabuf", 2),
     "measured": (measured_case,),
     "hook_refused": (hook_refused_case,),
     "no_sync_deferral": (no_sync_deferral_case,),
@@ -37,9 +35,10 @@ REPLAN = ("megabuf_opt", "torch_opt_fp32_accum", "zero1", "zero2_fp32_accum")
 def results(pools: Any, tmp_path_factory: Any) -> list[dict[str, Any]]:
     root = str(tmp_path_factory.mktemp("autobucket"))
     cases = {
-        **CASES, "checkpoint": (checkpoint_case, root),
-        "checkpoint_zero2": (checkpoint_case, root, {"data_parallel_sharding_strategy": "optim_grads"}),
-    }  # fmt: skip
+        **CASES,
+        "checkpoint": (checkpoint_case, root),
+        "checkpoint_zero2": (checkpoint_case, root, ZERO2),
+    }
     return pools(2).run(run_each, cases)  # type: ignore[no-any-return]
 
 

@@ -217,9 +217,7 @@ def check_keys(parts: OptimizerParts, by_key: dict[str, list[dict[str, Any]]]) -
         )
 
 
-def gathered_state(
-    parts: OptimizerParts, collectives: Collectives, group: Group
-) -> dict[str, Any]:
+def gathered_state(parts: OptimizerParts, collectives: Collectives, group: Group) -> dict[str, Any]:
     """Every dp rank's pieces of the params this rank steps, as `load_model_space_state` takes
     them: step 1 of [Note: sharded auto bucket re-plan] in megabuf/sharded_replan.py. Replicas'
     copies of a piece are kept once; pieces of params this rank does not hold (other ep ranks'
