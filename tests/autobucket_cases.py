@@ -117,6 +117,8 @@ def replan_case(flags: dict[str, Any], opt_kind: str, micro: int) -> dict[str, A
     opt3 = _optimizer(opt_kind, default)
     for step in range(STEPS):
         _step(default, opt3, step, micro)
+    for model in (auto, fixed, default):  # overlap_param_gather: wait for the last gathers
+        model.publish_params()
     views_ok = _views_ok(auto)
     return {
         "max_diff": max(

@@ -17,18 +17,19 @@ from autobucket_cases import (
 from dist_pool import case_result, run_each
 from matrix_cases import pp_ep_case
 
+ZERO1 = {"data_parallel_sharding_strategy": "optim", "overlap_param_gather": True}
 ZERO2 = {"data_parallel_sharding_strategy": "optim_grads"}
 CASES: dict[str, tuple[Any, ...]] = {
     "megabuf_opt": (replan_case, {}, "megabuf", 1),
     "torch_opt_fp32_accum": (replan_case, {"grad_reduce_in_fp32": True}, "torch", 2),
     # [Note: sharded auto bucket re-plan]: the optimizer's state carried across new buffers
-    "zero1": (replan_case, {"data_parallel_sharding_strategy": "optim"}, "megabuf", 1),
+    "zero1_overlap_gather": (replan_case, ZERO1, "megabuf", 1),
     "zero2_fp32_accum": (replan_case, {**ZERO2, "grad_reduce_in_fp32": True}, "megabuf", 2),
     "measured": (measured_case,),
     "hook_refused": (hook_refused_case,),
     "no_sync_deferral": (no_sync_deferral_case,),
 }
-REPLAN = ("megabuf_opt", "torch_opt_fp32_accum", "zero1", "zero2_fp32_accum")
+REPLAN = ("megabuf_opt", "torch_opt_fp32_accum", "zero1_overlap_gather", "zero2_fp32_accum")
 
 
 @pytest.fixture(scope="module")
