@@ -206,3 +206,32 @@ def checkpoint_case(save: dict[str, Any], load: dict[str, Any], path: str) -> di
             (p - ref_params[n].detach().float()).abs().max().item() for n, p in params.items()
         ),
     }
+
+
+def _train_explicit(model: megabuf.DistributedDataParallel, opt: Any, step: int, micro: int) -> None:
+    """As `train`, every micro-batch inside no_sync() and the step ended by finish_grad_sync()
+    (the Megatron loop)."""
+    x, y = make_data(step)
+    n = GLOBAL_BATCH // dist.get_world_size()
+    lo = dist.get_rank() * n
+    m = n // micro
+    opt.zero_grad()
+    for i in range(micro):
+        xs, ys = x[lo + i * m : lo + (i + 1) * m], y[lo + i * m : lo + (i + 1) * m]
+        with model.no_sync():
+            (loss_fn(model(xs), ys) / micro).backward()
+    model.finish_grad_sync()
+    opt.step()
+
+
+def mismatched_micro_batches(case: dict[str, Any]) -> dict[str, Any]:
+    """[Note: micro-batch agreement]: rank r runs `micro_by_rank[r]` micro-batches per step;
+    returns every rank's error (or "no error") and, after it, whether a fresh model still
+    trains one step on the same groups (nothing left in flight that pairs wrongly)."""
+    model, opt = build(case)
+    micro = case["micro_by_rank"][dist.get_rank()]
+    step = _train_explicit if case.get("explicit") else train
+    error = error_of(step, model, opt, 0, micro)
+    model, opt = build(case)
+    train(model, opt, 0, 1)
+    return {"error": error}

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from dist_pool import case_result, run_each
-from hybrid_cases import checkpoint_case, hybrid_case, misuse_errors
+from hybrid_cases import checkpoint_case, hybrid_case, mismatched_micro_batches, misuse_errors
 
 from megabuf.hybrid import HybridSplit, hybrid_layout, node_shard_size, place, split_for
 
@@ -57,6 +57,16 @@ def test_node_shard_size_reads_local_world_size_or_raises_by_name() -> None:
         node_shard_size({})
 
 
+EACH = {"strategy": "optim_grads", "accumulation": "reduce_each_microbatch"}
+MISMATCH: dict[str, dict[str, Any]] = {  # [Note: micro-batch agreement]
+    "each-2x2-both-groups": {"split": "2x2", **EACH, "micro_by_rank": [1, 2, 1, 2]},
+    "each-2x2-one-group": {"split": "2x2", **EACH, "micro_by_rank": [2, 2, 2, 1]},
+    "zero3-2x2-explicit": {"split": "2x2", "strategy": "optim_grads_params",
+                           "micro_by_rank": [1, 2, 2, 2], "explicit": True},
+    "each-flat": {"split": "flat", **EACH, "micro_by_rank": [1, 1, 2, 1]},
+}  # fmt: skip
+
+
 # ---- gloo ranks: the sweep, one pool run -------------------------------------------------------
 def _cases() -> dict[str, tuple[Any, ...]]:
     cases: dict[str, tuple[Any, ...]] = {}
@@ -95,6 +105,10 @@ def _cases() -> dict[str, tuple[Any, ...]]:
                       "ddp": {"overlap_param_gather": True}},
     )  # fmt: skip
     cases["misuse"] = (misuse_errors,)
+    cases |= {f"mismatch-{name}": (mismatched_micro_batches, case) for name, case in MISMATCH.items()}
+    cases["optim_grads-2x2-unsharded-asymmetric"] = (
+        hybrid_case, {"split": "2x2", "strategy": "optim_grads", "micro_by_rank": [1, 2, 2, 1]},
+    )  # fmt: skip
     return cases
 
 
@@ -285,3 +299,56 @@ def test_pipeline_with_a_hybrid_split_per_stage(pools: Any) -> None:
     assert all(
         abs(a - b) <= 1e-5 * abs(b) for r in ranks for a, b in zip(r["norms"], r["ref_norms"])
     )
+
+
+def _errors(sweep: list[dict[str, Any]], name: str) -> list[str]:
+    return [r["error"] for r in _result(sweep, f"mismatch-{name}")]
+
+
+def test_ranks_of_one_shard_group_with_different_micro_batch_counts_raise_on_every_rank(
+    sweep: list[dict[str, Any]],
+) -> None:
+    """[Note: micro-batch agreement]: where every micro-batch communicates inside the shard
+    group (reduce_each_microbatch, optim_grads_params), its ranks running 1 and 2 micro-batches
+    hung before (one rank's last reduce-scatter paired with the other's first); now every rank
+    raises naming the group, each rank's micro-batch and what to do, and the ranks of the other
+    shard group (which agreed) raise too, naming the ranks that did not (no rank is left
+    waiting for a replicate all-reduce). A fresh model then trains on the same groups."""
+    both = _errors(sweep, "each-2x2-both-groups")
+    for rank, error in enumerate(both):
+        group = [0, 1] if rank < 2 else [2, 3]
+        assert f"the ranks of shard group {group} ran different numbers of micro-batches" in error
+        assert f"rank {group[0]} runs micro-batch 1 as the step's last (outside no_sync())" in error
+        assert f"rank {group[1]} runs micro-batch 1 inside no_sync()" in error
+        assert "sharded_grad_accumulation='reduce_each_microbatch'" in error
+        assert "accumulate_unsharded" in error and f"this is rank {rank}" in error
+    one = _errors(sweep, "each-2x2-one-group")
+    for rank in (0, 1):
+        assert "rank(s) [2, 3] of another shard group" in one[rank], one[rank]
+        assert f"this is rank {rank}, whose shard group agreed" in one[rank]
+    for rank in (2, 3):
+        assert "rank 2 runs micro-batch 1 inside no_sync(); rank 3 runs micro-batch 1 as" in one[rank]
+
+
+def test_micro_batch_mismatch_at_the_grad_sync_and_when_flat(sweep: list[dict[str, Any]]) -> None:
+    """The Megatron loop (every micro-batch in no_sync(), then finish_grad_sync()): the rank
+    with fewer micro-batches is at the sync while its peer starts its next micro-batch; and the
+    flat dp group under reduce_each_microbatch, which hung the same way."""
+    zero3 = _errors(sweep, "zero3-2x2-explicit")
+    for rank in (0, 1):
+        assert "rank 0 ends the step (grad sync) after 1 micro-batch(es)" in zero3[rank]
+        assert "rank 1 runs micro-batch 2 inside no_sync()" in zero3[rank]
+        assert "data_parallel_sharding_strategy='optim_grads_params'" in zero3[rank]
+    assert all("rank(s) [0, 1] of another shard group" in e for e in zero3[2:])
+    flat = _errors(sweep, "each-flat")
+    for rank, error in enumerate(flat):
+        assert "the ranks of dp group [0, 1, 2, 3] ran different numbers" in error, error
+        assert "rank 2 runs micro-batch 1 inside no_sync()" in error
+        assert "rank 3 runs micro-batch 1 as the step's last" in error
+
+
+def test_micro_batch_counts_may_differ_where_nothing_pairs_them(sweep: list[dict[str, Any]]) -> None:
+    """accumulate_unsharded with optim_grads: no_sync micro-batches issue no collective, so
+    ranks of one shard group may run 1 and 2 micro-batches (each scales its own loss): the
+    reference's result, one replicate all-reduce per bucket per step."""
+    _check_trained(_result(sweep, "optim_grads-2x2-unsharded-asymmetric"), (2, 2))
