@@ -179,7 +179,9 @@ class Engine:
     def _microbatch_agreement(self) -> MicrobatchAgreement | None:
         """[Note: micro-batch agreement], in the modes that communicate every micro-batch."""
         cfg, pgs = self.config, self.process_groups
-        each = cfg.sharding.shards_grads and cfg.sharded_grad_accumulation == "reduce_each_microbatch"
+        each = (
+            cfg.sharding.shards_grads and cfg.sharded_grad_accumulation == "reduce_each_microbatch"
+        )
         group_rank, group_size = self.topology.sharding(False)
         if not (each or cfg.sharding.shards_params) or group_size == 1:
             return None

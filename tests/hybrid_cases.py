@@ -208,7 +208,9 @@ def checkpoint_case(save: dict[str, Any], load: dict[str, Any], path: str) -> di
     }
 
 
-def _train_explicit(model: megabuf.DistributedDataParallel, opt: Any, step: int, micro: int) -> None:
+def _train_explicit(
+    model: megabuf.DistributedDataParallel, opt: Any, step: int, micro: int
+) -> None:
     """As `train`, every micro-batch inside no_sync() and the step ended by finish_grad_sync()
     (the Megatron loop)."""
     x, y = make_data(step)

@@ -105,7 +105,9 @@ def _cases() -> dict[str, tuple[Any, ...]]:
                       "ddp": {"overlap_param_gather": True}},
     )  # fmt: skip
     cases["misuse"] = (misuse_errors,)
-    cases |= {f"mismatch-{name}": (mismatched_micro_batches, case) for name, case in MISMATCH.items()}
+    cases |= {
+        f"mismatch-{name}": (mismatched_micro_batches, case) for name, case in MISMATCH.items()
+    }
     cases["optim_grads-2x2-unsharded-asymmetric"] = (
         hybrid_case, {"split": "2x2", "strategy": "optim_grads", "micro_by_rank": [1, 2, 2, 1]},
     )  # fmt: skip
@@ -327,7 +329,9 @@ def test_ranks_of_one_shard_group_with_different_micro_batch_counts_raise_on_eve
         assert "rank(s) [2, 3] of another shard group" in one[rank], one[rank]
         assert f"this is rank {rank}, whose shard group agreed" in one[rank]
     for rank in (2, 3):
-        assert "rank 2 runs micro-batch 1 inside no_sync(); rank 3 runs micro-batch 1 as" in one[rank]
+        assert (
+            "rank 2 runs micro-batch 1 inside no_sync(); rank 3 runs micro-batch 1 as" in one[rank]
+        )
 
 
 def test_micro_batch_mismatch_at_the_grad_sync_and_when_flat(sweep: list[dict[str, Any]]) -> None:
@@ -341,13 +345,15 @@ def test_micro_batch_mismatch_at_the_grad_sync_and_when_flat(sweep: list[dict[st
         assert "data_parallel_sharding_strategy='optim_grads_params'" in zero3[rank]
     assert all("rank(s) [0, 1] of another shard group" in e for e in zero3[2:])
     flat = _errors(sweep, "each-flat")
-    for rank, error in enumerate(flat):
+    for error in flat:
         assert "the ranks of dp group [0, 1, 2, 3] ran different numbers" in error, error
         assert "rank 2 runs micro-batch 1 inside no_sync()" in error
         assert "rank 3 runs micro-batch 1 as the step's last" in error
 
 
-def test_micro_batch_counts_may_differ_where_nothing_pairs_them(sweep: list[dict[str, Any]]) -> None:
+def test_micro_batch_counts_may_differ_where_nothing_pairs_them(
+    sweep: list[dict[str, Any]],
+) -> None:
     """accumulate_unsharded with optim_grads: no_sync micro-batches issue no collective, so
     ranks of one shard group may run 1 and 2 micro-batches (each scales its own loss): the
     reference's result, one replicate all-reduce per bucket per step."""
