@@ -10,6 +10,7 @@ batch (optimizer_cases.Reference), and the calls and bytes each process group wa
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -110,16 +111,19 @@ def hybrid_case(case: dict[str, Any]) -> dict[str, Any]:
     model, opt = build(case)
     timeline = model.enable_timeline()
     ref = reference(case)
-    replicate_calls = []
+    replicate_calls: list[int] = []
+    digests: list[str] = []
     for step in range(STEPS):
         before = model.engine.collectives.stats_of(model.process_groups.dp_replicate).calls.get(
             "all_reduce", 0
         )
-        micro = case.get("micro_by_rank", [case.get("micro", 1)] * 4)[dist.get_rank()]
-        train(model, opt, step, micro)
+        micro = case.get("micro_by_rank", [case.get("micro", 1)] * dist.get_world_size())
+        train(model, opt, step, micro[dist.get_rank()])
         after = model.engine.collectives.stats_of(model.process_groups.dp_replicate).calls
         replicate_calls.append(after.get("all_reduce", 0) - before)
         ref.step(step)
+        if case.get("every_step"):  # whole params (ZeRO-3: gathered), one digest per step
+            digests.append(_digest(model))
     model.publish_params()
     ref_params = dict(ref.model.named_parameters())
     state = model.state_dict()  # whole params under every strategy (ZeRO-3: gathered)
@@ -131,6 +135,7 @@ def hybrid_case(case: dict[str, Any]) -> dict[str, Any]:
             (p - ref_params[n].detach().float()).abs().max().item() for n, p in params.items()
         ),
         "replicate_calls": replicate_calls,
+        "digests": digests,
         "replicate_events": sum(name == "replicate_dispatch" for _, name, _ in timeline.events),
         "groups": len(model.engine.all_bucket_groups),
         "buckets": sum(len(g.buckets) for g in model.engine.all_bucket_groups),
@@ -145,6 +150,15 @@ def hybrid_case(case: dict[str, Any]) -> dict[str, Any]:
             for name, stats in model.engine.collectives.group_stats.items()
         },
     }
+
+
+def _digest(model: megabuf.DistributedDataParallel) -> str:
+    """A hash of every param's bytes (state_dict: whole params under every strategy)."""
+    sha = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        sha.update(name.encode())
+        sha.update(tensor.detach().float().contiguous().numpy().tobytes())
+    return sha.hexdigest()
 
 
 def error_of(fn: Any, *args: Any, **kwargs: Any) -> str:

@@ -292,15 +292,61 @@ def test_pipeline_with_a_hybrid_split_per_stage(pools: Any) -> None:
     with the distributed optimizer against the single-process GPT (test_pipeline's harness)."""
     from pipeline_cases import pipeline_case
 
-    config = {"use_distributed_optimizer": True, "bucket_size": 200, "overlap_grad_reduce": True,
-              "overlap_param_gather": True, "num_distributed_optimizer_instances": 2}  # fmt: skip
-    ranks = pools(4).run(pipeline_case, {"pp": 2, "config": config})
+    _check_pipeline(pools(4).run(pipeline_case, {"pp": 2, "config": PIPELINE_CONFIG}))
+
+
+def _check_pipeline(ranks: list[dict[str, Any]]) -> None:
     for rank, res in enumerate(ranks):
         worst = max(res["errors"].values())
         assert worst <= 1e-6, (rank, res["errors"])
     assert all(
         abs(a - b) <= 1e-5 * abs(b) for r in ranks for a, b in zip(r["norms"], r["ref_norms"])
     )
+
+
+def test_pipeline_with_a_2x2_split_per_stage(eight: list[dict[str, Any]]) -> None:
+    """pp 2 x dp 4 on 8 ranks, each stage's dp split as 2 replicas x 2 shards (S > 1 under a
+    pipeline): 1F1B with the distributed optimizer against the single-process GPT."""
+    _check_pipeline(_result(eight, "pipeline-pp2-2x2"))
+
+
+PIPELINE_CONFIG = {"use_distributed_optimizer": True, "bucket_size": 200,
+                   "overlap_grad_reduce": True, "overlap_param_gather": True,
+                   "num_distributed_optimizer_instances": 2}  # fmt: skip
+
+
+def _eight_cases() -> dict[str, tuple[Any, ...]]:
+    from pipeline_cases import pipeline_case
+
+    cases: dict[str, tuple[Any, ...]] = {
+        strategy: (
+            hybrid_case,
+            {"split": "2x4", "strategy": strategy, "micro": 2, "every_step": True},
+        )
+        for strategy in STRATEGIES
+    }
+    cases["pipeline-pp2-2x2"] = (pipeline_case, {"pp": 2, "config": PIPELINE_CONFIG})
+    return cases
+
+
+@pytest.fixture(scope="module")
+def eight(pools: Any) -> list[dict[str, Any]]:
+    """2 replicas x 4-way shard on 8 ranks, every strategy, in one pool run."""
+    return pools(8).run(run_each, _eight_cases())  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_2x4_matches_the_reference_and_replicas_agree_after_every_step(
+    eight: list[dict[str, Any]], strategy: str
+) -> None:
+    """R 2 x S 4 (shard groups [0..3] [4..7], replicate groups [i, i+4]): 3 AdamW steps of 2
+    micro-batches within the bound of the single-process reference on the global batch, one
+    replicate all-reduce per bucket per step, and every rank's whole params bitwise equal after
+    every step (a digest per step)."""
+    ranks = _result(eight, strategy)
+    _check_trained(ranks, (2, 4), micro=2)
+    assert len(ranks[0]["digests"]) == 3
+    assert all(r["digests"] == ranks[0]["digests"] for r in ranks), "replicas differ"
 
 
 def _errors(sweep: list[dict[str, Any]], name: str) -> list[str]:
