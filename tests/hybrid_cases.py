@@ -157,7 +157,7 @@ def _digest(model: megabuf.DistributedDataParallel) -> str:
     sha = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         sha.update(name.encode())
-        sha.update(tensor.detach().float().contiguous().numpy().tobytes())
+        sha.update(tensor.detach().float().clone().numpy().tobytes())  # a copy: numpy pins storage
     return sha.hexdigest()
 
 
@@ -251,3 +251,44 @@ def mismatched_micro_batches(case: dict[str, Any]) -> dict[str, Any]:
     model, opt = build(case)
     train(model, opt, 0, 1)
     return {"error": error}
+
+
+def lifecycle_case(case: dict[str, Any]) -> dict[str, Any]:
+    """The RL weight lifecycle under the split: 3 steps of 2 micro-batches, with offload() and
+    restore() of the model and its optimizer after the second, against a twin that never
+    offloads; then export_weights. Returns whether the restore was bitwise (params before and
+    after, and the twin's params after the third step: the optimizer state came back too), the
+    export against the whole params and the reference."""
+    from megabuf.weights import export_weights, is_offloaded, offload, restore
+
+    model, opt = build(case)
+    twin, twin_opt = build(case)
+    ref = reference(case)
+    out: dict[str, Any] = {}
+    for step in range(STEPS):
+        train(model, opt, step, 2)
+        train(twin, twin_opt, step, 2)
+        ref.step(step)
+        if step == 1:
+            before = _digest(model)
+            report = offload(model, opt)
+            out["offloaded"] = is_offloaded(model) and report.total_nbytes > 0
+            restore(model, opt)
+            out["restored_bitwise"] = _digest(model) == before
+    out["matches_twin"] = _digest(model) == _digest(twin)
+    exported, versions = {}, set()
+    for item in export_weights(model, optimizer=opt):  # an item is valid until the next one
+        exported |= {n: t.detach().float().clone() for n, t in item.named}
+        versions.add(item.version)
+    state = model.state_dict()
+    ref_params = dict(ref.model.named_parameters())
+    out["versions"] = sorted(versions)
+    out["export_is_state"] = all(torch.equal(t, state[n].float()) for n, t in exported.items())
+    out["names"] = sorted(exported)
+    out["ref_names"] = sorted(ref_params)
+    out["error"] = max(
+        (exported[n] - p.detach().float()).abs().max().item()
+        for n, p in ref_params.items()
+        if n in exported
+    )
+    return out

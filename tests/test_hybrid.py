@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 import torch
 from dist_pool import case_result, run_each
-from hybrid_cases import checkpoint_case, hybrid_case, mismatched_micro_batches, misuse_errors
+from hybrid_cases import (
+    checkpoint_case,
+    hybrid_case,
+    lifecycle_case,
+    mismatched_micro_batches,
+    misuse_errors,
+)
 
 from megabuf.hybrid import HybridSplit, hybrid_layout, node_shard_size, place, split_for
 
@@ -108,6 +114,8 @@ def _cases() -> dict[str, tuple[Any, ...]]:
     cases |= {
         f"mismatch-{name}": (mismatched_micro_batches, case) for name, case in MISMATCH.items()
     }
+    for strategy in STRATEGIES:
+        cases[f"lifecycle-{strategy}"] = (lifecycle_case, {"split": "2x2", "strategy": strategy})
     cases["optim_grads-2x2-unsharded-asymmetric"] = (
         hybrid_case, {"split": "2x2", "strategy": "optim_grads", "micro_by_rank": [1, 2, 2, 1]},
     )  # fmt: skip
@@ -404,3 +412,18 @@ def test_micro_batch_counts_may_differ_where_nothing_pairs_them(
     ranks of one shard group may run 1 and 2 micro-batches (each scales its own loss): the
     reference's result, one replicate all-reduce per bucket per step."""
     _check_trained(_result(sweep, "optim_grads-2x2-unsharded-asymmetric"), (2, 2))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_offload_restore_and_export_under_a_2x2_split(
+    sweep: list[dict[str, Any]], strategy: str
+) -> None:
+    """The RL weight lifecycle (megabuf.weights) at 2 replicas x 2 shards: offload() and
+    restore() of model and optimizer between steps are bitwise (the params, and after one
+    more step the params of a twin that never offloaded: the optimizer state came back), and
+    export_weights() streams the whole params (ZeRO-3: gathered in the shard group), bitwise
+    the model's, within the bound of the single-process reference, at version 3."""
+    for out in _result(sweep, f"lifecycle-{strategy}"):
+        assert out["offloaded"] and out["restored_bitwise"] and out["matches_twin"], out
+        assert out["export_is_state"] and out["versions"] == [3]
+        assert set(out["ref_names"]) <= set(out["names"]) and out["error"] < FP32_BOUND
