@@ -325,6 +325,7 @@ PIPELINE_CONFIG = {"use_distributed_optimizer": True, "bucket_size": 200,
 
 def _eight_cases() -> dict[str, tuple[Any, ...]]:
     from pipeline_cases import pipeline_case
+    from publish_cases import hybrid_publish_case
 
     cases: dict[str, tuple[Any, ...]] = {
         strategy: (
@@ -334,6 +335,7 @@ def _eight_cases() -> dict[str, tuple[Any, ...]]:
         for strategy in STRATEGIES
     }
     cases["pipeline-pp2-2x2"] = (pipeline_case, {"pp": 2, "config": PIPELINE_CONFIG})
+    cases["publish-2x2"] = (hybrid_publish_case, 2)
     return cases
 
 
@@ -427,3 +429,23 @@ def test_offload_restore_and_export_under_a_2x2_split(
         assert out["offloaded"] and out["restored_bitwise"] and out["matches_twin"], out
         assert out["export_is_state"] and out["versions"] == [3]
         assert set(out["ref_names"]) <= set(out["names"]) and out["error"] < FP32_BOUND
+
+
+def test_publisher_sends_from_replica_zero_under_a_2x2_split(eight: list[dict[str, Any]]) -> None:
+    """[Note: publishing from replicas]: ranks 0-3 train as 2 replicas x 2 shards, ranks 0 and 1
+    (replicate rank 0's shard group) publish to rank 4: it receives every weight bitwise as
+    every trainer holds it, each sender sent its half of every bucket (together the model
+    once, not once per replica), and ranks 2 and 3 are refused a Publisher by name."""
+    ranks = _result(eight, "publish-2x2")
+    trainers, consumer = ranks[:4], ranks[4]
+    assert all(t["split"] == (2, 2) for t in trainers)
+    params = trainers[0]["params"]
+    assert all(torch.equal(t["params"][k], v) for t in trainers for k, v in params.items())
+    assert consumer["got"].keys() == params.keys()
+    assert all(torch.equal(consumer["got"][k], v) for k, v in params.items())
+    assert trainers[0]["sent"] == tuple(range(len(trainers[0]["sent"]))) != ()
+    sent = trainers[0]["sent_nbytes"] + trainers[1]["sent_nbytes"]
+    assert sent == trainers[0]["model_nbytes"]  # one consumer, one copy of every bucket
+    for rank in (2, 3):
+        refused = trainers[rank]["refused"]
+        assert "this rank is in replica 1" in refused and "replicate rank 0's shard" in refused
