@@ -54,7 +54,8 @@ class PublishGroup:
 def publish_group(
     trainer_ranks: Sequence[int], consumer_ranks: Sequence[int], *, timeout_s: float = 300.0
 ) -> PublishGroup:
-    """A gloo group of `trainer_ranks` (the dp ranks of the model, in dp-rank order) and
+    """A gloo group of `trainer_ranks` (the dp ranks of the model, in dp-rank order; under a
+    hybrid split replicate rank 0's shard group, [Note: publishing from replicas]) and
     `consumer_ranks`; every collective on it fails after `timeout_s`. Collective over the
     whole world: every rank calls it, in the same order relative to its other group creations."""
     both = set(trainer_ranks) & set(consumer_ranks)
