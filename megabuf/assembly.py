@@ -55,7 +55,30 @@ def assemble(
 ) -> Assembly:
     """`params`: the trainable params the plan's param ids index."""
     ctx = _Context(plan, config, pgs, collectives, ledger, param_to_name, unit_names)
-    buffers = _make_buffers(ctx, params)
+    return _make_groups(ctx, _make_buffers(ctx, params))
+
+
+def rebucket(
+    plan: Plan,
+    buffers: list[_ParamAndGradBuffer],
+    config: DistributedDataParallelConfig,
+    pgs: ProcessGroups,
+    collectives: Collectives,
+    ledger: MemoryLedger,
+    param_to_name: dict[nn.Parameter, str],
+) -> Assembly:
+    """`plan`'s buckets over the existing (unsharded) buffers, and new groups and chains on
+    them ([Note: auto bucket re-plan] in megabuf/autobucket.py)."""
+    if len(plan.buffers) != len(buffers):
+        raise ValueError(f"megabuf: re-plan has {len(plan.buffers)} buffers, not {len(buffers)}")
+    for buf, planned in zip(buffers, plan.buffers, strict=True):
+        buf.rebucket(planned.layout)
+    ctx = _Context(plan, config, pgs, collectives, ledger, param_to_name, ("",))
+    return _make_groups(ctx, buffers)
+
+
+def _make_groups(ctx: _Context, buffers: list[_ParamAndGradBuffer]) -> Assembly:
+    plan = ctx.plan
     chains: list[DispatchChain[BucketGroup]] = [DispatchChain() for _ in plan.chains]
     groups = [_make_group(ctx, buffers, p, chains[p.chain_id]) for p in plan.groups]
     for chain, group_ids in zip(chains, plan.chains, strict=True):

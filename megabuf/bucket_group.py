@@ -136,13 +136,13 @@ class BucketGroup(TwoLevelReduction):
         self.timeline = timeline
 
     def set_comm_hook(self, hook: object, buckets: Sequence[GradBucket]) -> None:
-        """Reduce with `hook` from now on, one call per bucket ([Note: comm hook contract])."""
-        self.refuse_hook_if_hybrid()
+        """Reduce with `hook` from now on, per bucket and level ([Note: comm hook contract])."""
         if len(buckets) != len(self.buckets):
             raise ValueError(
                 f"megabuf: bucket group {self.group_id} has {len(self.buckets)} buckets, "
                 f"got {len(buckets)} hook views"
             )
+        self.attach_replica_hook(hook, buckets, self.ddp_config.comm_hook_timeout_s)
         self.comm_hook = hook
         self.hook_buckets = list(buckets)
 

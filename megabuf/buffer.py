@@ -164,6 +164,29 @@ class _ParamAndGradBuffer:
             bucket.param_shard = torch.zeros(numel, dtype=self.param_dtype, device=self.device)
         return bucket
 
+    def rebucket(self, layout: BufferLayout) -> None:
+        """New bucket boundaries over the same grad storage, zeroed ([Note: auto bucket
+        re-plan] in megabuf/autobucket.py): only an unsharded buffer whose params keep their
+        slots, so every `param.main_grad` and `param.data` stays valid."""
+        if self._grad_data is None or self.param_data is not None or layout.sharded:
+            raise RuntimeError(
+                f"megabuf: {self.describe()} cannot change its buckets in place under "
+                f"{self.ddp_config.sharding.name!r} (params would move); rank {self.dp_rank}"
+            )
+
+        def offsets(lay: BufferLayout) -> list[tuple[int, int]]:
+            return [(slot.start, slot.end) for slot in lay.params]
+
+        if offsets(layout) != offsets(self.layout) or layout.numel != self.layout.numel:
+            raise ValueError(
+                f"megabuf: new layout of {self.describe()} moves params; a re-plan may only "
+                "change bucket boundaries"
+            )
+        self.layout = layout
+        self.param_index_map = dict(zip(self.params, layout.params, strict=True))
+        self._grad_data.zero_()
+        self.buckets = [self._make_bucket(slot.bucket_id, []) for slot in layout.buckets]
+
     @property
     def grad_data(self) -> Tensor:
         """The whole buffer's grads (1-D, grad_dtype, padded numel). Under optim_grads* there

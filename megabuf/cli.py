@@ -62,11 +62,15 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="hybrid sharding: ranks per shard group (dp = replicas x this); or "
                    "--set num_distributed_optimizer_instances=R")  # fmt: skip
     p.add_argument("--disable-bucketing", action="store_true")
+    p.add_argument("--bucket-ends", metavar="ENDS",
+                   help="show a bucket_size=auto re-plan: the bucket_ends it logged, e.g. "
+                   "'14,21,26' (buffers separated by ';')")  # fmt: skip
     p.add_argument("--params", action="store_true", help="list every param of every bucket")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    from megabuf.bucket_planner import parse_bucket_ends
     from megabuf.inspect import format_inspection, inspect_model, inspection_to_dict, load_model
 
     config = load_config(args.config, args.set)
@@ -74,6 +78,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     info = inspect_model(
         model, config, args.dp_size, model_name=args.model, ep_size=args.ep_size,
         disable_bucketing=args.disable_bucketing, dp_shard_size=args.dp_shard_size,
+        bucket_ends=parse_bucket_ends(args.bucket_ends) if args.bucket_ends else None,
     )  # fmt: skip
     if args.json:
         print(json.dumps(inspection_to_dict(info), indent=1))

@@ -6,85 +6,25 @@ rejected at construction with a ValueError naming the fields involved.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
-import itertools
 import math
 import sys
-import textwrap
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from megabuf.config_fields import dataclass_from_dict, dataclass_from_toml, document_fields
 from megabuf.sharding_strategy import (
     SHARDING_STRATEGIES,
     STRATEGIES,
     ShardingStrategy,
     sharding_strategy,
 )
-
-T = TypeVar("T")
-
-
-def dataclass_from_dict(cls: type[T], values: dict[str, Any]) -> T:
-    """Build config dataclass `cls` from a mapping; unknown keys raise a ValueError listing the
-    valid fields (shared by every megabuf config)."""
-    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(
-            f"megabuf: unknown {cls.__name__} field(s) {unknown}; valid fields: {sorted(known)}"
-        )
-    return cls(**values)
-
-
-def dataclass_from_toml(
-    cls: type[T], path: str | Path, table: str, *, top_level_fallback: bool
-) -> T:
-    """Load `[table]` of a TOML file into `cls` (the whole file if the table is absent and
-    `top_level_fallback`, else the defaults); errors name the file and the table."""
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
-    section = data.get(table, data if top_level_fallback else {})
-    try:
-        return dataclass_from_dict(cls, dict(section))
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"megabuf: bad [{table}] table in config file {path}: {exc}") from exc
-
-
-def document_fields(cls: type[T]) -> type[T]:
-    """Append each field's attribute docstring (the string literal right after the field) to the
-    class docstring, so `help(cls)` shows what every field means. Without the source (a frozen
-    build) the docstring is left as it is."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):
-        return cls
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    lines = []
-    for node, nxt in itertools.pairwise(body):
-        doc = _string_literal(nxt)
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and doc:
-            default = ast.unparse(node.value) if node.value is not None else "required"
-            lines.append(f"{node.target.id} = {default}")
-            lines.extend("    " + line for line in inspect.cleandoc(doc).splitlines())
-    if lines:
-        cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\nFields:\n\n" + "\n".join(lines)
-    return cls
-
-
-def _string_literal(node: ast.stmt) -> str | None:
-    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-        value = node.value.value
-        return value if isinstance(value, str) else None
-    return None
-
 
 GRAD_ACCUMULATION_MODES = ("accumulate_unsharded", "reduce_each_microbatch")
 """`sharded_grad_accumulation` values."""
@@ -180,10 +120,20 @@ class DistributedDataParallelConfig:
     also raises on every rank, naming each such param and the ranks that lacked it (one small
     all-reduce per iteration)."""
 
-    bucket_size: int | None = None
+    bucket_size: int | Literal["auto"] | None = None
     """Bucket size in elements. None: with `overlap_grad_reduce`, Megatron's
     max(40_000_000, 1_000_000 * dp_size) capped at a quarter of the largest buffer (so small
-    models overlap too); without overlap, one bucket per buffer."""
+    models overlap too); without overlap, one bucket per buffer. "auto": start with the default,
+    measure `auto_bucket_warmup_steps` steps, then re-plan the bucket boundaries once, in place,
+    so the predicted communication left after backward is least ([Note: auto bucket plan] in
+    megabuf/bucket_planner.py, [Note: auto bucket re-plan] in megabuf/autobucket.py). Needs
+    `overlap_grad_reduce` and the all-reduce path (data_parallel_sharding_strategy "no_shard"),
+    and no `comm_hook` or `deterministic_reduction`."""
+
+    auto_bucket_warmup_steps: int = 3
+    """With `bucket_size = "auto"`: the number of steps run on the default buckets before the
+    re-plan; the first is not measured (it learns the grad arrival order), the others are, and
+    the re-plan happens at the step boundary after the last (`zero_grad_buffer()`). >= 2."""
 
     whole_param_owners: bool = False
     """Under a sharded strategy: each param is owned whole by one dp rank instead of split by
@@ -248,14 +198,18 @@ class DistributedDataParallelConfig:
                     "use_distributed_optimizer=True (only the distributed optimizer gathers "
                     "params); set use_distributed_optimizer=True or turn it off"
                 )
-        if self.bucket_size is not None and (
-            isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int)
+        if (
+            self.bucket_size is not None
+            and self.bucket_size != "auto"
+            and (isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int))
         ):
             raise ValueError(
                 f"megabuf: DistributedDataParallelConfig.bucket_size must be an int number of "
-                f"elements or None, got {self.bucket_size!r}"
+                f'elements, "auto" or None, got {self.bucket_size!r}'
             )
-        if self.bucket_size is not None and self.bucket_size <= 0:
+        if self.bucket_size == "auto":
+            self._check_auto_bucket()
+        elif self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(
                 f"megabuf: DistributedDataParallelConfig.bucket_size must be > 0 elements, got "
                 f"{self.bucket_size}; use None for the default"
@@ -275,6 +229,33 @@ class DistributedDataParallelConfig:
                 f"sharding replicates a sharded optimizer), got data_parallel_sharding_strategy="
                 f"{self.sharding.name!r}; use 'optim', 'optim_grads' or 'optim_grads_params'"
             )
+
+    def _check_auto_bucket(self) -> None:
+        """bucket_size="auto" re-plans in place ([Note: auto bucket re-plan]): only where the
+        re-plan moves nothing a user or another object holds."""
+        warmup = self.auto_bucket_warmup_steps
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 2:
+            raise ValueError(
+                "megabuf: DistributedDataParallelConfig.auto_bucket_warmup_steps must be an int "
+                f">= 2 (one learning step, then at least one measured), got {warmup!r}"
+            )
+        refusals = [
+            (not self.overlap_grad_reduce, "overlap_grad_reduce=False (nothing to overlap: "
+             "set overlap_grad_reduce=True, or leave bucket_size=None)"),
+            (self.sharding.shards_optimizer, f"data_parallel_sharding_strategy="
+             f"{self.sharding.name!r} (a re-plan would move every optimizer shard: give an "
+             "int bucket_size, e.g. the one a no_shard run's auto plan logged)"),
+            (self.comm_hook is not None, "comm_hook (hook state follows the bucket boundaries: "
+             "give an int bucket_size)"),
+            (self.deterministic_reduction, "deterministic_reduction=True (its fixed-order hook "
+             "is installed per bucket: give an int bucket_size)"),
+        ]  # fmt: skip
+        for refused, why in refusals:
+            if refused:
+                raise ValueError(
+                    f'megabuf: DistributedDataParallelConfig.bucket_size="auto" cannot be used '
+                    f"with {why}"
+                )
 
     def _resolve_sharding_strategy(self) -> None:
         """Make `data_parallel_sharding_strategy` and `use_distributed_optimizer` agree (one may

@@ -151,8 +151,9 @@ class DistributedDataParallel(nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Start a new iteration's grads: lazily, see [Note: grad accumulation into main_grad]
-        (no pass over the buffer; each param's first grad overwrites its main_grad)."""
-        self.engine.sync.zero()
+        (no pass over the buffer; each param's first grad overwrites its main_grad). With
+        bucket_size="auto", after the warm-up also the one re-plan ([Note: auto bucket re-plan])."""
+        self.engine.zero_grad_buffer()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Same as zero_grad_buffer(): grads live in the buffers, see [Note: grad accumulation
@@ -268,7 +269,7 @@ class DistributedDataParallel(nn.Module):
         """Reduce the `buffers` ("dense", "expert" or "all") buckets with `hook` instead of the
         engine's collective (the built-ins: `megabuf.comm_hooks`). Once per kind, before the
         first backward; every rank must register the same hook."""
-        self.engine.hooks.register_comm_hook(hook, buffers=buffers)
+        self.engine.register_comm_hook(hook, buffers)
 
     def comm_hooks(self) -> dict[str, object]:
         """The registered comm hooks: "dense" / "expert" -> hook (a hook registered for "all"

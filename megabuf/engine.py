@@ -18,10 +18,14 @@ as plain attributes of one object rather than members of the nn.Module:
     memory_ledger                  device bytes by category ([Note: sharded grad lifecycle])
     residency                      whether the engine is offloaded; every entry point asks it
                                    ([Note: offloaded engine] in residency.py)
+    auto                           bucket_size="auto": the warm-up watcher and, after its one
+                                   re-plan, what it chose (autobucket.py, [Note: auto bucket
+                                   re-plan]); else None
 
 Construction order: plan (shared with `megabuf inspect`, model_plan.py) -> allocation
 (assembly.py) -> grad sync + grad hooks -> param side (+ the ZeRO-3 units, after the initial
-broadcast) -> comm hooks from the config.
+broadcast) -> comm hooks from the config. Everything built on the bucket groups (`_wire`) is
+built again by the auto bucket re-plan, over the same buffers.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from megabuf.assembly import assemble
+from megabuf.assembly import Assembly, assemble, rebucket
+from megabuf.autobucket import AutoBucket
 from megabuf.bucket_group import BucketGroup, Timeline
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
@@ -81,15 +86,20 @@ class Engine:
         self.memory_ledger = MemoryLedger()  # [Note: sharded grad lifecycle]
         self.residency = Residency(self.rank)  # [Note: offloaded engine]
         self._build(disable_bucketing, init_sync)
-        self.hooks = CommHookRegistry(
-            self.all_bucket_groups, self.plan, config, self.memory_ledger, self.rank
-        )
         if config.comm_hook is not None:
             spec = dict(config.comm_hook)
             buffers = spec.pop("buffers", "all")
             self.hooks.register_comm_hook(build_comm_hook(spec), buffers=buffers)
         if config.deterministic_reduction:
             self.hooks.install_deterministic()
+        self.auto: AutoBucket | None = None  # [Note: auto bucket re-plan]
+        if config.bucket_size == "auto":
+            self.auto = AutoBucket(
+                [(n, p) for p, n in self.param_to_name.items()], config, collectives,
+                process_groups.dp, self.device, self,
+            )  # fmt: skip
+            self.sync.on_backward_end = self.auto.on_backward_end
+            self.sync.on_synced = self.auto.on_synced
 
     # ---- construction -------------------------------------------------------------------------
     def _build(self, disable_bucketing: bool, init_sync: bool) -> None:
@@ -104,25 +114,17 @@ class Engine:
             expert_shares_dp_group=pgs.expt_dp is pgs.dp, disable_bucketing=disable_bucketing,
         )  # fmt: skip
         self.param_to_name: dict[nn.Parameter, str] = {p: n for n, p in planned.trainable}
-        params = [p for _, p in planned.trainable]
+        self._params = [p for _, p in planned.trainable]
         self.plan: Plan = planned.plan
+        self.param_side: GatheredParams  # set by _wire (UnitParams under optim_grads_params)
         units = unit_modules(self.module, planned.unit_plan)  # (name, module), root first
         built = assemble(
-            self.plan, params, cfg, pgs, self.collectives, self.memory_ledger,
+            self.plan, self._params, cfg, pgs, self.collectives, self.memory_ledger,
             self.param_to_name, [name for name, _ in units],
         )  # fmt: skip
-        self._split_by_kind(built.buffers, built.groups)
-        grads = self._exposed_grads(params)
-        structure = ParamStructure(self.module)
-        self.sync = GradSync(
-            self.all_bucket_groups, built.chains, cfg, grads,
-            before_sync=lambda: structure.check(self.rank), checks=self._sync_checks(),
-            agreement=self._microbatch_agreement(),
-        )  # fmt: skip
-        self._install_hooks(params, grads)
         self._module_buffers = list(self.module.buffers())  # what forward broadcasts
+        self._wire(built)
         groups, gather = self.all_bucket_groups, self.gather_hooks
-        self.param_side: GatheredParams = GatheredParams(groups, gather, cfg)
         if init_sync:
             self.broadcast_params()
         if cfg.sharding.shards_params:
@@ -133,6 +135,78 @@ class Engine:
             self.param_side = UnitParams(groups, gather, cfg, runtime)
         for buf in self.buffers:
             logger.debug("megabuf: %s", buf.describe())
+
+    def _wire(self, built: Assembly) -> None:
+        """Everything built on the bucket groups: at construction, and again over the same
+        buffers at the auto bucket re-plan ([Note: auto bucket re-plan] in autobucket.py)."""
+        cfg = self.config
+        self._split_by_kind(built.buffers, built.groups)
+        grads = self._exposed_grads(self._params)
+        structure = ParamStructure(self.module)
+        self.sync = GradSync(
+            self.all_bucket_groups, built.chains, cfg, grads,
+            before_sync=lambda: structure.check(self.rank), checks=self._sync_checks(),
+            agreement=self._microbatch_agreement(),
+        )  # fmt: skip
+        self._install_hooks(self._params, grads)
+        self.param_side = GatheredParams(self.all_bucket_groups, self.gather_hooks, cfg)
+        self.hooks = CommHookRegistry(
+            self.all_bucket_groups, self.plan, cfg, self.memory_ledger, self.rank
+        )
+
+    def zero_grad_buffer(self) -> None:
+        """A new iteration's grads (lazily: [Note: grad accumulation into main_grad]); with
+        bucket_size="auto", after the warm-up also the one re-plan."""
+        self.sync.zero()
+        # not inside no_sync(): its exit would restore the flag of the replaced grad sync
+        if self.auto is not None and self.auto.due and self.sync.require_sync:
+            self._replan_buckets(self.auto)
+
+    def register_comm_hook(self, hook: object, buffers: str) -> None:
+        """The registry's, refused while a bucket_size="auto" re-plan is pending (a hook's state
+        follows the bucket boundaries the re-plan changes)."""
+        if self.auto is not None and not self.auto.replanned:
+            raise RuntimeError(
+                f'megabuf: cannot register comm hook {hook!r} before the bucket_size="auto" '
+                f"re-plan (after {self.config.auto_bucket_warmup_steps} steps; rank "
+                f"{self.rank}): a hook's state follows the bucket boundaries; register it after "
+                "the re-plan, before the next backward, or give an int bucket_size"
+            )
+        self.hooks.register_comm_hook(hook, buffers=buffers)
+
+    def _replan_buckets(self, auto: AutoBucket) -> None:
+        """The one re-plan, at a step boundary with every grad zero ([Note: auto bucket
+        re-plan]); collective over dp."""
+        hooks = self.hooks.comm_hooks()  # registered around `register_comm_hook`'s check
+        if hooks:
+            raise RuntimeError(
+                f'megabuf: bucket_size="auto" cannot re-plan buckets with comm hooks {hooks} '
+                f"registered (their state follows the bucket boundaries; rank {self.rank}): "
+                "register them after the warm-up, or give an int bucket_size"
+            )
+        pgs = self.process_groups
+        if self.sync.timeline is not None:  # the overlap report says where the plan changed
+            self.sync.timeline.record(-1, "replan")
+        self.rebucket(auto.replan(
+            self.plan, dp_size=self.topology.sharding(False)[1],
+            expt_dp_size=self.topology.sharding(True)[1],
+            expert_shares_dp_group=pgs.expt_dp is pgs.dp,
+        ))  # fmt: skip
+
+    def rebucket(self, plan: Plan) -> None:
+        """Rebuild on `plan` (the same params and buffers; other bucket boundaries) in place,
+        at a step boundary with every grad zero ([Note: auto bucket re-plan])."""
+        timeline = self.sync.timeline
+        self.plan = plan
+        for handle in self._grad_hook_handles:
+            handle.remove()
+        self.gather_hooks.disable()
+        self._wire(rebucket(
+            self.plan, self.buffers, self.config, self.process_groups, self.collectives,
+            self.memory_ledger, self.param_to_name,
+        ))  # fmt: skip
+        if timeline is not None:
+            self.sync.enable_timeline(timeline)
 
     def _split_by_kind(self, buffers: list[_ParamAndGradBuffer], groups: list[BucketGroup]) -> None:
         self.buffers = buffers  # plan order

@@ -72,6 +72,9 @@ class GradSync:
         self.backward_end.every_backward = self.reduce_each
         self.phase = SyncPhase.ACCUMULATING
         self.timeline: Timeline | None = None
+        # bucket_size="auto" warm-up: told when each grad sync starts ([Note: auto bucket re-plan])
+        self.on_backward_end: Callable[[], None] | None = None
+        self.on_synced: Callable[[], None] | None = None  # ... and when its reductions landed
         self._before_sync = before_sync
         self._checks = tuple(checks)
         self.agreement = agreement  # [Note: micro-batch agreement]; None: counts may differ
@@ -169,11 +172,15 @@ class GradSync:
             self.timeline.record(BACKWARD_END_GROUP_ID, "backward_end")
         if self.agreement is not None:
             self._agree(MicrobatchAgreement.sync)
+        if self.on_backward_end is not None:
+            self.on_backward_end()
         self._before_sync()
         self.phase = SyncPhase.ACCUMULATING  # an owed micro-batch reduces with this sync
         for group in self.groups:
             group.end_step_at_sync()  # [Note: two-level reduction]
         self._reduce_and_wait()
+        if self.on_synced is not None:
+            self.on_synced()
         for check in self._checks:
             check()
         self.grads.expose()

@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from megabuf.bucket_planner import format_bucket_ends
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.hybrid import HybridSplit, describe_split, planned_split
 from megabuf.layout import BufferLayout
@@ -188,10 +189,12 @@ def inspect_model(
     ep_size: int = 1,
     disable_bucketing: bool = False,
     dp_shard_size: int | None = None,
+    bucket_ends: Sequence[Sequence[int]] | None = None,
 ) -> Inspection:
     """What `DistributedDataParallel(model, config)` would build at `dp_size` ranks: with
     `dp_shard_size` (or the config's num_distributed_optimizer_instances) as a hybrid split,
-    whose buffers are laid out, sharded and gathered over the shard group."""
+    whose buffers are laid out, sharded and gathered over the shard group; with `bucket_ends`
+    (what a bucket_size="auto" re-plan logged), the plan it re-planned to."""
     if dp_size < 1 or ep_size < 1 or dp_size % ep_size:
         raise ValueError(
             f"megabuf: need dp_size >= 1 divisible by ep_size; got {dp_size}, {ep_size}"
@@ -206,6 +209,7 @@ def inspect_model(
     planned = plan_model(
         model, config, dp_size=dp_size, expt_dp_size=dp_size // ep_size,
         expert_shares_dp_group=ep_size == 1, disable_bucketing=disable_bucketing,
+        bucket_ends=bucket_ends,
     )  # fmt: skip
     trainable, unit_plan, plan = list(planned.trainable), planned.unit_plan, planned.plan
     specs = param_specs(trainable)
@@ -295,6 +299,10 @@ def format_inspection(info: Inspection, *, show_params: bool = False) -> str:
     """The human-readable report `megabuf inspect` prints."""
     cfg = info.config
     size = "one bucket per buffer" if info.bucket_size is None else f"{info.bucket_size:,} elements"
+    if info.plan.bucket_ends is not None:
+        size = f"chosen boundaries (bucket_ends {format_bucket_ends(info.plan.bucket_ends)})"
+    elif cfg.bucket_size == "auto":  # [Note: auto bucket re-plan]
+        size = f"auto: {size} until the re-plan after {cfg.auto_bucket_warmup_steps} steps"
     lines = [
         f"model {info.model_name}: {info.numel_total:,} params, dp_size={info.dp_size}"
         + describe_split(info.split),
@@ -381,6 +389,7 @@ def inspection_to_dict(info: Inspection) -> dict[str, object]:
         "dp_replicate_size": info.split.replicate_size if info.split else 1,
         "dp_shard_size": info.split.shard_size if info.split else info.dp_size,
         "bucket_size": info.bucket_size,
+        "bucket_ends": info.plan.bucket_ends,
         "numel_total": info.numel_total,
         "buffers": [
             {

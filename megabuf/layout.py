@@ -18,6 +18,10 @@ returns frozen dataclasses so a layout can be printed, compared and unit-tested 
   unit's params in reverse registration order (with units already contiguous in registration
   order this is exactly the plain reverse order); a bucket is also closed before a param of
   another unit, so no bucket spans two units, and a large unit takes several buckets.
+- Explicit boundaries (`bucket_ends`, chosen by `bucket_size = "auto"`, [Note: auto bucket plan]
+  in megabuf/bucket_planner.py): instead of a size, the placement positions after which a bucket
+  closes; the rules above (own bucket, unit change, padding) still close buckets too. Without
+  padding (unsharded) params sit at the same offsets whatever the boundaries.
 """
 
 from __future__ import annotations
@@ -136,14 +140,17 @@ def compute_layout(
     high_nccl_busbw: bool = False,
     own_bucket: Sequence[bool] | None = None,
     unit_ids: Sequence[int] | None = None,
+    bucket_ends: Sequence[int] | None = None,
 ) -> BufferLayout:
     """Lay out params (given in registration order) into one buffer; see [Note: buffer layout].
 
     bucket_size None means one bucket for the whole buffer (apart from `own_bucket` params), or
-    with `unit_ids` (the shard unit of each param) one bucket per unit.
+    with `unit_ids` (the shard unit of each param) one bucket per unit. `bucket_ends` (with
+    bucket_size None): close a bucket after these many params in placement order.
     """
     _check_layout_args(numels, bucket_size, dp_size, own_bucket)
     _check_unit_ids(unit_ids, len(numels))
+    ends = _check_bucket_ends(bucket_ends, bucket_size, len(numels))
     own = own_bucket if own_bucket is not None else [False] * len(numels)
     pad_multiple = bucket_pad_multiple(dp_size, high_nccl_busbw) if sharded else 1
     slots: dict[int, ParamSlot] = {}
@@ -157,7 +164,7 @@ def compute_layout(
         buckets.append(BucketSlot(len(buckets), bucket_start, end, payload, tuple(members)))
         bucket_start, cursor, members, payload = end, end, [], 0
 
-    for pid in _placement_order(len(numels), unit_ids):
+    for position, pid in enumerate(_placement_order(len(numels), unit_ids), start=1):
         new_unit = unit_ids is not None and members and unit_ids[pid] != unit_ids[members[0]]
         if members and (own[pid] or new_unit):
             close_bucket()  # a param with its own bucket, or of another unit, starts a fresh one
@@ -167,7 +174,7 @@ def compute_layout(
         members.append(pid)
         payload += numels[pid]
         full = bucket_size is not None and cursor - bucket_start >= bucket_size
-        if full or own[pid]:
+        if full or own[pid] or position in ends:
             close_bucket()
     if members or not buckets:
         close_bucket()
@@ -197,6 +204,21 @@ def _check_layout_args(
 def _check_unit_ids(unit_ids: Sequence[int] | None, n_params: int) -> None:
     if unit_ids is not None and len(unit_ids) != n_params:
         raise ValueError(f"megabuf: unit_ids has {len(unit_ids)} entries for {n_params} params")
+
+
+def _check_bucket_ends(
+    bucket_ends: Sequence[int] | None, bucket_size: int | None, n_params: int
+) -> frozenset[int]:
+    if bucket_ends is None:
+        return frozenset()
+    if bucket_size is not None:
+        raise ValueError("megabuf: give a layout bucket_size or bucket_ends, not both")
+    ends = list(bucket_ends)
+    if any(isinstance(e, bool) or not isinstance(e, int) or not 0 < e <= n_params for e in ends):
+        raise ValueError(
+            f"megabuf: bucket_ends {ends} must be param counts in (0, {n_params}] (placement order)"
+        )
+    return frozenset(ends)
 
 
 def _placement_order(n_params: int, unit_ids: Sequence[int] | None) -> list[int]:

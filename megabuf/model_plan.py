@@ -7,6 +7,7 @@ and chains (plan.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -32,8 +33,10 @@ def plan_model(
     expt_dp_size: int,
     expert_shares_dp_group: bool,
     disable_bucketing: bool = False,
+    bucket_ends: Sequence[Sequence[int]] | None = None,
 ) -> ModelPlan:
-    """The plan of `module`'s trainable params at `dp_size` (expert params at `expt_dp_size`)."""
+    """The plan of `module`'s trainable params at `dp_size` (expert params at `expt_dp_size`);
+    `bucket_ends`: explicit boundaries per buffer (an auto plan, [Note: auto bucket plan])."""
     trainable = tuple((n, p) for n, p in module.named_parameters() if p.requires_grad)
     unit_plan = None
     if config.sharding.shards_params:
@@ -43,5 +46,6 @@ def plan_model(
         specs, config, dp_size=dp_size, expt_dp_size=expt_dp_size,
         expert_shares_dp_group=expert_shares_dp_group, disable_bucketing=disable_bucketing,
         unit_of_param=unit_plan.unit_ids([n for n, _ in trainable]) if unit_plan else None,
+        bucket_ends=bucket_ends,
     )  # fmt: skip
     return ModelPlan(trainable, unit_plan, plan)

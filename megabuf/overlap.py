@@ -18,7 +18,9 @@ markers a benchmark adds) are ignored. Everything here is pure arithmetic on tho
   1/dp_size, issuing the collectives) plus any wait for an earlier group in the dispatch chain
   (see [Note: dispatch order] in bucket_group.py).
 A step is the events from its first "ready"/"dispatch" (or its "backward_end") up to the last
-"finish" before the next step's "ready" or "backward_end".
+"finish" before the next step's "ready" or "backward_end". A "replan" event (bucket_size="auto",
+[Note: auto bucket re-plan] in autobucket.py) marks where the bucket plan changed: the report
+says before which step, so per-step figures on both plans are not read as one.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from megabuf.timeline import Event  # (group_id, event name, seconds)
 
 GROUP_EVENTS = ("ready", "dispatch", "finish")
 BACKWARD_END = "backward_end"
+REPLAN = "replan"
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class OverlapReport:
     """Per-step overlap figures and their medians."""
 
     steps: tuple[StepOverlap, ...]
+    replanned_before_step: int | None = None  # index in `steps` of the first on the new plan
 
     def _median(self, values: list[float]) -> float:
         return statistics.median(values) if values else 0.0
@@ -142,6 +146,9 @@ class OverlapReport:
             "median_overlap_window_ms": 1e3 * self.median_overlap_window_s,
             "median_dispatch_delay_ms": 1e3 * self.median_dispatch_delay_s,
             "median_dispatched_before_backward_end": early,
+            "replanned_before_step": -1
+            if self.replanned_before_step is None
+            else self.replanned_before_step,
         }
 
     def __str__(self) -> str:
@@ -162,6 +169,12 @@ class OverlapReport:
             f"{d['median_dispatch_delay_ms']:.2f} ms",
             "  group  ready_ms  dispatch_ms  finish_ms   (last step, relative to backward end)",
         ]
+        if self.replanned_before_step is not None:
+            lines.insert(
+                1,
+                f"  buckets re-planned (bucket_size=auto) before step {self.replanned_before_step}"
+                " of these; medians mix both plans, the table is the last step's",
+            )
         for g in self.steps[-1].groups:
             ready = "-" if g.ready_s is None else f"{1e3 * g.ready_s:.2f}"
             dispatch, finish = 1e3 * g.dispatch_s, 1e3 * g.finish_s
@@ -171,5 +184,16 @@ class OverlapReport:
 
 def analyze(events: Sequence[Event], *, skip_steps: int = 0) -> OverlapReport:
     """The report over every complete step after the first `skip_steps` (warm-up)."""
-    steps = split_steps(events)[skip_steps:]
-    return OverlapReport(tuple(analyze_step(s) for s in steps))
+    steps = split_steps(events)
+    replan = _replan_step(events, steps)
+    if replan is not None:
+        replan = max(0, replan - skip_steps)
+    return OverlapReport(tuple(analyze_step(s) for s in steps[skip_steps:]), replan)
+
+
+def _replan_step(events: Sequence[Event], steps: list[list[Event]]) -> int | None:
+    """How many complete steps ended (their last event) before the first "replan" event."""
+    at = next((t for _, name, t in events if name == REPLAN), None)
+    if at is None:
+        return None
+    return sum(1 for step in steps if step[-1][2] <= at)

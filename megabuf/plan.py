@@ -8,7 +8,9 @@ Rules, in order:
 - Buffers: dense first, then expert; within each, one buffer per (param dtype, grad dtype) key in
   first-seen registration order (grad dtype is fp32 with `grad_reduce_in_fp32`, else the param's).
   Each buffer's layout is `megabuf.layout.compute_layout` (see [Note: buffer layout]).
-- Bucket size: `resolve_bucket_size`, one size for every buffer.
+- Bucket size: `resolve_bucket_size`, one size for every buffer; or, once `bucket_size = "auto"`
+  has measured a step, explicit boundaries per buffer (`build_plan(bucket_ends=...)`, [Note: auto
+  bucket plan] in bucket_planner.py).
 - Bucket groups: one per bucket, dense then expert, ids unique across both (they tag p2p messages);
   with `disable_bucketing` one group for all dense buckets and one for all expert buckets.
 - Dispatch chains: see [Note: one chain per communicator].
@@ -116,6 +118,9 @@ class Plan:
     chains: tuple[tuple[int, ...], ...]  # group ids of each chain, in dispatch order
     unit_of_spec: tuple[int, ...] | None = None  # owning unit per spec (optim_grads_params only)
     owner_balance: tuple[OwnerBalance, ...] = ()  # whole_param_owners: dense, then expert
+    # explicit boundaries per buffer (placement positions closing a bucket), chosen by
+    # bucket_size="auto" from a measured step; None: sized by `bucket_size`
+    bucket_ends: tuple[tuple[int, ...], ...] | None = None
 
 
 def dtype_key(dtype: torch.dtype, config: DistributedDataParallelConfig) -> DtypeKey:
@@ -136,8 +141,8 @@ def resolve_bucket_size(
     owners])."""
     if disable_bucketing:
         return None
-    if config.bucket_size is not None:
-        return config.bucket_size
+    if isinstance(config.bucket_size, int):
+        return config.bucket_size  # "auto" starts from the default until it has measured
     if not config.overlap_grad_reduce:
         return None
     size = default_bucket_size(dp_size, max(buffer_numels, default=0))
@@ -155,18 +160,24 @@ def build_plan(
     expert_shares_dp_group: bool,
     disable_bucketing: bool = False,
     unit_of_param: Sequence[int] | None = None,
+    bucket_ends: Sequence[Sequence[int]] | None = None,
 ) -> Plan:
     """Plan DDP for trainable params `specs` (registration order); see the module docstring.
-    `unit_of_param`: the shard unit of each spec, read only under optim_grads_params."""
+    `unit_of_param`: the shard unit of each spec, read only under optim_grads_params.
+    `bucket_ends`: explicit boundaries, one sequence per buffer (in plan order), instead of a
+    bucket size."""
     _check_args(specs, dp_size, expt_dp_size, expert_shares_dp_group)
     units = _unit_of_spec(specs, config, unit_of_param)
     keyed = _buffer_params(specs, config)
     numels = [sum(specs[i].numel for i in ids) for _, _, ids in keyed]
     largest = max((s.numel for s in specs), default=0)
     bucket_size = resolve_bucket_size(numels, config, dp_size, disable_bucketing, largest)
+    ends = _bucket_ends(bucket_ends, len(keyed), disable_bucketing)
+    if ends is not None:
+        bucket_size = None
     buffers = tuple(
         _buffer_plan(i, expert, key, ids, specs, config, bucket_size,
-                     expt_dp_size if expert else dp_size, units)
+                     expt_dp_size if expert else dp_size, units, None if ends is None else ends[i])
         for i, (expert, key, ids) in enumerate(keyed)
     )  # fmt: skip
     balance: tuple[OwnerBalance, ...] = ()
@@ -183,7 +194,7 @@ def build_plan(
         GroupPlan(gid, expert, pairs, *place[gid], group_units[gid])
         for gid, (expert, pairs) in enumerate(members)
     )
-    return Plan(bucket_size, buffers, groups, chains, units, balance)
+    return Plan(bucket_size, buffers, groups, chains, units, balance, ends)
 
 
 def _owner_buffers(
@@ -229,6 +240,23 @@ def _check_owner_nbytes(specs: Sequence[ParamSpec], limit: int | None) -> None:
             "whole_param_owners one rank holds each param whole; raise the limit, or split or "
             "shard those params another way (e.g. tensor parallelism)"
         )
+
+
+def _bucket_ends(
+    bucket_ends: Sequence[Sequence[int]] | None, n_buffers: int, disable_bucketing: bool
+) -> tuple[tuple[int, ...], ...] | None:
+    if bucket_ends is None:
+        return None
+    if disable_bucketing:
+        raise ValueError(
+            "megabuf: build_plan(bucket_ends=...) cannot be used with disable_bucketing"
+        )
+    if len(bucket_ends) != n_buffers:
+        raise ValueError(
+            f"megabuf: build_plan(bucket_ends=...) needs one entry per buffer: got "
+            f"{len(bucket_ends)} for {n_buffers} buffers"
+        )
+    return tuple(tuple(e) for e in bucket_ends)
 
 
 def _unit_of_spec(
@@ -295,6 +323,7 @@ def _buffer_plan(
     bucket_size: int | None,
     dp_size: int,
     units: tuple[int, ...] | None,
+    bucket_ends: tuple[int, ...] | None = None,
 ) -> BufferPlan:
     layout = compute_layout(
         [specs[i].numel for i in param_ids],
@@ -304,6 +333,7 @@ def _buffer_plan(
         high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
         own_bucket=[specs[i].own_bucket for i in param_ids],
         unit_ids=None if units is None else [units[i] for i in param_ids],
+        bucket_ends=bucket_ends,
     )
     return BufferPlan(index, expert, key[0], key[1], param_ids, layout, dp_size)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import Tensor
 
+from megabuf.comm_hooks.contract import GradBucket
 from megabuf.dispatch import GradSyncState, SyncWork
 from megabuf.grad_math import completed
 from megabuf.sharding.grads import ShardedGrads
@@ -43,15 +44,18 @@ class TwoLevelReduction:
     def _clear_iteration(self) -> None:
         raise NotImplementedError
 
-    def refuse_hook_if_hybrid(self) -> None:
-        if self.replicas.active:
-            raise ValueError(
-                f"megabuf: communication hooks (and deterministic_reduction) are not supported "
-                f"under hybrid sharding (bucket group {self.group_id}, rank {self.rank}): a hook "
-                "replaces the reduction inside the shard group, and what it would mean across "
-                "the replicate group (a second compression, a hierarchical fixed-order sum) is "
-                "not defined yet; use flat process groups with a hook"
-            )
+    def attach_replica_hook(
+        self, hook: object, first_level: Sequence[GradBucket], timeout_s: float | None
+    ) -> None:
+        """Hybrid: run `hook` on the second level too, over views of the reduced shards
+        ([Note: comm hooks under hybrid]); raises naming a hook that cannot. Flat: a no-op."""
+        self.replicas.set_hook(hook, first_level, self._reduced_shards(), timeout_s)
+
+    def _reduced_shards(self) -> list[Tensor]:
+        """This rank's reduced shard of each bucket: what crosses the replicate group."""
+        if self.sharded_grads is not None:
+            return list(self.sharded_grads.shards)
+        return [self.local_shard(g) for g in self._full_grads()]
 
     def end_step_at_sync(self) -> None:
         """The grad sync that ends the step begins: every later reduction is final, and one
@@ -88,13 +92,9 @@ class TwoLevelReduction:
         if not self.replicas.owed:
             return
         self._finish_first_level()
-        if self.sharded_grads is not None:
-            shards = self.sharded_grads.shards
-        else:
-            shards = [self.local_shard(g) for g in self._full_grads()]
-        self.replicas.start(shards)
         if self.timeline is not None:  # the second level's dispatch; "finish" covers both
-            self.timeline.record(self.group_id, "replicate_dispatch")
+            self.timeline.record(self.group_id, "replicate_dispatch")  # (a hook's runs in start)
+        self.replicas.start(self._reduced_shards())
 
     def first_level_completed(self) -> bool:
         """The reduction in the group's own collective group has landed (never waits)."""

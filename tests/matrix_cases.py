@@ -319,7 +319,12 @@ def _pp_forward_step(how: Any, data_iterator: Any, model: Any) -> Any:
 
 
 def pp_ep_case(
-    strategy: str, ep: int, scaler: bool = False, hook: bool = False, nan_check: bool = False
+    strategy: str,
+    ep: int,
+    scaler: bool = False,
+    hook: bool = False,
+    nan_check: bool = False,
+    auto: bool = False,
 ) -> dict[str, Any]:
     """1F1B over 2 stages x ep `ep` (experts on stage 0), 3 micro-batches, overlap: two clipped
     SGD steps vs the whole MoEModel on the global batch (norm over both stages, the expert
@@ -328,15 +333,16 @@ def pp_ep_case(
     stages must skip. With `hook`, Reduce() as the comm hook of every buffer. With `nan_check`
     (check_for_nan_in_grad), first an iteration with an inf on stage 1 only (rank 2,
     micro-batch 1), which must raise on every rank of both stages (the error is recorded);
-    then the clean steps."""
+    then the clean steps. With `auto`, bucket_size="auto" re-planned after 2 steps, 4 steps
+    (tests/test_autobucket.py)."""
     pgs = groups(pp_size=2, ep_size=ep)
     whole = MoEModel(CFG, ep_group=pgs.ep, seed=3)
     stage = MoEStage(whole, first=pgs.pp_rank == 0)
+    sizes: dict[str, Any] = {"bucket_size": 64}
+    if auto:
+        sizes = {"bucket_size": "auto", "auto_bucket_warmup_steps": 2}
     cfg = megabuf.DistributedDataParallelConfig(
-        overlap_grad_reduce=True,
-        bucket_size=64,
-        check_for_nan_in_grad=nan_check,
-        **STRATEGIES[strategy],
+        overlap_grad_reduce=True, check_for_nan_in_grad=nan_check, **sizes, **STRATEGIES[strategy]
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -351,7 +357,8 @@ def pp_ep_case(
     n = BATCH // pgs.dp_size
     k = n // MICRO
     norms, fired, raised = [], [], None
-    for step in (0, 1, 2) if scaler or nan_check else (1, 2):
+    default_groups = len(model.engine.all_bucket_groups)
+    for step in (0, 1, 2) if scaler or nan_check else (1, 2, 3, 4) if auto else (1, 2):
         opt.zero_grad()
         x, y = moe_batch(CFG, BATCH, seed=100 + step)
         mine = [(x[pgs.dp_rank * n + i * k :][:k], y[pgs.dp_rank * n + i * k :][:k])
@@ -381,8 +388,10 @@ def pp_ep_case(
         scale = float(opt.get_loss_scale()) if scaler else None
         norms.append({"ok": ok, "got": norm, "want": want, "scale": scale})
     errors = _param_errors(model, ref)
+    auto_done = model.engine.auto is not None and model.engine.auto.replanned
     return {"norms": norms, "errors": errors, "pp_rank": pgs.pp_rank, "fired": 1 in fired,
-            "raised": raised,
+            "raised": raised, "replanned": auto_done, "ends": model.engine.plan.bucket_ends,
+            "groups": (default_groups, len(model.engine.all_bucket_groups)),
             "expt_dp_size": dist.get_world_size(pgs.expt_dp), "dp_size": pgs.dp_size}  # fmt: skip
 
 

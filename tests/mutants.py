@@ -65,6 +65,31 @@ MUTANTS = (
         ("tests/test_hybrid.py",),
     ),
     Mutant(
+        "hybrid-hook-second-level-skipped",
+        "hybrid: a registered comm hook also reduces the shard across the replicate group",
+        "megabuf/sharding/replicate.py",
+        "[HookWork(self.hook, b, self.timeout_s) for b in self.hook_buckets]",
+        "[]",
+        ("tests/test_hybrid_hooks.py",),
+    ),
+    Mutant(
+        "hybrid-deterministic-second-level-backend-order",
+        "hybrid deterministic mode: the second level is the fixed-order sum, not the backend's",
+        "megabuf/sharding/replicate.py",
+        "        if self.hook is not None:  # every stage now",
+        "        if self.hook is not None and not getattr(self.hook, 'deterministic', False):  #",
+        ("tests/test_hybrid_hooks.py",),
+    ),
+    Mutant(
+        "hybrid-deterministic-second-level-rank-dependent-order",
+        "hybrid deterministic mode: every rank sums the replicas in replicate-rank order",
+        "megabuf/comm_hooks/fixed_order.py",
+        "    sum_chunks(received, total)  # fp32, group-rank order\n",
+        "    sum_chunks(received if bucket.params else received.view(size, -1).roll(\n"
+        "        -bucket.group_rank, 0).reshape(-1), total)\n",
+        ("tests/test_hybrid_hooks.py",),
+    ),
+    Mutant(
         "expert-norm-not-over-ep",
         "global grad norm: expert parts are summed over expt_dp, ep and pp",
         "megabuf/optimizer/distributed.py",
@@ -482,6 +507,31 @@ MUTANTS = (
         'problem = "" if len(set(got)) == 1 else self._describe(got)',
         'problem = ""',
         ("tests/test_hybrid.py",),
+    ),
+    Mutant(
+        "auto-bucket-rank-local-plan",
+        "bucket_size=auto plans from numbers agreed over dp, never from rank-local timings",
+        "megabuf/autobucket.py",
+        "agreed = agree(self.measure(grad_dtype), self.collectives, self.group, self.device)",
+        "agreed = self.measure(grad_dtype)",
+        ("tests/test_autobucket.py",),
+    ),
+    Mutant(
+        "auto-bucket-views-not-relinked",
+        "the auto re-plan keeps every main_grad a view of the buffer the buckets reduce",
+        "megabuf/buffer.py",
+        "        self._grad_data.zero_()\n        self.buckets = [self._make_bucket(",
+        "        self._grad_data = torch.zeros_like(self._grad_data)\n"
+        "        self.buckets = [self._make_bucket(",
+        ("tests/test_autobucket.py",),
+    ),
+    Mutant(
+        "auto-bucket-old-grad-hooks-kept",
+        "the auto re-plan removes the grad hooks of the old bucket groups",
+        "megabuf/engine.py",
+        "        for handle in self._grad_hook_handles:\n            handle.remove()\n",
+        "",
+        ("tests/test_autobucket.py",),
     ),
 )
 

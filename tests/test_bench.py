@@ -208,3 +208,11 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
     assert 2 * wire == rows["megabuf_ar_overlap"]["bytes_per_step"]
     assert hooked["ratio_to_same_hook"] == hooked["step_ms"] / torch_bf16["step_ms"]
     assert 0 < hooked["check_max_abs_error"] <= 2e-3 and "Comm hooks" in proc.stdout
+
+
+def test_auto_rows_show_the_planners_prediction_next_to_the_measured_exposed_time() -> None:
+    from megabuf.bench.report import _exposed_cell
+
+    assert _exposed_cell(92.04, 80.12) == "92.0 (model 80.1)"  # bucket_size="auto" rows
+    assert _exposed_cell(92.04, None) == "92.0"
+    assert _exposed_cell(None, None) == "-"

@@ -58,8 +58,8 @@ SHIPPED = sorted(p.name for p in CONFIGS.glob("*.toml"))
 
 def test_every_example_config_is_shipped() -> None:
     assert SHIPPED == [
-        "ddp.toml", "ddp_overlap.toml", "distopt_overlap.toml", "hybrid_zero2.toml", "moe.toml",
-        "muon.toml", "pipeline.toml", "zero2.toml", "zero3.toml",
+        "ddp.toml", "ddp_auto.toml", "ddp_overlap.toml", "distopt_overlap.toml",
+        "hybrid_zero2.toml", "moe.toml", "muon.toml", "pipeline.toml", "zero2.toml", "zero3.toml",
     ]  # fmt: skip
 
 

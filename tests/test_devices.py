@@ -48,6 +48,8 @@ FACTORY_ALLOWLIST = {
 
 # CPU devices named in code (`torch.device("cpu")`, a "cpu" string) -> why.
 CPU_ALLOWLIST = {
+    ("bucket_planner.py", "_solve"): "the pure planner's DP over a few numbers per param: host "
+    "arithmetic whatever device the grads are on",
     ("weights/stash.py", "release"): "offload's host copies: the host is the point (pinned on "
     "CUDA)",
     ("weights/publish.py", "receive"): "the consumer's landing buffers for the gloo publish "

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "megabuf.optimizer.grad_scaler", "megabuf.optimizer.implementation",
         "megabuf.optimizer.state_layout",
         "megabuf.pipeline.order", "megabuf.checkpoint.files", "megabuf.hybrid",
+        "megabuf.config_fields", "megabuf.bucket_planner",
     )),
     ("plan", (
         "megabuf.config", "megabuf.plan", "megabuf.sharding.formula",
@@ -48,7 +49,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("storage", (
         "megabuf.buffer", "megabuf.sharding.grads", "megabuf.sharding.params",
         "megabuf.sharding.read_guard", "megabuf.sharding.units_runtime",
-        "megabuf.sharding.replicate",
+        "megabuf.sharding.replicate", "megabuf.sharding.replica_hooks",
     )),
     ("group", (
         "megabuf.bucket_group", "megabuf.dispatch", "megabuf.grad_math", "megabuf.two_level",
@@ -58,6 +59,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "megabuf.backward_sync", "megabuf.hook_registry", "megabuf.param_units",
         "megabuf.grad_sync",
         "megabuf.param_sync", "megabuf.assembly", "megabuf.engine", "megabuf.residency",
+        "megabuf.autobucket",
     )),
     ("wrapper", ("megabuf.ddp",)),
     ("above", (

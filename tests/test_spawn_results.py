@@ -100,3 +100,42 @@ def test_spawn_returns_tensors_from_ranks_that_exited() -> None:
     results = spawn(_rank_returns_tensors, 2, timeout_s=120)
     for rank, got in enumerate(results):
         _check_equal(got, _tensors(rank))
+
+
+def _rank_joins_a_group() -> int:
+    import torch.distributed as dist
+
+    import megabuf
+
+    megabuf.init_distributed()
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return rank
+
+
+def test_a_port_taken_before_rank_0_binds_it_is_retried_on_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """[Note: a port taken before rank 0 binds it]: the first port handed out is held by another
+    socket (as another process on the machine would), so rank 0's store fails with EADDRINUSE;
+    spawn starts the run again on the next port."""
+    import socket
+
+    from megabuf.testing import launch
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    ports = [int(taken.getsockname()[1])]
+    real = launch.free_port
+
+    def port_once_taken() -> int:
+        ports.append(real())
+        return ports[-2] if len(ports) == 2 else ports[-1]
+
+    monkeypatch.setattr(launch, "free_port", port_once_taken)
+    try:
+        assert spawn(_rank_joins_a_group, 1, timeout_s=120) == [0]
+    finally:
+        taken.close()
+    assert len(ports) == 3, ports  # the taken one, then a second attempt on a fresh port

@@ -21,6 +21,7 @@ SYSTEM_NAMES: tuple[str, ...] = (
     "fsdp2_no_reshard",
     "zero_ddp",
     "megabuf_ar_overlap",
+    "megabuf_ar_auto",  # bucket_size="auto" ([Note: auto bucket re-plan]), re-planned in warm-up
     "megabuf_ar_sync",
     "megabuf_distopt_overlap",
     "megabuf_distopt_sync",

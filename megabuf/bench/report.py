@@ -156,10 +156,17 @@ def _cells(row: dict[str, Any], tolerance: float) -> list[str]:
         f"{row['samples_per_s']:.1f}", f"{row['peak_rss_bytes'] / MiB:.0f}",
         f"{row['optimizer_state_nbytes'] / MiB:.1f}", sent,
         f"{row['theoretical_bytes_per_step'] / MB:.2f}",
-        _num(overlap.get("median_exposed_ms"), ".1f"),
+        _exposed_cell(overlap.get("median_exposed_ms"), row.get("auto_predicted_exposed_ms")),
         _num(_pct(row.get("other_cpu_share")), ".0f"),
         check,
     ]  # fmt: skip
+
+
+def _exposed_cell(measured: float | None, predicted: float | None) -> str:
+    """Measured exposed communication; for bucket_size="auto" also what its planner predicted
+    for the plan it chose (the model check of issue 30)."""
+    cell = _num(measured, ".1f")
+    return cell if predicted is None else f"{cell} (model {predicted:.1f})"
 
 
 def _check_cell(row: dict[str, Any], tolerance: float) -> str:

@@ -208,6 +208,12 @@ def _zero3(model: DistributedDataParallel, module: nn.Module, dp_size: int) -> E
 
 MEGABUF_CONFIGS: dict[str, dict[str, Any]] = {
     "megabuf_ar_overlap": {"overlap_grad_reduce": True},
+    # re-planned at the third zero_grad_buffer(), inside the bench's 3 warm-up steps
+    "megabuf_ar_auto": {
+        "overlap_grad_reduce": True,
+        "bucket_size": "auto",
+        "auto_bucket_warmup_steps": 2,
+    },
     "megabuf_ar_sync": {},
     "megabuf_distopt_overlap": {
         "use_distributed_optimizer": True,

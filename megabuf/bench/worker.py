@@ -236,6 +236,9 @@ def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, A
         out["hook_wire_bytes_per_step"] = (
             engine.ddp.engine.hooks.comm_hook_report().ring_nbytes_per_step
         )
+    auto = engine.ddp.engine.auto if engine.ddp is not None else None
+    if auto is not None and auto.replanned:  # the planner's model check: predicted exposed
+        out["auto_predicted_exposed_ms"] = 1e3 * (auto.predicted_exposed_s or 0.0)
     if engine.ddp is not None and engine.ddp.timeline is not None:
         out["overlap"] = analyze(engine.ddp.timeline.events).to_dict()
         out["timeline_events"] = list(engine.ddp.timeline.events)

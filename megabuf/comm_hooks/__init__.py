@@ -15,6 +15,7 @@ from megabuf.comm_hooks.builtin import Compress, CompressDtypeError, Noop, Reduc
 from megabuf.comm_hooks.contract import (
     CommHook,
     CommHookError,
+    CommHookHybridError,
     CommHookModeError,
     CommHookRegistrationError,
     CommHookResultError,
@@ -48,6 +49,7 @@ __all__ = [
     "CommHook",
     "CommHookError",
     "CommHookGroupError",
+    "CommHookHybridError",
     "CommHookModeError",
     "CommHookRegistrationError",
     "CommHookResultError",

@@ -36,6 +36,7 @@ class Reduce:
 
     name = "Reduce"
     modes = MODES
+    two_level = True  # [Note: comm hooks under hybrid]: stateless per bucket
 
     def __call__(self, bucket: GradBucket) -> PendingCollective:
         coll = bucket.collectives
@@ -98,6 +99,7 @@ class Compress:
     or grads not in fp32)."""
 
     modes = MODES
+    two_level = True  # [Note: comm hooks under hybrid]: stateless per bucket
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16, accumulate: str = "wire") -> None:
         if dtype not in _LOW:

@@ -69,6 +69,11 @@ class CommHookModeError(CommHookError, ValueError):
     """A hook that does not support the model's mode (all-reduce vs reduce-scatter)."""
 
 
+class CommHookHybridError(CommHookModeError):
+    """A hook that cannot run on both levels of a hybrid reduction ([Note: comm hooks under
+    hybrid] in megabuf/sharding/replica_hooks.py)."""
+
+
 class CommHookResultError(CommHookError):
     """A hook returned, yielded or left something that is not the bucket's result."""
 

@@ -21,6 +21,23 @@ reduction of them in float, e.g. its own norm) and anything before the reduction
 nondeterministic kernel in forward or backward changes the inputs of the sum).
 A hook may stand in for `Deterministic` under the mode only if it declares `deterministic =
 True` (`Compress(accumulate="fp32")` does: the same sum of low-precision chunks).
+
+[Note: deterministic reduction under hybrid]
+Under a hybrid split (R replicas x S shard ranks, dp_rank = replicate_rank * S + shard_rank:
+[Note: hybrid rank order] in megabuf/hybrid.py) the mode's hook runs on both levels ([Note:
+comm hooks under hybrid] in megabuf/sharding/replica_hooks.py), so the sum is defined
+hierarchically: with v_{r,s} the pre-scaled grad of the rank at replicate rank r, shard rank s,
+    x_r    = round_g( fp32 sum over s = 0..S-1 in shard-rank order of v_{r,s} [/ S] )
+    result = round_g( fp32 sum over r = 0..R-1 in replicate-rank order of x_r [/ R] )
+(round_g: one rounding to the grad dtype; [/ k] under average_in_collective). With micro-batches
+under "reduce_each_microbatch" each micro-batch's x_r is added into the grad shard (grad dtype,
+micro-batch order) before the second level. Every term is elementwise in a fixed order, so the
+result is reproducible bitwise run to run and independent of bucket size, overlap and timing,
+like the flat mode; it is NOT bitwise the flat rank-order sum ((v_0 + v_1) + v_2) + ... over dp
+(fp32 grads at 2 x 2: (v_0 + v_1) + (v_2 + v_3)), and it changes when R x S changes. An exact
+flat order would need each replica to pass an fp32 running sum to the next, R - 1 sequential
+inter-node hops (and fp32 partial sums: twice a bf16 grad's wire bytes), against one all-to-all
+and one all-gather per level here.
 """
 
 from __future__ import annotations
@@ -83,6 +100,7 @@ class Deterministic:
     name = "Deterministic"
     modes = MODES
     deterministic = True
+    two_level = True  # hierarchical under hybrid: [Note: deterministic reduction under hybrid]
 
     def __call__(self, bucket: GradBucket) -> Generator[Any, Any, None]:
         return fixed_order_sum(bucket, bucket.data.dtype)

@@ -22,6 +22,10 @@ class LowRankHook:
 
     name = "LowRankHook"
     modes = MODES
+    two_level_note = (  # why hybrid sharding refuses it ([Note: comm hooks under hybrid])
+        "it keeps error feedback and Q factors per bucket across steps, shaped by the bucket's "
+        "params; the second level's view of the reduced shard has neither"
+    )
     _state: Mapping[int, Any]  # bucket index -> the subclass's state (has `warm`, `error`)
     # optim_grads*: set True to accept the full-size residuals ([Note: sharded grad lifecycle])
     allow_full_size_error_feedback = False

@@ -100,6 +100,8 @@ class Quantize:
     """
 
     modes = MODES
+    two_level = True  # [Note: comm hooks under hybrid]: stateless per bucket (the error bound
+    # then holds per level: the second level quantizes the first level's result again)
 
     def __init__(self, bits: int = 8, block: int = 512) -> None:
         if bits != 8:

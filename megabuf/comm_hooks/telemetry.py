@@ -39,6 +39,7 @@ class BucketWire:
     calls: dict[str, int] = field(default_factory=dict)
     input_nbytes: dict[str, int] = field(default_factory=dict)
     ring_nbytes: dict[str, int] = field(default_factory=dict)
+    level: int = 1  # 2: the second level of a hybrid reduction, across the replicate group
 
     @property
     def total_ring_nbytes(self) -> int:
@@ -67,7 +68,7 @@ class HookReport:
         for b in self.buckets:
             row = out.setdefault(b.hook, {"buckets": 0, "ring_nbytes_per_step": 0,
                                           "calls_per_step": 0})  # fmt: skip
-            row["buckets"] += 1
+            row["buckets"] += b.level == 1
             row["ring_nbytes_per_step"] += b.ring_nbytes_per_dispatch
             if b.dispatches:
                 row["calls_per_step"] += sum(b.calls.values()) // b.dispatches
@@ -85,25 +86,33 @@ class HookReport:
         return "\n".join(lines)
 
 
-def hooked_buckets(model: Any) -> list[tuple[object, GradBucket]]:
-    """(hook, bucket view) of every bucket that has a hook, in bucket-index order. `model` is a
-    megabuf `DistributedDataParallel` or its `model.engine` or `model.engine.hooks` (anything
-    with `all_bucket_groups`)."""
+def hooked_buckets(model: Any, *, levels: bool = False) -> list[Any]:
+    """(hook, bucket view) of every bucket that has a hook, in bucket-index order, each bucket's
+    second-level view (hybrid: [Note: comm hooks under hybrid]) after it; with `levels`,
+    (hook, view, level) triples. `model` is a megabuf `DistributedDataParallel` or its
+    `model.engine` or `model.engine.hooks` (anything with `all_bucket_groups`)."""
     groups = getattr(model, "engine", model).all_bucket_groups
-    pairs = [
-        (group.comm_hook, bucket)
+    rows = [
+        (group.comm_hook, bucket, level)
         for group in groups
         if group.comm_hook is not None
-        for bucket in group.hook_buckets
+        for level, views in ((1, group.hook_buckets), (2, _second_level(group)))
+        for bucket in views
     ]
-    return sorted(pairs, key=lambda pair: pair[1].index)
+    rows.sort(key=lambda row: (row[1].index, row[2]))
+    return rows if levels else [(hook, bucket) for hook, bucket, _ in rows]
+
+
+def _second_level(group: Any) -> list[GradBucket]:
+    replicas = getattr(group, "replicas", None)
+    return list(getattr(replicas, "hook_buckets", ()))
 
 
 def hook_report(model: Any, *, reset: bool = False) -> HookReport:
     """What each registered comm hook issued per bucket since the last reset ([Note: hook wire
     bytes]); `reset=True` starts the count again afterwards. Empty without hooks."""
     rows = []
-    for hook, bucket in hooked_buckets(model):
+    for hook, bucket, level in hooked_buckets(model, levels=True):
         tally, stats = bucket.tally, bucket.tally.stats
         rows.append(BucketWire(
             index=bucket.index, kind="expert" if bucket.expert else "dense",
@@ -111,6 +120,7 @@ def hook_report(model: Any, *, reset: bool = False) -> HookReport:
             dtype=str(bucket.data.dtype).removeprefix("torch."), group_size=bucket.group_size,
             dispatches=tally.dispatches, calls=dict(stats.calls),
             input_nbytes=dict(stats.input_nbytes), ring_nbytes=dict(stats.ring_nbytes),
+            level=level,
         ))  # fmt: skip
         if reset:
             tally.reset()

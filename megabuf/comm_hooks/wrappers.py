@@ -40,6 +40,10 @@ class CompressWrapper:
         self.inner = inner
         self.dtype = dtype
         self.modes = getattr(inner, "modes", None)
+        self.two_level_note = (  # why hybrid sharding refuses it ([Note: comm hooks under hybrid])
+            "it keeps a low-precision copy per bucket index, sized for the first level's bucket; "
+            "use Compress(dtype) for the same wire on both levels"
+        )
         self.name = f"CompressWrapper({hook_name(inner)}, {str(dtype).removeprefix('torch.')})"
         self._low: dict[int, GradBucket] = {}  # bucket index -> its dtype copy
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from megabuf.config import dataclass_from_dict, dataclass_from_toml, document_fields
+from megabuf.config_fields import dataclass_from_dict, dataclass_from_toml, document_fields
 from megabuf.optimizer.implementation import IMPLEMENTATIONS
 
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "muon")

@@ -48,6 +48,8 @@ def _layout_config(
     config: DistributedDataParallelConfig, strategy: str
 ) -> DistributedDataParallelConfig:
     kept = {name: getattr(config, name) for name in LAYOUT_FIELDS}
+    if kept["bucket_size"] == "auto":  # its default start plan; a no_shard re-plan moves no byte
+        kept["bucket_size"] = None
     return DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy, **kept)
 
 

@@ -23,6 +23,8 @@ shard whole.)
   overlap backward as soon as the head of the chain's reduce-scatter has landed.
 - Scaling: the grads carry the flat factor (1/dp, or an AVG at each level with
   average_in_collective), so the two levels together are the flat mean.
+- A registered comm hook runs on both levels, the second on a view of the reduced shard
+  ([Note: comm hooks under hybrid] in megabuf/sharding/replica_hooks.py).
 A `ReplicaStage` without a replicate group (flat) is armed never and does nothing.
 """
 
@@ -33,7 +35,9 @@ from collections.abc import Sequence
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megabuf.collectives import Collectives, PendingCollective
+from megabuf.collectives import Collectives
+from megabuf.comm_hooks.contract import GradBucket, HookWork, Waitable
+from megabuf.sharding.replica_hooks import check_two_level, replica_views
 
 
 class ReplicaStage:
@@ -57,7 +61,22 @@ class ReplicaStage:
         self.rank = rank
         self.owed = False
         self.crossed = False  # issued since the step began (reset by `new_step`)
-        self._work: list[PendingCollective] = []
+        self._work: list[Waitable] = []  # the all-reduces, or the hook's works
+        self.hook: object | None = None  # [Note: comm hooks under hybrid]
+        self.hook_buckets: list[GradBucket] = []  # one per bucket: views of the reduced shards
+        self.timeout_s: float | None = None
+
+    def set_hook(
+        self, hook: object, first_level: Sequence[GradBucket], shards: Sequence[Tensor],
+        timeout_s: float | None,
+    ) -> None:  # fmt: skip
+        """Reduce with `hook` too ([Note: comm hooks under hybrid]); `shards` are the tensors
+        `start` is given, each this rank's reduced shard of a bucket. A no-op when flat."""
+        if self.group is None:
+            return
+        check_two_level(hook, group_id=self.group_id, rank=self.rank)
+        self.hook_buckets = replica_views(first_level, shards, self.group, self.collectives)
+        self.hook, self.timeout_s = hook, timeout_s
 
     @property
     def active(self) -> bool:
@@ -90,22 +109,29 @@ class ReplicaStage:
             return
         self.owed = False
         self.crossed = True
-        self._work = self.collectives.all_reduce_many(
-            shards, self.group, average=self.average, async_op=True
-        )
+        if self.hook is not None:  # every stage now: [Note: comm hooks under hybrid]
+            self._work = [HookWork(self.hook, b, self.timeout_s) for b in self.hook_buckets]
+            self.wait()
+            return
+        self._work = list(
+            self.collectives.all_reduce_many(shards, self.group, average=self.average,
+                                             async_op=True)
+        )  # fmt: skip
 
     def completed(self) -> bool:
         """Nothing owed and the issued all-reduce (if any) has landed; never waits."""
         if self.owed:
             return False
         return all(
-            hasattr(h, "is_completed") and h.is_completed() for w in self._work for h in w.handles
+            hasattr(h, "is_completed") and h.is_completed()
+            for w in self._work
+            for h in getattr(w, "handles", (w,))  # a hook's work: never complete while held
         )
 
     def wait(self) -> None:
-        works, self._work = self._work, []
-        for work in works:
-            work.wait()
+        while self._work:  # one at a time: after an error, abandon() waits for the rest
+            self._work[0].wait()
+            del self._work[0]
 
     def abandon(self) -> None:
         """After an exception: wait out what is in flight and owe nothing."""

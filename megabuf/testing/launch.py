@@ -18,6 +18,13 @@ their own storage, whatever the child does next; CUDA tensors come back on the C
 
 The launcher does not create a process group: `fn` calls `megabuf.init_distributed()`, which
 reads the variables above.
+
+[Note: a port taken before rank 0 binds it]
+The parent picks MASTER_PORT as a port free a moment ago; another process on the machine can
+bind it before rank 0's TCPStore does (seen with several test runs on one machine: the whole
+bench lost to EADDRINUSE). A run whose rank reports EADDRINUSE is started again on a new port,
+up to `PORT_ATTEMPTS` times in all; `fn` is run from the start, so whatever it does before
+`init_distributed()` must be repeatable (examples and the bench do nothing before it).
 """
 
 from __future__ import annotations
@@ -87,6 +94,9 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
+PORT_ATTEMPTS = 3  # [Note: a port taken before rank 0 binds it]
+
+
 def spawn(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float | None = None
 ) -> list[Any]:
@@ -97,11 +107,25 @@ def spawn(
     values come back as CPU tensors with their own storage ([Note: rank results by value]).
     Raises `SpawnError` if any rank raises or exits non-zero, and `TimeoutError` after
     `timeout_s` seconds (None: no limit); in both cases every other rank is terminated first.
+    A run that lost its port to another process is started again ([Note: a port taken before
+    rank 0 binds it]).
     """
     if under_torchrun():
         return [fn(*args)]
     if world_size < 1:
         raise ValueError(f"megabuf.testing.spawn: world_size must be >= 1, got {world_size}")
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _spawn_once(fn, world_size, args, timeout_s)
+        except SpawnError as err:
+            if "EADDRINUSE" not in err.detail or attempt == PORT_ATTEMPTS:
+                raise
+    return []  # not reached: the last attempt returns or raises
+
+
+def _spawn_once(
+    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout_s: float | None
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     threads = max(1, _cpu_count() // world_size)
     common = {

@@ -1,0 +1,344 @@
+"""`bucket_size = "auto"`: measure the warm-up steps, agree the numbers, choose the boundaries.
+
+[Note: auto bucket re-plan]
+With `bucket_size = "auto"` the engine starts on the default plan and an `AutoBucket` watches:
+- Measure: a post-accumulate-grad hook per param (registered after the engine's, so it fires
+  once the grad is in `main_grad`) records "param_ready" into a `Timeline` of its own, and the
+  grad sync records "backward_end" there at the start of each `finish_grad_sync()`. The first
+  step is not used (it learns arrival counts and reduces at the end); for each later warm-up
+  step, each param's last ready time relative to that step's backward end; the median over the
+  measured steps. A param without a grad in a step counts as ready at backward end.
+- Collective model: at the re-plan, a probe of all-reduces of two sizes on the dp group (the
+  same communicator, dtype and device as the grads; one untimed round, then the fastest of three)
+  fitted by `fit_collective_model` (latency + bytes / bandwidth), then calibrated against the
+  warm-up ([Note: calibrated collective model] below).
+- Agree: every number above goes through one all-reduce MAX over the dp group, so every rank
+  plans from the same (most pessimistic) numbers: a rank-local plan could differ across ranks
+  and pair collectives of different sizes (a hang or wrong sums). `plan_buckets` is
+  deterministic, so the same numbers give the same boundaries everywhere ([Note: auto bucket
+  plan] in bucket_planner.py). At dp 1 nothing is measured: nothing crosses a link, so the plan
+  is the fewest buckets the layout rules allow (one per buffer unless a param keeps a bucket of
+  its own), never fragmented.
+- Re-plan: once, in `zero_grad_buffer()` after the `auto_bucket_warmup_steps`-th grad sync
+  (every rank syncs the same number of times, so every rank re-plans at the same call), or
+  at the first one after that outside `no_sync()` (whose exit would reset the replaced grad
+  sync's flag). Only
+  the unsharded all-reduce path is allowed (config.py refuses the rest by name): there the
+  buffer layout has no padding, so every param keeps its offset, `param.data`, `param.main_grad`,
+  `.grad` links and anything an optimizer or the user holds stay valid; what changes is the
+  buckets (new views of the same grad storage, zeroed) and everything built on them, rebuilt
+  by the engine (bucket groups, chains, grad hooks, the grad sync with its no_sync state and
+  timeline, the comm-hook registry, the param side). A comm hook registered by then holds
+  per-bucket state: the re-plan raises naming it. Checkpoints do not depend on the bucket plan
+  (model-space optimizer state, [Note: checkpoint layout]), so nothing there changes.
+
+[Note: calibrated collective model]
+The probe times collectives on an idle machine, but the buckets' collectives run while backward
+computes: on a GPU they share memory bandwidth and SMs, on CPU ranks (gloo) they share the cores,
+and there the idle probe predicted a fifth of the exposed time the bench then measured
+(mlp_34m, BENCHMARKS.md), so the planner chose a plan worse than the default. The warm-up
+already ran a plan on the real step: the grad sync records "synced" when every reduction of the
+step has landed, so each measured step also gives the exposed time of the plan it ran (synced -
+backward_end; the median over the measured steps, agreed by MAX like every number). Before
+planning, `calibrate` (bucket_planner.py) slows the probed model down by the least factor
+(1 to MAX_SLOWDOWN) with which the model predicts at least that exposed time for the plan that
+ran (the largest over the buffers, as `predicted_exposed_s`); a probe that already predicts as
+much is kept. One factor for latency and bandwidth alike: the simplest model that reproduces
+the one measured point; the factor is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from megabuf.bucket_planner import (
+    BucketChoice,
+    CollectiveModel,
+    calibrate,
+    fit_collective_model,
+    format_bucket_ends,
+    plan_buckets,
+    predict_exposed,
+)
+from megabuf.collectives import Collectives, Group
+from megabuf.config import DistributedDataParallelConfig
+from megabuf.plan import Plan, build_plan
+from megabuf.replicas import param_specs
+from megabuf.timeline import Event, Timeline
+
+logger = logging.getLogger(__name__)
+
+PARAM_READY = "param_ready"
+BACKWARD_END = "backward_end"
+SYNCED = "synced"
+PROBE_NUMELS = (1 << 12, 1 << 20)  # the two all-reduce sizes of the probe (elements)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What the planner needs, as measured (and, after `agree`, the same on every rank)."""
+
+    ready_s: tuple[float, ...]  # per trainable param, registration order, rel. to backward end
+    model: CollectiveModel
+    steps: int  # measured steps
+    exposed_s: float = (
+        0.0  # median exposed time of the plan the warm-up ran (synced - backward end)
+    )
+    slowdown: float = 1.0  # the calibration's factor on the probed model (set at the re-plan)
+
+
+def ready_times(
+    events: Sequence[Event], n_params: int, skip_steps: int = 1
+) -> tuple[list[float], int]:
+    """Per param, the median over steps (after the first `skip_steps`) of its last "param_ready"
+    before the step's "backward_end", relative to it (<= 0); 0.0 when it had no grad."""
+    per_step: list[list[float]] = []
+    last: dict[int, float] = {}
+    for group_id, name, t in events:
+        if name == PARAM_READY:
+            last[group_id] = t
+        elif name == BACKWARD_END:
+            per_step.append([last[i] - t if i in last else 0.0 for i in range(n_params)])
+            last = {}
+    measured = per_step[skip_steps:]
+    if not measured:
+        return [0.0] * n_params, 0
+    return [statistics.median(step[i] for step in measured) for i in range(n_params)], len(measured)
+
+
+def exposed_time(events: Sequence[Event], skip_steps: int = 1) -> float:
+    """The median over steps (after the first `skip_steps`) of "synced" - "backward_end": the
+    exposed communication of the plan the warm-up ran ([Note: calibrated collective model])."""
+    gaps: list[float] = []
+    start: float | None = None
+    for _, name, t in events:
+        if name == BACKWARD_END:
+            start = t
+        elif name == SYNCED and start is not None:
+            gaps.append(t - start)
+            start = None
+    measured = gaps[skip_steps:]
+    return statistics.median(measured) if measured else 0.0
+
+
+def agree(
+    measurement: Measurement, collectives: Collectives, group: Group, device: torch.device
+) -> Measurement:
+    """The elementwise MAX of every rank's numbers over `group` (one all-reduce)."""
+    m = measurement.model
+    values = [*measurement.ready_s, m.latency_s, m.seconds_per_byte, measurement.exposed_s,
+              float(measurement.steps)]  # fmt: skip
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    collectives.all_reduce_max(tensor, group)
+    out = tensor.tolist()
+    model = CollectiveModel(max(0.0, out[-4]), max(0.0, out[-3]))
+    return Measurement(tuple(out[:-4]), model, int(out[-1]), max(0.0, out[-2]))
+
+
+def calibrated(plan: Plan, numels: Sequence[int], measurement: Measurement) -> Measurement:
+    """`measurement` with its model slowed down until it predicts, for `plan` (the plan the
+    warm-up ran), the exposed time measured with it ([Note: calibrated collective model])."""
+    model, factor = calibrate(
+        measurement.model, lambda m: _predict_plan(plan, numels, measurement.ready_s, m),
+        measurement.exposed_s,
+    )  # fmt: skip
+    return replace(measurement, model=model, slowdown=factor)
+
+
+def _predict_plan(
+    plan: Plan, numels: Sequence[int], ready_s: Sequence[float], model: CollectiveModel
+) -> float:
+    """The model's exposed time of `plan`'s own buckets (the largest over the buffers)."""
+    worst = 0.0
+    for buf in plan.buffers:
+        order = list(reversed(buf.param_ids))  # placement order, [Note: buffer layout]
+        buckets = sorted(buf.layout.buckets, key=lambda b: b.start)
+        worst = max(worst, predict_exposed(
+            [len(b.param_ids) for b in buckets], [numels[i] for i in order],
+            [ready_s[i] for i in order], 0.0, model, element_size=buf.grad_dtype.itemsize,
+        ))  # fmt: skip
+    return worst
+
+
+def probe_collective(
+    collectives: Collectives, group: Group, device: torch.device, dtype: torch.dtype
+) -> CollectiveModel:
+    """Latency and bandwidth of an all-reduce on `group`: see [Note: auto bucket re-plan]."""
+    samples = []
+    for numel in PROBE_NUMELS:
+        tensor = torch.zeros(numel, dtype=dtype, device=device)
+        times = [_timed_all_reduce(collectives, tensor, group) for _ in range(4)][1:]
+        samples.append((numel * tensor.element_size(), min(times)))
+    return fit_collective_model(samples)
+
+
+def _timed_all_reduce(collectives: Collectives, tensor: torch.Tensor, group: Group) -> float:
+    cuda = tensor.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(tensor.device)
+    start = time.perf_counter()
+    collectives.all_reduce(tensor, group, async_op=False).wait()
+    if cuda:
+        torch.cuda.synchronize(tensor.device)
+    return time.perf_counter() - start
+
+
+def choose_buckets(
+    plan: Plan, numels: Sequence[int], own_bucket: Sequence[bool], measurement: Measurement
+) -> tuple[BucketChoice, ...]:
+    """One choice per planned buffer (unsharded, no units): params in buffer order (reverse
+    registration), a param with a bucket of its own cut on both sides."""
+    choices = []
+    for buf in plan.buffers:
+        order = list(reversed(buf.param_ids))  # placement order, [Note: buffer layout]
+        own = [own_bucket[i] for i in order]
+        cuts = [own[p] or (p + 1 < len(order) and own[p + 1]) for p in range(len(order))]
+        choices.append(
+            plan_buckets(
+                [numels[i] for i in order], [measurement.ready_s[i] for i in order], 0.0,
+                measurement.model, element_size=buf.grad_dtype.itemsize, breaks_after=cuts,
+            )
+        )  # fmt: skip
+    return tuple(choices)
+
+
+def ends_of(choice: BucketChoice) -> tuple[int, ...]:
+    """Cumulative param counts: the layout's `bucket_ends`."""
+    out, total = [], 0
+    for count in choice.param_counts:
+        total += count
+        out.append(total)
+    return tuple(out)
+
+
+class AutoBucket:
+    """The warm-up watcher of one engine; see [Note: auto bucket re-plan]."""
+
+    def __init__(
+        self,
+        trainable: Sequence[tuple[str, nn.Parameter]],
+        config: DistributedDataParallelConfig,
+        collectives: Collectives,
+        group: Group,
+        device: torch.device,
+        owner: object,
+    ) -> None:
+        """`owner`: the engine; its hooks go when it is collected before the re-plan."""
+        self.trainable = list(trainable)
+        self.config = config
+        self.collectives = collectives
+        self.group = group
+        self.device = device
+        self.timeline = Timeline(device)
+        self._handles: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(self._hook(i))
+            for i, (_, p) in enumerate(self.trainable)
+        ]
+        weakref.finalize(owner, _remove_all, list(self._handles))
+        self.choices: tuple[BucketChoice, ...] = ()
+        self.summary = ""  # the chosen plan, as logged (after the re-plan)
+        self.replanned = False
+        self.syncs = 0  # grad syncs seen (the grad sync calls `on_backward_end`)
+
+    def _hook(self, index: int):  # type: ignore[no-untyped-def]
+        record = self.timeline.record
+
+        def hook(param: nn.Parameter) -> None:
+            record(index, PARAM_READY)
+
+        return hook
+
+    def on_backward_end(self) -> None:
+        """The grad sync starts finishing (start of `finish_grad_sync()`)."""
+        self.timeline.record(-1, BACKWARD_END)
+        self.syncs += 1
+
+    def on_synced(self) -> None:
+        """Every reduction of the step has landed (the grad sync's wait returned)."""
+        self.timeline.record(-1, SYNCED)
+
+    @property
+    def due(self) -> bool:
+        """True once `auto_bucket_warmup_steps` grad syncs were seen and the re-plan has not
+        run yet (no device sync)."""
+        return not self.replanned and self.syncs >= self.config.auto_bucket_warmup_steps
+
+    @property
+    def predicted_exposed_s(self) -> float | None:
+        """After the re-plan: the model's exposed time of the chosen plan (the largest over
+        the buffers; buffers reduced on one chain queue behind each other, so this is a lower
+        bound when there are several), for the bench's model check."""
+        if not self.replanned:
+            return None
+        return max((c.predicted_exposed_s for c in self.choices), default=0.0)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def measure(self, grad_dtype: torch.dtype) -> Measurement:
+        """This rank's numbers: the warm-up's ready times and a probe of the collective
+        (collective over the dp group)."""
+        events = self.timeline.events
+        ready, steps = ready_times(events, len(self.trainable))
+        model = probe_collective(self.collectives, self.group, self.device, grad_dtype)
+        return Measurement(tuple(ready), model, steps, exposed_time(events))
+
+    def replan(
+        self, plan: Plan, *, dp_size: int, expt_dp_size: int, expert_shares_dp_group: bool
+    ) -> Plan:
+        """Measure, agree and choose (collective over the dp group); the new plan."""
+        self.close()
+        self.replanned = True
+        grad_dtype = plan.buffers[0].grad_dtype if plan.buffers else torch.float32
+        specs = param_specs(self.trainable)
+        numels = [s.numel for s in specs]
+        if dp_size == 1:  # nothing crosses a link: the fewest buckets the layout rules allow
+            agreed = Measurement(tuple(0.0 for _ in specs), CollectiveModel(0.0, 0.0), 0)
+        else:
+            agreed = agree(self.measure(grad_dtype), self.collectives, self.group, self.device)
+            agreed = calibrated(plan, numels, agreed)
+        self.choices = choose_buckets(plan, numels, [s.own_bucket for s in specs], agreed)
+        new_plan = build_plan(
+            specs, self.config, dp_size=dp_size, expt_dp_size=expt_dp_size,
+            expert_shares_dp_group=expert_shares_dp_group,
+            bucket_ends=[ends_of(c) for c in self.choices],
+        )  # fmt: skip
+        self.summary = describe(self.choices, agreed)
+        logger.info("megabuf: %s", self.summary)
+        return new_plan
+
+
+def _remove_all(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+def describe(choices: Sequence[BucketChoice], measurement: Measurement) -> str:
+    """One line per buffer of the chosen plan (logged at the re-plan)."""
+    m = measurement.model
+    head = (
+        f"bucket_size=auto re-planned from {measurement.steps} measured steps, all-reduce "
+        f"latency {1e6 * m.latency_s:.1f} us, {1e-9 / max(m.seconds_per_byte, 1e-30):.3g} GB/s"
+        f" (the probe slowed {measurement.slowdown:.3g}x to the {1e3 * measurement.exposed_s:.3f}"
+        " ms exposed measured with the default plan)"
+    )
+    ends = format_bucket_ends([ends_of(c) for c in choices])
+    show = f"megabuf inspect <model> --set bucket_size=auto --bucket-ends '{ends}'"
+    lines = [head, f"  show it: {show}"]
+    for b, c in enumerate(choices):
+        lines.append(
+            f"  buffer {b}: {len(c.param_counts)} buckets of {list(c.bucket_numels)} elements, "
+            f"predicted exposed {1e3 * c.predicted_exposed_s:.3f} ms"
+        )
+    return "\n".join(lines)

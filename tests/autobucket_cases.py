@@ -1,0 +1,282 @@
+"""Rank side of tests/test_autobucket.py: bucket_size="auto" on real gloo ranks.
+
+Measurements are injected per rank (`AutoBucket.measure` replaced) where a test needs a known,
+deliberately asymmetric input; one case runs on the real measured warm-up."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import megabuf
+from megabuf.autobucket import Measurement, agree, choose_buckets, ends_of
+from megabuf.bucket_planner import CollectiveModel
+from megabuf.comm_hooks import build as build_hook
+from megabuf.overlap import analyze
+from megabuf.replicas import param_specs
+from megabuf.testing.models import build_model, loss_fn, make_batch
+
+MODEL = "gpt_tiny"
+STEPS = 6
+WARMUP = 3  # the re-plan happens in the zero_grad_buffer() of step WARMUP (0-based)
+GLOBAL_BATCH = 8
+
+
+def fake_measurement(n_params: int, rank: int) -> Measurement:
+    """Rank 0: grads ready evenly over 10 ms before backward end, a slow link. Rank 1: wildly
+    different (ready 100x earlier, a 30x faster link, 10x the latency), so a rank-local plan
+    would differ from rank 0's."""
+    scale, model = (1.0, CollectiveModel(2e-5, 2e-9)) if rank == 0 else (
+        100.0, CollectiveModel(2e-4, 6e-11))  # fmt: skip
+    ready = tuple(-scale * 0.01 * (i + 1) / n_params for i in range(n_params))
+    return Measurement(ready, model, 2)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    n = t.shape[0] // dist.get_world_size()
+    return t[dist.get_rank() * n : (dist.get_rank() + 1) * n]
+
+
+def _agreed(model: Any) -> None:
+    """Raise on every rank, before any collective of the new plan, if the ranks chose
+    different plans (a rank-local plan would pair collectives of different sizes: a hang)."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, model.engine.plan.bucket_ends)
+    if any(e != everyone[0] for e in everyone):
+        raise RuntimeError(f"ranks chose different bucket plans: {everyone}")
+
+
+def _step(model: Any, opt: Any, step: int, micro: int) -> None:
+    model.zero_grad_buffer()  # with bucket_size="auto", where the re-plan happens
+    if model.ddp_config.bucket_size == "auto":
+        _agreed(model)
+    for m in range(micro):
+        x, y = make_batch(MODEL, GLOBAL_BATCH, seed=100 * step + m)
+        last = m == micro - 1
+        with model.no_sync() if not last else _nullcontext():
+            loss_fn(MODEL)(model(_local(x)), _local(y)).backward()
+    model.finish_grad_sync()
+    opt.step()
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _optimizer(kind: str, model: Any) -> Any:
+    if kind == "megabuf":
+        cfg = megabuf.OptimizerConfig(optimizer="adamw", lr=1e-2, clip_grad=1.0)
+        return megabuf.build_optimizer(model, cfg)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _bucket_ends(model: Any) -> list[list[int]]:
+    return [[s.param_ids[-1] for s in b.layout.buckets] for b in model.engine.plan.buffers]
+
+
+def replan_case(flags: dict[str, Any], opt_kind: str, micro: int) -> dict[str, Any]:
+    """N steps with the re-plan at step WARMUP == N steps on that plan from the start, bitwise;
+    the plan is the same on every rank and is the one planned from the MAX of both ranks'
+    numbers."""
+    base = build_model(MODEL, seed=0)
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=WARMUP, **flags
+    )
+    auto = megabuf.DistributedDataParallel(copy.deepcopy(base), cfg)
+    n = len(auto.engine.param_to_name)
+    auto.engine.auto.measure = lambda dtype: fake_measurement(n, dist.get_rank())  # type: ignore[union-attr]
+    default_groups = len(auto.engine.all_bucket_groups)
+    opt = _optimizer(opt_kind, auto)
+    for step in range(STEPS):
+        _step(auto, opt, step, micro)
+    replanned = auto.engine.plan
+    mine = fake_measurement(n, dist.get_rank())
+    group = megabuf.ProcessGroups.default().dp
+    specs = param_specs(_named(auto))
+    expected = choose_buckets(
+        replanned, [s.numel for s in specs], [s.own_bucket for s in specs],
+        agree(mine, auto.engine.collectives, group, torch.device("cpu")),
+    )  # fmt: skip
+
+    fixed_cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True, **flags)
+    fixed = megabuf.DistributedDataParallel(copy.deepcopy(base), fixed_cfg)
+    fixed.engine.rebucket(replanned)  # that plan from the start
+    opt2 = _optimizer(opt_kind, fixed)
+    for step in range(STEPS):
+        _step(fixed, opt2, step, micro)
+    default = megabuf.DistributedDataParallel(copy.deepcopy(base), fixed_cfg)  # never re-planned
+    opt3 = _optimizer(opt_kind, default)
+    for step in range(STEPS):
+        _step(default, opt3, step, micro)
+    storage = [b.grad_data.untyped_storage().data_ptr() for b in auto.engine.buffers]
+    views_ok = all(
+        p.main_grad.untyped_storage().data_ptr() in storage  # type: ignore[attr-defined]
+        and any(p in g.params for g in auto.engine.all_bucket_groups)
+        for p in auto.engine.param_to_name
+    )
+    return {
+        "max_diff": max(
+            (a - b).abs().max().item()
+            for a, b in zip(auto.module.parameters(), fixed.module.parameters())
+        ),
+        "vs_default": max(
+            (a - b).abs().max().item()
+            for a, b in zip(auto.module.parameters(), default.module.parameters())
+        ),
+        "moved": max(
+            (a - b).abs().max().item() for a, b in zip(auto.module.parameters(), base.parameters())
+        ),
+        "ends": replanned.bucket_ends,
+        "expected_ends": tuple(ends_of(c) for c in expected),
+        "default_groups": default_groups,
+        "groups": len(auto.engine.all_bucket_groups),
+        "views_ok": views_ok,
+        "auto_done": auto.engine.auto.replanned,  # type: ignore[union-attr]
+    }
+
+
+def _named(model: Any) -> list[tuple[str, nn.Parameter]]:
+    return [(name, p) for p, name in model.engine.param_to_name.items()]
+
+
+def measured_case() -> dict[str, Any]:
+    """The real warm-up (rank-local timings differ): the re-plan happens, every rank ends with
+    the same plan, and the overlap report's timeline survives it."""
+    base = build_model(MODEL, seed=0)
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2
+    )
+    model = megabuf.DistributedDataParallel(copy.deepcopy(base), cfg)
+    timeline = model.enable_timeline()
+    opt = _optimizer("torch", model)
+    for step in range(4):
+        _step(model, opt, step, 1)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, model.engine.plan.bucket_ends)
+    report = analyze(timeline.events)
+    steps = report.steps
+    return {
+        "replanned_before_step": report.replanned_before_step,
+        "report_text": report.format(),
+        "same_plan": all(e == everyone[0] for e in everyone),
+        "ends": model.engine.plan.bucket_ends,
+        "replanned": model.engine.auto.replanned,  # type: ignore[union-attr]
+        "summary": model.engine.auto.summary,  # type: ignore[union-attr]
+        "synced_events": sum(e[1] == "synced" for e in model.engine.auto.timeline.events),  # type: ignore[union-attr]
+        "groups_last_step": len(steps[-1].groups),
+        "groups": len(model.engine.all_bucket_groups),
+    }
+
+
+def hook_refused_case() -> dict[str, Any]:
+    """A comm hook registered before the re-plan raises on every rank, naming the hook; after the
+    re-plan (before the next backward) it registers and reduces."""
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2
+    )
+    model = megabuf.DistributedDataParallel(build_model(MODEL, seed=0), cfg)
+    try:
+        model.register_comm_hook(build_hook({"name": "reduce"}))
+        error = ""
+    except RuntimeError as err:
+        error = str(err)
+    opt = _optimizer("torch", model)
+    for step in range(2):
+        _step(model, opt, step, 1)
+    model.zero_grad_buffer()  # the re-plan
+    model.register_comm_hook(build_hook({"name": "reduce"}))
+    _step(model, opt, 2, 1)
+    wire = model.engine.hooks.comm_hook_report().buckets
+    n_buckets = sum(len(g.buckets) for g in model.engine.all_bucket_groups)
+    return {"error": error, "dispatches": [b.dispatches for b in wire], "buckets": n_buckets}
+
+
+def checkpoint_case(root: str) -> dict[str, Any]:
+    """A checkpoint saved after the re-plan loads into a model that never re-planned (checkpoints
+    are model-space, independent of the bucket plan), and both then train alike."""
+    base = build_model(MODEL, seed=0)
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2
+    )
+    auto = megabuf.DistributedDataParallel(copy.deepcopy(base), cfg)
+    opt = _optimizer("megabuf", auto)
+    for step in range(3):  # the re-plan runs in step 2's zero_grad_buffer()
+        _step(auto, opt, step, 1)
+    path = os.path.join(root, "auto_replanned")
+    megabuf.save_checkpoint(path, auto, opt)
+    plain_cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True)
+    plain = megabuf.DistributedDataParallel(copy.deepcopy(base), plain_cfg)
+    plain_opt = _optimizer("megabuf", plain)
+    megabuf.load_checkpoint(path, plain, plain_opt)
+    loaded = _max_diff(auto, plain)
+    for step in range(3, 5):
+        _step(auto, opt, step, 1)
+        _step(plain, plain_opt, step, 1)
+    return {
+        "replanned": auto.engine.auto.replanned,  # type: ignore[union-attr]
+        "plans": (auto.engine.plan.bucket_ends, plain.engine.plan.bucket_ends),
+        "loaded": loaded,
+        "continued": _max_diff(auto, plain),
+        "moved": _max_diff(auto, megabuf.DistributedDataParallel(copy.deepcopy(base), plain_cfg)),
+    }
+
+
+def _max_diff(a: Any, b: Any) -> float:
+    return max(
+        (x - y).abs().max().item() for x, y in zip(a.module.parameters(), b.module.parameters())
+    )
+
+
+def world_one_case() -> dict[str, Any]:
+    """dp 1: nothing to overlap, so the re-plan keeps one bucket per buffer (no fragmentation)
+    even where the default plan had several."""
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2
+    )
+    model = megabuf.DistributedDataParallel(build_model("mlp_34m", seed=0), cfg)
+    before = [len(b.layout.buckets) for b in model.engine.plan.buffers]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(3):
+        model.zero_grad_buffer()
+        x, y = make_batch("mlp_34m", 2, seed=step)
+        loss_fn("mlp_34m")(model(x), y).backward()
+        opt.step()
+    return {
+        "replanned": model.engine.auto.replanned,  # type: ignore[union-attr]
+        "before": before,
+        "after": [len(b.layout.buckets) for b in model.engine.plan.buffers],
+    }
+
+
+def no_sync_deferral_case() -> dict[str, Any]:
+    """A due re-plan waits for a zero_grad_buffer() outside no_sync() (whose exit would reset
+    the flag of the grad sync the re-plan replaces); then grads sync again as usual."""
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2
+    )
+    model = megabuf.DistributedDataParallel(build_model(MODEL, seed=0), cfg)
+    opt = _optimizer("torch", model)
+    for step in range(2):
+        _step(model, opt, step, 1)
+    auto = model.engine.auto
+    with model.no_sync():
+        model.zero_grad_buffer()
+        inside = auto.replanned  # type: ignore[union-attr]
+    model.zero_grad_buffer()
+    after = auto.replanned  # type: ignore[union-attr]
+    _step(model, opt, 2, 1)  # the new plan's grads are reduced
+    x = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, x)
+    same = all(torch.equal(a, b) for a, b in zip(everyone[0], everyone[1]))
+    return {"inside": inside, "after": after, "require": model.require_backward_grad_sync,
+            "same_grads": same}  # fmt: skip

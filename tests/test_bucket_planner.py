@@ -1,0 +1,274 @@
+"""The pure bucket planner ([Note: auto bucket plan] in megabuf/bucket_planner.py), the layout's
+explicit boundaries, the measurement helpers of megabuf/autobucket.py and the config refusals of
+bucket_size="auto". No process group (agreement runs over a fake MAX)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import megabuf
+from megabuf.autobucket import Measurement, agree, exposed_time, ready_times
+from megabuf.bucket_planner import (
+    MAX_SLOWDOWN,
+    CollectiveModel,
+    bucket_numel,
+    calibrate,
+    fit_collective_model,
+    plan_buckets,
+    predict_exposed,
+)
+from megabuf.layout import compute_layout
+from megabuf.overlap import analyze
+
+numels_st = st.lists(st.integers(1, 5000), min_size=1, max_size=12)
+
+
+@st.composite
+def planner_inputs(draw: st.DrawFn) -> dict:
+    numels = draw(numels_st)
+    n = len(numels)
+    ready = draw(st.lists(st.floats(-0.05, 0.0), min_size=n, max_size=n))
+    sharded = draw(st.booleans())
+    return {
+        "numels": numels,
+        "ready": ready,
+        "model": CollectiveModel(draw(st.floats(0.0, 1e-3)), draw(st.floats(0.0, 1e-7))),
+        "cuts": draw(st.lists(st.booleans(), min_size=n, max_size=n)),
+        "align": 64 if sharded else 1,
+        "pad": draw(st.sampled_from([128, 384])) if sharded else 1,
+        "element_size": draw(st.sampled_from([2, 4])),
+    }
+
+
+def _plan(d: dict, **over: object):  # type: ignore[no-untyped-def]
+    args = {**d, **over}
+    return plan_buckets(
+        args["numels"], args["ready"], 0.0, args["model"], element_size=args["element_size"],
+        param_align=args["align"], pad_multiple=args["pad"], breaks_after=args["cuts"],
+    )  # fmt: skip
+
+
+def _ends(counts: tuple[int, ...]) -> list[int]:
+    return list(itertools.accumulate(counts))
+
+
+@settings(max_examples=60, deadline=None)
+@given(planner_inputs())
+def test_layout_rules_hold_for_any_measured_input(d: dict) -> None:
+    choice = _plan(d)
+    n = len(d["numels"])
+    assert sum(choice.param_counts) == n and all(c > 0 for c in choice.param_counts)
+    ends = _ends(choice.param_counts)
+    for i, cut in enumerate(d["cuts"]):
+        if cut and i + 1 < n:
+            assert i + 1 in ends, f"forced boundary after param {i} not cut: {ends}"
+    # the sizes the planner charged are the sizes compute_layout lays out (params never split)
+    layout = compute_layout(
+        list(reversed(d["numels"])), bucket_size=None, dp_size=max(1, d["pad"] // 128),
+        sharded=d["align"] > 1, bucket_ends=ends,
+    )  # fmt: skip
+    if d["align"] > 1:  # pad 128 = lcm(1, 128), 384 = lcm(3, 128); unsharded: no padding
+        assert tuple(b.numel for b in layout.buckets) == choice.bucket_numels
+    assert len(layout.buckets) == len(choice.param_counts)
+    for b, count in zip(layout.buckets, choice.param_counts):
+        assert len(b.param_ids) == count
+
+
+@settings(max_examples=40, deadline=None)
+@given(planner_inputs())
+def test_identical_inputs_give_identical_plans(d: dict) -> None:
+    assert _plan(d) == _plan(dict(d, numels=list(d["numels"]), ready=list(d["ready"])))
+
+
+@settings(max_examples=40, deadline=None)
+@given(planner_inputs(), st.floats(0.0, 0.02), st.floats(1.0, 20.0))
+def test_predicted_exposed_is_monotone_in_the_measured_tail(
+    d: dict, later: float, slower: float
+) -> None:
+    base = _plan(d).predicted_exposed_s
+    # grads ready later (a longer tail of backward) or a slower link never predict less
+    shifted = [min(0.0, t + later) for t in d["ready"]]
+    assert _plan(d, ready=shifted).predicted_exposed_s >= base - 1e-12
+    m = d["model"]
+    slow = CollectiveModel(m.latency_s * slower, m.seconds_per_byte * slower)
+    assert _plan(d, model=slow).predicted_exposed_s >= base - 1e-12
+
+
+@settings(max_examples=30, deadline=None)
+@given(planner_inputs())
+def test_plan_is_optimal_among_all_boundaries_of_small_inputs(d: dict) -> None:
+    numels = d["numels"][:7]
+    d = dict(d, numels=numels, ready=d["ready"][:7], cuts=[False] * len(numels))
+    choice = _plan(d)
+    n = len(numels)
+    best = min(
+        predict_exposed(
+            [b - a for a, b in zip((0, *ends), (*ends, n))],
+            numels,
+            d["ready"],
+            0.0,
+            d["model"],
+            element_size=d["element_size"],
+            param_align=d["align"],
+            pad_multiple=d["pad"],
+        )
+        for k in range(n)
+        for ends in itertools.combinations(range(1, n), k)
+    )
+    assert choice.predicted_exposed_s <= best + 1e-6 + 1e-12
+
+
+def test_nothing_to_overlap_keeps_one_bucket_and_a_slow_tail_gets_a_small_last_bucket() -> None:
+    numels = [1_000_000] * 10
+    ready = [-0.1 + 0.01 * i for i in range(10)]
+    free = plan_buckets(numels, ready, 0.0, CollectiveModel(0.0, 0.0), element_size=4)
+    assert free.param_counts == (10,)
+    slow = plan_buckets(numels, ready, 0.0, CollectiveModel(1e-3, 1e-9), element_size=4)
+    assert len(slow.param_counts) > 1 and slow.param_counts[-1] <= slow.param_counts[0]
+    one = predict_exposed([10], numels, ready, 0.0, CollectiveModel(1e-3, 1e-9), element_size=4)
+    assert slow.predicted_exposed_s < one
+
+
+def test_bucket_numel_packs_as_the_sharded_layout() -> None:
+    layout = compute_layout([100, 3, 70], bucket_size=None, sharded=True, dp_size=1)
+    assert bucket_numel([70, 3, 100], param_align=64, pad_multiple=128) == layout.numel
+
+
+def test_fit_collective_model_recovers_latency_and_bandwidth() -> None:
+    m = fit_collective_model([(1000, 1e-4 + 1000e-9), (10**6, 1e-4 + 1e-3)])
+    assert m.latency_s == pytest.approx(1e-4) and m.seconds_per_byte == pytest.approx(1e-9)
+    with pytest.raises(ValueError, match="at least one"):
+        fit_collective_model([])
+
+
+def test_planner_input_errors_are_named() -> None:
+    m = CollectiveModel(0.0, 0.0)
+    with pytest.raises(ValueError, match="ready times"):
+        plan_buckets([1, 2], [0.0], 0.0, m, element_size=4)
+    with pytest.raises(ValueError, match="finite"):
+        plan_buckets([1], [float("nan")], 0.0, m, element_size=4)
+    with pytest.raises(ValueError, match="latency_s"):
+        CollectiveModel(-1.0, 0.0)
+    with pytest.raises(ValueError, match="bucket_ends"):
+        compute_layout([1, 2], bucket_size=None, bucket_ends=[3])
+
+
+def test_ready_times_take_the_median_of_measured_steps_relative_to_backward_end() -> None:
+    events = [
+        (0, "param_ready", 1.0), (1, "param_ready", 1.5), (-1, "backward_end", 2.0),  # skipped
+        (1, "param_ready", 10.0), (0, "param_ready", 10.5), (-1, "backward_end", 11.0),
+        (0, "param_ready", 20.2), (-1, "backward_end", 21.0),  # param 1 had no grad
+        (1, "param_ready", 30.0), (0, "param_ready", 30.9), (-1, "backward_end", 31.0),
+    ]  # fmt: skip
+    ready, steps = ready_times(events, 2)
+    assert steps == 3
+    assert ready == pytest.approx([-0.5, -1.0])
+
+
+class _MaxOver:
+    """A fake all_reduce_max over made-up ranks' tensors."""
+
+    def __init__(self, others: list[torch.Tensor]) -> None:
+        self.others = others
+
+    def all_reduce_max(self, tensor: torch.Tensor, group: object) -> None:
+        for other in self.others:
+            torch.maximum(tensor, other, out=tensor)
+
+
+def test_agree_takes_the_elementwise_max_of_every_rank() -> None:
+    mine = Measurement((-0.5, -0.1), CollectiveModel(1e-5, 1e-9), 2, exposed_s=0.004)
+    theirs = torch.tensor([-0.9, -0.01, 3e-5, 1e-10, 0.009, 2.0], dtype=torch.float64)
+    agreed = agree(mine, _MaxOver([theirs]), None, torch.device("cpu"))  # type: ignore[arg-type]
+    assert agreed.ready_s == pytest.approx((-0.5, -0.01))
+    assert (agreed.model.latency_s, agreed.model.seconds_per_byte) == pytest.approx((3e-5, 1e-9))
+    assert agreed.steps == 2 and agreed.exposed_s == pytest.approx(0.009)
+
+
+def test_exposed_time_is_the_median_of_synced_minus_backward_end_after_the_first_step() -> None:
+    events = [
+        (-1, "backward_end", 1.0), (-1, "synced", 1.9),  # the first step: skipped
+        (-1, "backward_end", 10.0), (-1, "synced", 10.2),
+        (-1, "backward_end", 20.0), (-1, "synced", 20.5),
+        (-1, "backward_end", 30.0), (-1, "synced", 30.3),
+    ]  # fmt: skip
+    assert exposed_time(events) == pytest.approx(0.3)
+    assert exposed_time(events[:2]) == 0.0  # nothing measured: the probe stays as it is
+
+
+def _tail_plan_exposed(model: CollectiveModel) -> float:
+    """A plan's predicted exposed time: two buckets, the last ready at backward end."""
+    return predict_exposed([1, 1], [1000, 1000], [-0.01, 0.0], 0.0, model, element_size=4)
+
+
+def test_calibrate_slows_the_probe_to_the_measured_exposed_time_and_never_speeds_it() -> None:
+    probe = CollectiveModel(1e-5, 1e-9)
+    assert calibrate(probe, _tail_plan_exposed, 0.0) == (probe, 1.0)  # already pessimistic
+    measured = 20 * _tail_plan_exposed(probe)
+    model, factor = calibrate(probe, _tail_plan_exposed, measured)
+    assert 1.0 < factor < MAX_SLOWDOWN
+    assert model.seconds_per_byte == pytest.approx(probe.seconds_per_byte * factor)
+    assert model.latency_s == pytest.approx(probe.latency_s * factor)
+    assert measured <= _tail_plan_exposed(model) <= measured * (1 + 1e-6)  # the least factor
+    capped, top = calibrate(probe, _tail_plan_exposed, 1e6)
+    assert top == MAX_SLOWDOWN and capped.seconds_per_byte == probe.seconds_per_byte * top
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        ({"bucket_size": "big"}, "bucket_size"),
+        ({"bucket_size": "auto"}, "overlap_grad_reduce"),
+        ({"bucket_size": "auto", "overlap_grad_reduce": True, "use_distributed_optimizer": True},
+         "data_parallel_sharding_strategy"),
+        ({"bucket_size": "auto", "overlap_grad_reduce": True, "deterministic_reduction": True},
+         "deterministic_reduction"),
+        ({"bucket_size": "auto", "overlap_grad_reduce": True, "comm_hook": {"name": "reduce"}},
+         "comm_hook"),
+        ({"bucket_size": "auto", "overlap_grad_reduce": True, "auto_bucket_warmup_steps": 1},
+         "auto_bucket_warmup_steps"),
+    ],
+)  # fmt: skip
+def test_auto_bucket_config_refusals_name_the_field(flags: dict, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        megabuf.DistributedDataParallelConfig(**flags)
+
+
+def test_auto_bucket_config_is_accepted_on_the_all_reduce_path() -> None:
+    cfg = megabuf.DistributedDataParallelConfig(bucket_size="auto", overlap_grad_reduce=True)
+    assert cfg.bucket_size == "auto" and cfg.auto_bucket_warmup_steps == 3
+
+
+def test_overlap_report_says_before_which_step_the_buckets_were_replanned() -> None:
+    def step(t: float, groups: int) -> list[tuple[int, str, float]]:
+        ev = [(g, "ready", t + 0.1 * g) for g in range(groups)]
+        ev += [(g, "dispatch", t + 0.1 * g + 0.01) for g in range(groups)]
+        ev += [(-1, "backward_end", t + 1.0)]
+        return ev + [(g, "finish", t + 1.1) for g in range(groups)]
+
+    events = step(0.0, 4) + step(2.0, 4) + [(-1, "replan", 3.5)] + step(4.0, 2) + step(6.0, 2)
+    report = analyze(events)
+    assert report.replanned_before_step == 2 and len(report.steps[-1].groups) == 2
+    assert "before step 2" in report.format()
+    assert analyze(events, skip_steps=1).replanned_before_step == 1
+    assert analyze(step(0.0, 3)).replanned_before_step is None
+
+
+def test_inspect_shows_the_auto_start_plan_and_a_logged_re_plan() -> None:
+    from megabuf.bucket_planner import parse_bucket_ends
+    from megabuf.inspect import format_inspection, inspect_model
+    from megabuf.testing.models import build_model
+
+    cfg = megabuf.DistributedDataParallelConfig(bucket_size="auto", overlap_grad_reduce=True)
+    model = build_model("gpt_tiny")
+    assert "auto:" in format_inspection(inspect_model(model, cfg, 2))
+    info = inspect_model(model, cfg, 2, bucket_ends=parse_bucket_ends("14,21,26"))
+    assert [len(b.layout.buckets) for b in info.buffers] == [3]
+    assert "bucket_ends 14,21,26" in format_inspection(info)
+    with pytest.raises(ValueError, match="bucket-ends"):
+        parse_bucket_ends("14,x")
