@@ -39,7 +39,8 @@ and there the idle probe predicted a fifth of the exposed time the bench then me
 (mlp_34m, BENCHMARKS.md), so the planner chose a plan worse than the default. The warm-up
 already ran a plan on the real step: the grad sync records "synced" when every reduction of the
 step has landed, so each measured step also gives the exposed time of the plan it ran (synced -
-backward_end; the median over the measured steps, agreed by MAX like every number). Before
+backward_end; the least over the measured steps, as load from outside the step only adds
+time; agreed by MAX like every number). Before
 planning, `calibrate` (bucket_planner.py) slows the probed model down by the least factor
 (1 to MAX_SLOWDOWN) with which the model predicts at least that exposed time for the plan that
 ran (the largest over the buffers, as `predicted_exposed_s`); a probe that already predicts as
@@ -116,8 +117,9 @@ def ready_times(
 
 
 def exposed_time(events: Sequence[Event], skip_steps: int = 1) -> float:
-    """The median over steps (after the first `skip_steps`) of "synced" - "backward_end": the
-    exposed communication of the plan the warm-up ran ([Note: calibrated collective model])."""
+    """The least over steps (after the first `skip_steps`) of "synced" - "backward_end": the
+    exposed communication of the plan the warm-up ran ([Note: calibrated collective model]).
+    The least, not the median: load from outside the step only ever adds time."""
     gaps: list[float] = []
     start: float | None = None
     for _, name, t in events:
@@ -127,7 +129,7 @@ def exposed_time(events: Sequence[Event], skip_steps: int = 1) -> float:
             gaps.append(t - start)
             start = None
     measured = gaps[skip_steps:]
-    return statistics.median(measured) if measured else 0.0
+    return min(measured) if measured else 0.0
 
 
 def agree(

@@ -208,7 +208,8 @@ def _zero3(model: DistributedDataParallel, module: nn.Module, dp_size: int) -> E
 
 MEGABUF_CONFIGS: dict[str, dict[str, Any]] = {
     "megabuf_ar_overlap": {"overlap_grad_reduce": True},
-    # re-planned at the third zero_grad_buffer(), inside the bench's 3 warm-up steps
+    # re-planned in the last warm-up step (the worker sets auto_bucket_warmup_steps = warm-up
+    # steps - 1, at least 2)
     "megabuf_ar_auto": {
         "overlap_grad_reduce": True,
         "bucket_size": "auto",

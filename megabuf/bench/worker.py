@@ -239,10 +239,21 @@ def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, A
     auto = engine.ddp.engine.auto if engine.ddp is not None else None
     if auto is not None and auto.replanned:  # the planner's model check: predicted exposed
         out["auto_predicted_exposed_ms"] = 1e3 * (auto.predicted_exposed_s or 0.0)
+        out["auto_plan"] = auto.summary  # the logged plan, with the calibration's factor
     if engine.ddp is not None and engine.ddp.timeline is not None:
         out["overlap"] = analyze(engine.ddp.timeline.events).to_dict()
         out["timeline_events"] = list(engine.ddp.timeline.events)
     return out
+
+
+def _megabuf_overrides(job: Job) -> dict[str, Any]:
+    """The job's config overrides; bucket_size="auto" re-plans at the last warm-up step's
+    zero_grad_buffer(), so every earlier warm-up step is measured and the timed steps run on
+    the chosen plan."""
+    overrides = dict(job.megabuf_overrides or {})
+    if MEGABUF_CONFIGS[job.system].get("bucket_size") == "auto":
+        overrides.setdefault("auto_bucket_warmup_steps", max(2, job.warmup - 1))
+    return overrides
 
 
 def _trainable_numel(engine: Engine) -> int:
@@ -289,7 +300,7 @@ def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
         module = model_from_config(cfg, seed=0).to(device)
         result.update(_model_figures(job, module, tokens_per_sample(cfg)))
         if job.system in MEGABUF_CONFIGS:
-            engine = build_megabuf(job.system, module, pgs, job.megabuf_overrides)
+            engine = build_megabuf(job.system, module, pgs, _megabuf_overrides(job))
         elif job.system in HOOK_VARIANTS:
             engine = build_hooked(job.system, module, pgs, job.megabuf_overrides)
         elif job.system in MCORE_SYSTEMS:
