@@ -46,7 +46,12 @@ planning, `calibrate` (bucket_planner.py) slows the probed model down by the lea
 (1 to MAX_SLOWDOWN) with which the model predicts at least that exposed time for the plan that
 ran (the largest over the buffers, as `predicted_exposed_s`); a probe that already predicts as
 much is kept. One factor for latency and bandwidth alike: the simplest model that reproduces
-the one measured point; the factor is logged.
+the one measured point; the factor is logged. What the model still leaves out is what each
+extra bucket costs during backward (its dispatch, its share of the device or the cores): chosen
+boundaries with more buckets than the ones that ran replace them only if they are predicted to
+save at least MIN_GAIN (2 %) of the backward's length, ones with no more buckets if they are not
+predicted worse (`worth_changing`); otherwise the re-plan keeps the boundaries that ran (logged
+as such).
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from megabuf.bucket_planner import (
     format_bucket_ends,
     plan_buckets,
     predict_exposed,
+    worth_changing,
 )
 from megabuf.collectives import Collectives, Group
 from megabuf.config import DistributedDataParallelConfig
@@ -150,26 +156,30 @@ def agree(
 def calibrated(plan: Plan, numels: Sequence[int], measurement: Measurement) -> Measurement:
     """`measurement` with its model slowed down until it predicts, for `plan` (the plan the
     warm-up ran), the exposed time measured with it ([Note: calibrated collective model])."""
-    model, factor = calibrate(
-        measurement.model, lambda m: _predict_plan(plan, numels, measurement.ready_s, m),
-        measurement.exposed_s,
-    )  # fmt: skip
+
+    def predict(model: CollectiveModel) -> float:
+        current = current_choices(plan, numels, replace(measurement, model=model))
+        return max((c.predicted_exposed_s for c in current), default=0.0)
+
+    model, factor = calibrate(measurement.model, predict, measurement.exposed_s)
     return replace(measurement, model=model, slowdown=factor)
 
 
-def _predict_plan(
-    plan: Plan, numels: Sequence[int], ready_s: Sequence[float], model: CollectiveModel
-) -> float:
-    """The model's exposed time of `plan`'s own buckets (the largest over the buffers)."""
-    worst = 0.0
+def current_choices(
+    plan: Plan, numels: Sequence[int], measurement: Measurement
+) -> tuple[BucketChoice, ...]:
+    """`plan`'s own boundaries as choices, with the model's exposed time of each buffer."""
+    out = []
     for buf in plan.buffers:
         order = list(reversed(buf.param_ids))  # placement order, [Note: buffer layout]
         buckets = sorted(buf.layout.buckets, key=lambda b: b.start)
-        worst = max(worst, predict_exposed(
-            [len(b.param_ids) for b in buckets], [numels[i] for i in order],
-            [ready_s[i] for i in order], 0.0, model, element_size=buf.grad_dtype.itemsize,
-        ))  # fmt: skip
-    return worst
+        counts = tuple(len(b.param_ids) for b in buckets)
+        exposed = predict_exposed(
+            counts, [numels[i] for i in order], [measurement.ready_s[i] for i in order], 0.0,
+            measurement.model, element_size=buf.grad_dtype.itemsize,
+        )  # fmt: skip
+        out.append(BucketChoice(counts, tuple(b.numel for b in buckets), exposed))
+    return tuple(out)
 
 
 def probe_collective(
@@ -250,6 +260,7 @@ class AutoBucket:
         self.choices: tuple[BucketChoice, ...] = ()
         self.summary = ""  # the chosen plan, as logged (after the re-plan)
         self.replanned = False
+        self.kept = False  # the re-plan kept the plan that ran (too small a predicted gain)
         self.syncs = 0  # grad syncs seen (the grad sync calls `on_backward_end`)
 
     def _hook(self, index: int):  # type: ignore[no-untyped-def]
@@ -312,12 +323,17 @@ class AutoBucket:
             agreed = agree(self.measure(grad_dtype), self.collectives, self.group, self.device)
             agreed = calibrated(plan, numels, agreed)
         self.choices = choose_buckets(plan, numels, [s.own_bucket for s in specs], agreed)
+        current = current_choices(plan, numels, agreed)
+        backward_s = -min(agreed.ready_s, default=0.0)
+        self.kept = dp_size > 1 and not worth_changing(self.choices, current, backward_s)
+        if self.kept:
+            self.choices = current
         new_plan = build_plan(
             specs, self.config, dp_size=dp_size, expt_dp_size=expt_dp_size,
             expert_shares_dp_group=expert_shares_dp_group,
             bucket_ends=[ends_of(c) for c in self.choices],
         )  # fmt: skip
-        self.summary = describe(self.choices, agreed)
+        self.summary = describe(self.choices, agreed, self.kept)
         logger.info("megabuf: %s", self.summary)
         return new_plan
 
@@ -327,10 +343,12 @@ def _remove_all(handles: list[RemovableHandle]) -> None:
         handle.remove()
 
 
-def describe(choices: Sequence[BucketChoice], measurement: Measurement) -> str:
+def describe(choices: Sequence[BucketChoice], measurement: Measurement, kept: bool) -> str:
     """One line per buffer of the chosen plan (logged at the re-plan)."""
     m = measurement.model
-    head = (
+    head = ("kept the boundaries that ran (more buckets for less than MIN_GAIN of backward): "
+            if kept else "")  # fmt: skip
+    head += (
         f"bucket_size=auto re-planned from {measurement.steps} measured steps, all-reduce "
         f"latency {1e6 * m.latency_s:.1f} us, {1e-9 / max(m.seconds_per_byte, 1e-30):.3g} GB/s"
         f" (the probe slowed {measurement.slowdown:.3g}x to the {1e3 * measurement.exposed_s:.3f}"

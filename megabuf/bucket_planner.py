@@ -41,6 +41,7 @@ MAX_PLANNED_PARAMS = 512  # above this, neighbouring params are planned in runs 
 MAX_BUCKETS = 64  # per buffer
 TIE_S = 1e-6  # plans whose predicted exposed times differ by less are equally good
 MAX_SLOWDOWN = 64.0  # the most `calibrate` slows the probed model down
+MIN_GAIN = 0.02  # of the backward's length: a smaller predicted gain keeps the plan that ran
 
 
 @dataclass(frozen=True)
@@ -311,3 +312,25 @@ def calibrate(
         else:
             lo = mid
     return slowed(hi), hi
+
+
+def worth_changing(
+    chosen: Sequence[BucketChoice], current: Sequence[BucketChoice], backward_s: float
+) -> bool:
+    """Whether to replace the current boundaries by the chosen ones (the worst buffer of each
+    decides): with no more buckets, when not predicted worse; with more, only when predicted to
+    save at least MIN_GAIN of the backward's length `backward_s` of exposed time, since the
+    model leaves out what each extra bucket costs during backward (its dispatch, its share of
+    the device or the cores), so a smaller predicted gain is not trusted (many_small,
+    BENCHMARKS.md)."""
+
+    def worst(choices: Sequence[BucketChoice]) -> float:
+        return max((c.predicted_exposed_s for c in choices), default=0.0)
+
+    def count(choices: Sequence[BucketChoice]) -> int:
+        return sum(len(c.param_counts) for c in choices)
+
+    gain = worst(current) - worst(chosen)
+    if count(chosen) <= count(current):
+        return gain >= -TIE_S
+    return gain >= MIN_GAIN * backward_s

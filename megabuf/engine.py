@@ -48,6 +48,7 @@ from megabuf.grad_sync import GradSync
 from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
 from megabuf.hook_registry import CommHookRegistry
 from megabuf.hooks import ParamGatherHooks, register_grad_hooks, remove_hooks_when_collected
+from megabuf.microbatches import AgreementGroups, MicrobatchAgreement
 from megabuf.model_plan import plan_model
 from megabuf.nan_check import raise_on_nonfinite_grads
 from megabuf.param_sync import GatheredParams, UnitParams
@@ -147,6 +148,7 @@ class Engine:
         self.sync = GradSync(
             self.all_bucket_groups, built.chains, cfg, grads,
             before_sync=lambda: structure.check(self.rank), checks=self._sync_checks(),
+            agreement=self._microbatch_agreement(),
         )  # fmt: skip
         self._install_hooks(self._params, grads)
         self.param_side = GatheredParams(self.all_bucket_groups, self.gather_hooks, cfg)
@@ -265,6 +267,25 @@ class Engine:
         if self.config.error_on_unused_params:
             checks.append(self._raise_on_unused_params)
         return checks
+
+    def _microbatch_agreement(self) -> MicrobatchAgreement | None:
+        """[Note: micro-batch agreement], in the modes that communicate every micro-batch."""
+        cfg, pgs = self.config, self.process_groups
+        each = (
+            cfg.sharding.shards_grads and cfg.sharded_grad_accumulation == "reduce_each_microbatch"
+        )
+        group_rank, group_size = self.topology.sharding(False)
+        if not (each or cfg.sharding.shards_params) or group_size == 1:
+            return None
+        mode = (
+            "sharded_grad_accumulation='reduce_each_microbatch'" if each
+            else f"data_parallel_sharding_strategy={cfg.data_parallel_sharding_strategy!r}"
+        )  # fmt: skip
+        groups = AgreementGroups(
+            group=pgs.shard_group(False), group_rank=group_rank, group_size=group_size,
+            dp=pgs.dp, dp_rank=pgs.dp_rank, dp_size=pgs.dp_size, hybrid=pgs.hybrid,
+        )  # fmt: skip
+        return MicrobatchAgreement(self.collectives, groups, self.device, rank=self.rank, mode=mode)
 
     def _raise_on_nonfinite_grads(self) -> None:
         pgs = self.process_groups

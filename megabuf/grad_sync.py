@@ -35,6 +35,7 @@ from megabuf.backward_sync import BackwardEndSync
 from megabuf.bucket_group import BucketGroup, DispatchChain, GradSyncState
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.grads import ExposedGrads
+from megabuf.microbatches import MicrobatchAgreement
 from megabuf.timeline import Timeline
 
 BACKWARD_END_GROUP_ID = -1  # group id of the timeline's "backward_end" marker
@@ -59,6 +60,7 @@ class GradSync:
         *,
         before_sync: Callable[[], None] = lambda: None,
         checks: Sequence[Callable[[], None]] = (),
+        agreement: MicrobatchAgreement | None = None,
     ) -> None:
         self.groups = list(groups)  # dense then expert
         self.chains = list(chains)
@@ -75,6 +77,7 @@ class GradSync:
         self.on_synced: Callable[[], None] | None = None  # ... and when its reductions landed
         self._before_sync = before_sync
         self._checks = tuple(checks)
+        self.agreement = agreement  # [Note: micro-batch agreement]; None: counts may differ
 
     # ---- no_sync ------------------------------------------------------------------------------
     @property
@@ -108,6 +111,8 @@ class GradSync:
         self.backward_end.queued = False
         if self.phase is SyncPhase.MICROBATCH_OWED:
             self.finish_microbatch()
+        if self.agreement is not None and grad_enabled:
+            self._agree(lambda a: a.forward(last=self.require_sync))
         if self.reduce_each and grad_enabled and not self.require_sync:
             self.phase = SyncPhase.MICROBATCH_OWED
 
@@ -165,6 +170,8 @@ class GradSync:
             return
         if self.timeline is not None:
             self.timeline.record(BACKWARD_END_GROUP_ID, "backward_end")
+        if self.agreement is not None:
+            self._agree(MicrobatchAgreement.sync)
         if self.on_backward_end is not None:
             self.on_backward_end()
         self._before_sync()
@@ -178,6 +185,17 @@ class GradSync:
             check()
         self.grads.expose()
         self.phase = SyncPhase.SYNCED
+
+    def _agree(self, act: Callable[[MicrobatchAgreement], None]) -> None:
+        """Run an agreement of [Note: micro-batch agreement]; when it raises (on every rank of
+        the group), drop this iteration's grads first, as the NaN check does."""
+        if self.agreement is None:
+            return
+        try:
+            act(self.agreement)
+        except RuntimeError:
+            self.abandon()
+            raise
 
     def _reduce_and_wait(self) -> None:
         """Dispatch what is left in chain order, wait for every group, learn arrival counts."""
@@ -205,6 +223,8 @@ class GradSync:
         self.grads.clear()
         self.backward_end.queued = False
         self.phase = SyncPhase.ACCUMULATING
+        if self.agreement is not None:
+            self.agreement.reset()
 
     def abandon(self) -> None:
         """After an exception mid-iteration: wait out every reduction in flight (its grads are

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 import megabuf
-from megabuf.autobucket import Measurement, agree, choose_buckets, ends_of
-from megabuf.bucket_planner import CollectiveModel
+from megabuf.autobucket import Measurement, agree, choose_buckets, current_choices, ends_of
+from megabuf.bucket_planner import CollectiveModel, worth_changing
 from megabuf.comm_hooks import build as build_hook
 from megabuf.overlap import analyze
 from megabuf.replicas import param_specs
@@ -95,6 +95,7 @@ def replan_case(flags: dict[str, Any], opt_kind: str, micro: int) -> dict[str, A
     n = len(auto.engine.param_to_name)
     auto.engine.auto.measure = lambda dtype: fake_measurement(n, dist.get_rank())  # type: ignore[union-attr]
     default_groups = len(auto.engine.all_bucket_groups)
+    default_plan = auto.engine.plan
     opt = _optimizer(opt_kind, auto)
     for step in range(STEPS):
         _step(auto, opt, step, micro)
@@ -102,10 +103,11 @@ def replan_case(flags: dict[str, Any], opt_kind: str, micro: int) -> dict[str, A
     mine = fake_measurement(n, dist.get_rank())
     group = megabuf.ProcessGroups.default().dp
     specs = param_specs(_named(auto))
-    expected = choose_buckets(
-        replanned, [s.numel for s in specs], [s.own_bucket for s in specs],
-        agree(mine, auto.engine.collectives, group, torch.device("cpu")),
-    )  # fmt: skip
+    numels = [s.numel for s in specs]
+    agreed = agree(mine, auto.engine.collectives, group, torch.device("cpu"))
+    expected = choose_buckets(replanned, numels, [s.own_bucket for s in specs], agreed)
+    current = current_choices(default_plan, numels, agreed)
+    worth = worth_changing(expected, current, -min(agreed.ready_s))
 
     fixed_cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True, **flags)
     fixed = megabuf.DistributedDataParallel(copy.deepcopy(base), fixed_cfg)
@@ -134,6 +136,7 @@ def replan_case(flags: dict[str, Any], opt_kind: str, micro: int) -> dict[str, A
         ),
         "ends": replanned.bucket_ends,
         "expected_ends": tuple(ends_of(c) for c in expected),
+        "worth_changing": worth,
         "default_groups": default_groups,
         "groups": len(auto.engine.all_bucket_groups),
         "views_ok": views_ok,

@@ -10,6 +10,7 @@ batch (optimizer_cases.Reference), and the calls and bytes each process group wa
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -110,16 +111,19 @@ def hybrid_case(case: dict[str, Any]) -> dict[str, Any]:
     model, opt = build(case)
     timeline = model.enable_timeline()
     ref = reference(case)
-    replicate_calls = []
+    replicate_calls: list[int] = []
+    digests: list[str] = []
     for step in range(STEPS):
         before = model.engine.collectives.stats_of(model.process_groups.dp_replicate).calls.get(
             "all_reduce", 0
         )
-        micro = case.get("micro_by_rank", [case.get("micro", 1)] * 4)[dist.get_rank()]
-        train(model, opt, step, micro)
+        micro = case.get("micro_by_rank", [case.get("micro", 1)] * dist.get_world_size())
+        train(model, opt, step, micro[dist.get_rank()])
         after = model.engine.collectives.stats_of(model.process_groups.dp_replicate).calls
         replicate_calls.append(after.get("all_reduce", 0) - before)
         ref.step(step)
+        if case.get("every_step"):  # whole params (ZeRO-3: gathered), one digest per step
+            digests.append(_digest(model))
     model.publish_params()
     ref_params = dict(ref.model.named_parameters())
     state = model.state_dict()  # whole params under every strategy (ZeRO-3: gathered)
@@ -131,6 +135,7 @@ def hybrid_case(case: dict[str, Any]) -> dict[str, Any]:
             (p - ref_params[n].detach().float()).abs().max().item() for n, p in params.items()
         ),
         "replicate_calls": replicate_calls,
+        "digests": digests,
         "replicate_events": sum(name == "replicate_dispatch" for _, name, _ in timeline.events),
         "groups": len(model.engine.all_bucket_groups),
         "buckets": sum(len(g.buckets) for g in model.engine.all_bucket_groups),
@@ -145,6 +150,15 @@ def hybrid_case(case: dict[str, Any]) -> dict[str, Any]:
             for name, stats in model.engine.collectives.group_stats.items()
         },
     }
+
+
+def _digest(model: megabuf.DistributedDataParallel) -> str:
+    """A hash of every param's bytes (state_dict: whole params under every strategy)."""
+    sha = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        sha.update(name.encode())
+        sha.update(tensor.detach().float().clone().numpy().tobytes())  # a copy: numpy pins storage
+    return sha.hexdigest()
 
 
 def error_of(fn: Any, *args: Any, **kwargs: Any) -> str:
@@ -205,3 +219,75 @@ def checkpoint_case(save: dict[str, Any], load: dict[str, Any], path: str) -> di
             (p - ref_params[n].detach().float()).abs().max().item() for n, p in params.items()
         ),
     }
+
+
+def _train_explicit(
+    model: megabuf.DistributedDataParallel, opt: Any, step: int, micro: int
+) -> None:
+    """As `train`, every micro-batch inside no_sync() and the step ended by finish_grad_sync()
+    (the Megatron loop)."""
+    x, y = make_data(step)
+    n = GLOBAL_BATCH // dist.get_world_size()
+    lo = dist.get_rank() * n
+    m = n // micro
+    opt.zero_grad()
+    for i in range(micro):
+        xs, ys = x[lo + i * m : lo + (i + 1) * m], y[lo + i * m : lo + (i + 1) * m]
+        with model.no_sync():
+            (loss_fn(model(xs), ys) / micro).backward()
+    model.finish_grad_sync()
+    opt.step()
+
+
+def mismatched_micro_batches(case: dict[str, Any]) -> dict[str, Any]:
+    """[Note: micro-batch agreement]: rank r runs `micro_by_rank[r]` micro-batches per step;
+    returns every rank's error (or "no error") and, after it, whether a fresh model still
+    trains one step on the same groups (nothing left in flight that pairs wrongly)."""
+    model, opt = build(case)
+    micro = case["micro_by_rank"][dist.get_rank()]
+    step = _train_explicit if case.get("explicit") else train
+    error = error_of(step, model, opt, 0, micro)
+    model, opt = build(case)
+    train(model, opt, 0, 1)
+    return {"error": error}
+
+
+def lifecycle_case(case: dict[str, Any]) -> dict[str, Any]:
+    """The RL weight lifecycle under the split: 3 steps of 2 micro-batches, with offload() and
+    restore() of the model and its optimizer after the second, against a twin that never
+    offloads; then export_weights. Returns whether the restore was bitwise (params before and
+    after, and the twin's params after the third step: the optimizer state came back too), the
+    export against the whole params and the reference."""
+    from megabuf.weights import export_weights, is_offloaded, offload, restore
+
+    model, opt = build(case)
+    twin, twin_opt = build(case)
+    ref = reference(case)
+    out: dict[str, Any] = {}
+    for step in range(STEPS):
+        train(model, opt, step, 2)
+        train(twin, twin_opt, step, 2)
+        ref.step(step)
+        if step == 1:
+            before = _digest(model)
+            report = offload(model, opt)
+            out["offloaded"] = is_offloaded(model) and report.total_nbytes > 0
+            restore(model, opt)
+            out["restored_bitwise"] = _digest(model) == before
+    out["matches_twin"] = _digest(model) == _digest(twin)
+    exported, versions = {}, set()
+    for item in export_weights(model, optimizer=opt):  # an item is valid until the next one
+        exported |= {n: t.detach().float().clone() for n, t in item.named}
+        versions.add(item.version)
+    state = model.state_dict()
+    ref_params = dict(ref.model.named_parameters())
+    out["versions"] = sorted(versions)
+    out["export_is_state"] = all(torch.equal(t, state[n].float()) for n, t in exported.items())
+    out["names"] = sorted(exported)
+    out["ref_names"] = sorted(ref_params)
+    out["error"] = max(
+        (exported[n] - p.detach().float()).abs().max().item()
+        for n, p in ref_params.items()
+        if n in exported
+    )
+    return out

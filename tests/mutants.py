@@ -501,6 +501,14 @@ MUTANTS = (
         ("tests/test_weights_publish.py",),
     ),
     Mutant(
+        "microbatch-counts-not-compared",
+        "ranks of one shard group with different micro-batch counts raise by name, never hang",
+        "megabuf/microbatches.py",
+        'problem = "" if len(set(got)) == 1 else self._describe(got)',
+        'problem = ""',
+        ("tests/test_hybrid.py",),
+    ),
+    Mutant(
         "auto-bucket-rank-local-plan",
         "bucket_size=auto plans from numbers agreed over dp, never from rank-local timings",
         "megabuf/autobucket.py",

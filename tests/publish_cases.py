@@ -131,3 +131,39 @@ def failure_case(kind: str) -> dict[str, Any]:
     except (RuntimeError, ValueError, ConnectionError) as e:
         return {"raised": f"{type(e).__name__}: {e}"}
     return {"raised": None}
+
+
+def hybrid_publish_case(shards: int) -> dict[str, Any]:
+    """[Note: publishing from replicas]: the model trains as 2 replicas x `shards` shards
+    (num_distributed_optimizer_instances=2) on ranks 0 .. 2 * shards - 1, the next rank
+    consumes, any further ranks only join the group creations. Replicate rank 0's shard group
+    (ranks 0 .. shards - 1) publishes version 1; the other replica is refused a Publisher."""
+    rank, dp = dist.get_rank(), 2 * shards
+    # the model's groups first: a group made by its members only (the split) after a
+    # world-collective group that left some of them out hangs (torch counts groups per rank)
+    if f"dp{dp}" not in _DP:
+        _DP[f"dp{dp}"] = _dp_group() if dp == 2 else dist.new_group(list(range(dp)))
+    if rank < dp:
+        model, opt = build("optim_grads", torch.float32, group=_DP[f"dp{dp}"], instances=2)
+    group = publish_group(list(range(shards)), [dp], timeout_s=60)  # the whole world calls it
+    if rank == dp:
+        got = WeightReceiver(group).receive(expect_version=1)
+        return {"got": {k: t.clone() for k, t in got.items()}}
+    if rank > dp:
+        return {}
+    train_step(model, opt, 0, rank, dp, torch.float32)
+    topo = model.engine.process_groups.topology
+    out: dict[str, Any] = {"params": params_of(model)}
+    out["split"] = (topo.dp_replicate_size, topo.dp_shard_size)
+    if rank < shards:
+        publisher = Publisher(model, group)
+        out["sent"] = publisher.publish(version=1).send
+        out["sent_nbytes"] = publisher.sent_nbytes
+        out["model_nbytes"] = sum(b.numel * 4 for _, b in publisher.buckets)
+    else:
+        try:
+            Publisher(model, group)
+            out["refused"] = "no error"
+        except ValueError as e:
+            out["refused"] = str(e)
+    return out

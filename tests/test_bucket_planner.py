@@ -15,12 +15,15 @@ import megabuf
 from megabuf.autobucket import Measurement, agree, exposed_time, ready_times
 from megabuf.bucket_planner import (
     MAX_SLOWDOWN,
+    MIN_GAIN,
+    BucketChoice,
     CollectiveModel,
     bucket_numel,
     calibrate,
     fit_collective_model,
     plan_buckets,
     predict_exposed,
+    worth_changing,
 )
 from megabuf.layout import compute_layout
 from megabuf.overlap import analyze
@@ -278,3 +281,19 @@ def test_inspect_shows_the_auto_start_plan_and_a_logged_re_plan() -> None:
     assert "bucket_ends 14,21,26" in format_inspection(info)
     with pytest.raises(ValueError, match="bucket-ends"):
         parse_bucket_ends("14,x")
+
+
+def test_a_new_plan_must_be_predicted_to_save_min_gain_of_the_backward() -> None:
+    """The model leaves out per-bucket costs during backward: more buckets must be predicted to
+    save MIN_GAIN of the backward's length, else the boundaries that ran are kept (many_small,
+    BENCHMARKS.md); fewer buckets are taken when not predicted worse."""
+    current = (BucketChoice((10,), (1000,), 0.010),)
+    backward = 0.100
+    small = (BucketChoice((5, 5), (500, 500), 0.010 - 0.5 * MIN_GAIN * backward),)
+    large = (BucketChoice((5, 5), (500, 500), 0.010 - 2.0 * MIN_GAIN * backward),)
+    assert not worth_changing(small, current, backward)  # more buckets for a small gain
+    assert worth_changing(large, current, backward)
+    fewer = (BucketChoice((10,), (1000,), 0.010),)
+    two = (BucketChoice((5, 5), (500, 500), 0.010),)
+    assert worth_changing(fewer, two, backward)  # fewer buckets, no worse: take it
+    assert not worth_changing(fewer, (BucketChoice((5, 5), (500, 500), 0.009),), backward)

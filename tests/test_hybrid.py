@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 import torch
 from dist_pool import case_result, run_each
-from hybrid_cases import checkpoint_case, hybrid_case, misuse_errors
+from hybrid_cases import (
+    checkpoint_case,
+    hybrid_case,
+    lifecycle_case,
+    mismatched_micro_batches,
+    misuse_errors,
+)
 
 from megabuf.hybrid import HybridSplit, hybrid_layout, node_shard_size, place, split_for
 
@@ -57,6 +63,16 @@ def test_node_shard_size_reads_local_world_size_or_raises_by_name() -> None:
         node_shard_size({})
 
 
+EACH = {"strategy": "optim_grads", "accumulation": "reduce_each_microbatch"}
+MISMATCH: dict[str, dict[str, Any]] = {  # [Note: micro-batch agreement]
+    "each-2x2-both-groups": {"split": "2x2", **EACH, "micro_by_rank": [1, 2, 1, 2]},
+    "each-2x2-one-group": {"split": "2x2", **EACH, "micro_by_rank": [2, 2, 2, 1]},
+    "zero3-2x2-explicit": {"split": "2x2", "strategy": "optim_grads_params",
+                           "micro_by_rank": [1, 2, 2, 2], "explicit": True},
+    "each-flat": {"split": "flat", **EACH, "micro_by_rank": [1, 1, 2, 1]},
+}  # fmt: skip
+
+
 # ---- gloo ranks: the sweep, one pool run -------------------------------------------------------
 def _cases() -> dict[str, tuple[Any, ...]]:
     cases: dict[str, tuple[Any, ...]] = {}
@@ -95,6 +111,14 @@ def _cases() -> dict[str, tuple[Any, ...]]:
                       "ddp": {"overlap_param_gather": True}},
     )  # fmt: skip
     cases["misuse"] = (misuse_errors,)
+    cases |= {
+        f"mismatch-{name}": (mismatched_micro_batches, case) for name, case in MISMATCH.items()
+    }
+    for strategy in STRATEGIES:
+        cases[f"lifecycle-{strategy}"] = (lifecycle_case, {"split": "2x2", "strategy": strategy})
+    cases["optim_grads-2x2-unsharded-asymmetric"] = (
+        hybrid_case, {"split": "2x2", "strategy": "optim_grads", "micro_by_rank": [1, 2, 2, 1]},
+    )  # fmt: skip
     return cases
 
 
@@ -275,9 +299,10 @@ def test_pipeline_with_a_hybrid_split_per_stage(pools: Any) -> None:
     with the distributed optimizer against the single-process GPT (test_pipeline's harness)."""
     from pipeline_cases import pipeline_case
 
-    config = {"use_distributed_optimizer": True, "bucket_size": 200, "overlap_grad_reduce": True,
-              "overlap_param_gather": True, "num_distributed_optimizer_instances": 2}  # fmt: skip
-    ranks = pools(4).run(pipeline_case, {"pp": 2, "config": config})
+    _check_pipeline(pools(4).run(pipeline_case, {"pp": 2, "config": PIPELINE_CONFIG}))
+
+
+def _check_pipeline(ranks: list[dict[str, Any]]) -> None:
     for rank, res in enumerate(ranks):
         worst = max(res["errors"].values())
         assert worst <= 1e-6, (rank, res["errors"])
@@ -286,19 +311,143 @@ def test_pipeline_with_a_hybrid_split_per_stage(pools: Any) -> None:
     )
 
 
-def test_pipeline_with_a_two_by_two_split_per_stage(pools: Any) -> None:
+def test_pipeline_with_a_two_by_two_split_per_stage(eight: list[dict[str, Any]]) -> None:
     """pp 2 x dp 4 on 8 ranks, each stage's dp split as 2 replicas x a 2-way shard (a real
     reduce-scatter inside the shard group, then the all-reduce across replicas): 1F1B with the
-    distributed optimizer against the single-process GPT."""
-    from pipeline_cases import pipeline_case
-
-    config = {"use_distributed_optimizer": True, "bucket_size": 200, "overlap_grad_reduce": True,
-              "overlap_param_gather": True, "num_distributed_optimizer_instances": 2}  # fmt: skip
-    ranks = pools(8).run(pipeline_case, {"pp": 2, "config": config})
+    distributed optimizer against the single-process GPT (in the 8-rank sweep)."""
+    ranks = _result(eight, "pipeline-pp2-2x2")
     assert len(ranks) == 8
-    for rank, res in enumerate(ranks):
-        worst = max(res["errors"].values())
-        assert worst <= 1e-6, (rank, res["errors"])
-    assert all(
-        abs(a - b) <= 1e-5 * abs(b) for r in ranks for a, b in zip(r["norms"], r["ref_norms"])
-    )
+    _check_pipeline(ranks)
+
+
+PIPELINE_CONFIG = {"use_distributed_optimizer": True, "bucket_size": 200,
+                   "overlap_grad_reduce": True, "overlap_param_gather": True,
+                   "num_distributed_optimizer_instances": 2}  # fmt: skip
+
+
+def _eight_cases() -> dict[str, tuple[Any, ...]]:
+    from pipeline_cases import pipeline_case
+    from publish_cases import hybrid_publish_case
+
+    cases: dict[str, tuple[Any, ...]] = {
+        strategy: (
+            hybrid_case,
+            {"split": "2x4", "strategy": strategy, "micro": 2, "every_step": True},
+        )
+        for strategy in STRATEGIES
+    }
+    cases["pipeline-pp2-2x2"] = (pipeline_case, {"pp": 2, "config": PIPELINE_CONFIG})
+    cases["publish-2x2"] = (hybrid_publish_case, 2)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def eight(pools: Any) -> list[dict[str, Any]]:
+    """2 replicas x 4-way shard on 8 ranks, every strategy, in one pool run."""
+    return pools(8).run(run_each, _eight_cases())  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_2x4_matches_the_reference_and_replicas_agree_after_every_step(
+    eight: list[dict[str, Any]], strategy: str
+) -> None:
+    """R 2 x S 4 (shard groups [0..3] [4..7], replicate groups [i, i+4]): 3 AdamW steps of 2
+    micro-batches within the bound of the single-process reference on the global batch, one
+    replicate all-reduce per bucket per step, and every rank's whole params bitwise equal after
+    every step (a digest per step)."""
+    ranks = _result(eight, strategy)
+    _check_trained(ranks, (2, 4), micro=2)
+    assert len(ranks[0]["digests"]) == 3
+    assert all(r["digests"] == ranks[0]["digests"] for r in ranks), "replicas differ"
+
+
+def _errors(sweep: list[dict[str, Any]], name: str) -> list[str]:
+    return [r["error"] for r in _result(sweep, f"mismatch-{name}")]
+
+
+def test_ranks_of_one_shard_group_with_different_micro_batch_counts_raise_on_every_rank(
+    sweep: list[dict[str, Any]],
+) -> None:
+    """[Note: micro-batch agreement]: where every micro-batch communicates inside the shard
+    group (reduce_each_microbatch, optim_grads_params), its ranks running 1 and 2 micro-batches
+    hung before (one rank's last reduce-scatter paired with the other's first); now every rank
+    raises naming the group, each rank's micro-batch and what to do, and the ranks of the other
+    shard group (which agreed) raise too, naming the ranks that did not (no rank is left
+    waiting for a replicate all-reduce). A fresh model then trains on the same groups."""
+    both = _errors(sweep, "each-2x2-both-groups")
+    for rank, error in enumerate(both):
+        group = [0, 1] if rank < 2 else [2, 3]
+        assert f"the ranks of shard group {group} ran different numbers of micro-batches" in error
+        assert f"rank {group[0]} runs micro-batch 1 as the step's last (outside no_sync())" in error
+        assert f"rank {group[1]} runs micro-batch 1 inside no_sync()" in error
+        assert "sharded_grad_accumulation='reduce_each_microbatch'" in error
+        assert "accumulate_unsharded" in error and f"this is rank {rank}" in error
+    one = _errors(sweep, "each-2x2-one-group")
+    for rank in (0, 1):
+        assert "rank(s) [2, 3] of another shard group" in one[rank], one[rank]
+        assert f"this is rank {rank}, whose shard group agreed" in one[rank]
+    for rank in (2, 3):
+        assert (
+            "rank 2 runs micro-batch 1 inside no_sync(); rank 3 runs micro-batch 1 as" in one[rank]
+        )
+
+
+def test_micro_batch_mismatch_at_the_grad_sync_and_when_flat(sweep: list[dict[str, Any]]) -> None:
+    """The Megatron loop (every micro-batch in no_sync(), then finish_grad_sync()): the rank
+    with fewer micro-batches is at the sync while its peer starts its next micro-batch; and the
+    flat dp group under reduce_each_microbatch, which hung the same way."""
+    zero3 = _errors(sweep, "zero3-2x2-explicit")
+    for rank in (0, 1):
+        assert "rank 0 ends the step (grad sync) after 1 micro-batch(es)" in zero3[rank]
+        assert "rank 1 runs micro-batch 2 inside no_sync()" in zero3[rank]
+        assert "data_parallel_sharding_strategy='optim_grads_params'" in zero3[rank]
+    assert all("rank(s) [0, 1] of another shard group" in e for e in zero3[2:])
+    flat = _errors(sweep, "each-flat")
+    for error in flat:
+        assert "the ranks of dp group [0, 1, 2, 3] ran different numbers" in error, error
+        assert "rank 2 runs micro-batch 1 inside no_sync()" in error
+        assert "rank 3 runs micro-batch 1 as the step's last" in error
+
+
+def test_micro_batch_counts_may_differ_where_nothing_pairs_them(
+    sweep: list[dict[str, Any]],
+) -> None:
+    """accumulate_unsharded with optim_grads: no_sync micro-batches issue no collective, so
+    ranks of one shard group may run 1 and 2 micro-batches (each scales its own loss): the
+    reference's result, one replicate all-reduce per bucket per step."""
+    _check_trained(_result(sweep, "optim_grads-2x2-unsharded-asymmetric"), (2, 2))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_offload_restore_and_export_under_a_2x2_split(
+    sweep: list[dict[str, Any]], strategy: str
+) -> None:
+    """The RL weight lifecycle (megabuf.weights) at 2 replicas x 2 shards: offload() and
+    restore() of model and optimizer between steps are bitwise (the params, and after one
+    more step the params of a twin that never offloaded: the optimizer state came back), and
+    export_weights() streams the whole params (ZeRO-3: gathered in the shard group), bitwise
+    the model's, within the bound of the single-process reference, at version 3."""
+    for out in _result(sweep, f"lifecycle-{strategy}"):
+        assert out["offloaded"] and out["restored_bitwise"] and out["matches_twin"], out
+        assert out["export_is_state"] and out["versions"] == [3]
+        assert set(out["ref_names"]) <= set(out["names"]) and out["error"] < FP32_BOUND
+
+
+def test_publisher_sends_from_replica_zero_under_a_2x2_split(eight: list[dict[str, Any]]) -> None:
+    """[Note: publishing from replicas]: ranks 0-3 train as 2 replicas x 2 shards, ranks 0 and 1
+    (replicate rank 0's shard group) publish to rank 4: it receives every weight bitwise as
+    every trainer holds it, each sender sent its half of every bucket (together the model
+    once, not once per replica), and ranks 2 and 3 are refused a Publisher by name."""
+    ranks = _result(eight, "publish-2x2")
+    trainers, consumer = ranks[:4], ranks[4]
+    assert all(t["split"] == (2, 2) for t in trainers)
+    params = trainers[0]["params"]
+    assert all(torch.equal(t["params"][k], v) for t in trainers for k, v in params.items())
+    assert consumer["got"].keys() == params.keys()
+    assert all(torch.equal(consumer["got"][k], v) for k, v in params.items())
+    assert trainers[0]["sent"] == tuple(range(len(trainers[0]["sent"]))) != ()
+    sent = trainers[0]["sent_nbytes"] + trainers[1]["sent_nbytes"]
+    assert sent == trainers[0]["model_nbytes"]  # one consumer, one copy of every bucket
+    for rank in (2, 3):
+        refused = trainers[rank]["refused"]
+        assert "this rank is in replica 1" in refused and "replicate rank 0's shard" in refused

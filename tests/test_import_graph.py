@@ -55,8 +55,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "megabuf.bucket_group", "megabuf.dispatch", "megabuf.grad_math", "megabuf.two_level",
     )),
     ("engine", (
-        "megabuf.nan_check", "megabuf.hooks", "megabuf.grads", "megabuf.backward_sync",
-        "megabuf.hook_registry", "megabuf.param_units", "megabuf.grad_sync",
+        "megabuf.nan_check", "megabuf.microbatches", "megabuf.hooks", "megabuf.grads",
+        "megabuf.backward_sync", "megabuf.hook_registry", "megabuf.param_units",
+        "megabuf.grad_sync",
         "megabuf.param_sync", "megabuf.assembly", "megabuf.sharded_replan", "megabuf.engine",
         "megabuf.residency", "megabuf.autobucket",
     )),

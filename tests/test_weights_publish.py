@@ -152,17 +152,24 @@ def test_send_ranges_tile_the_bucket_and_match_shards() -> None:
     assert send_range(64, 1, 2) == (32, 64)  # a padded bucket: the dp shard
 
 
-def test_publisher_refuses_a_hybrid_split_by_name() -> None:
-    """Issue 26 x 27: under a replicate x shard split the replicas hold the same shards, which the
-    publish protocol (each trainer sends its 1/n) does not describe: refused, naming the split."""
+def test_publisher_refuses_replicas_past_the_first_by_name() -> None:
+    """Issue 26 x 27 ([Note: publishing from replicas]): under a replicate x shard split only
+    replicate rank 0's shard group publishes (the replicas hold the same shards); a Publisher
+    on another replica, or with trainers that are not that shard group, is refused by name."""
     from types import SimpleNamespace
 
     from megabuf.weights import Publisher
 
-    topo = SimpleNamespace(
-        pp_size=1, ep_size=1, dp_size=4, dp_rank=0, rank=0, dp_replicate_size=2, dp_shard_size=2
-    )
-    model = SimpleNamespace(engine=SimpleNamespace(process_groups=SimpleNamespace(topology=topo)))
-    group = SimpleNamespace(trainers=(0, 1, 2, 3))
-    with pytest.raises(ValueError, match=r"hybrid-sharded \(2 replicas x 2\)"):
-        Publisher(model, group)  # type: ignore[arg-type]
+    def topo(replica: int, shard: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            pp_size=1, ep_size=1, dp_size=4, dp_rank=2 * replica + shard, rank=2 * replica + shard,
+            dp_replicate_size=2, dp_replicate_rank=replica, dp_shard_size=2, dp_shard_rank=shard,
+        )  # fmt: skip
+
+    def model(t: SimpleNamespace) -> Any:
+        return SimpleNamespace(engine=SimpleNamespace(process_groups=SimpleNamespace(topology=t)))
+
+    with pytest.raises(ValueError, match=r"hybrid-sharded \(2 replicas x 2\) and this rank is"):
+        Publisher(model(topo(1, 0)), SimpleNamespace(trainers=(0, 1)))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must be replicate rank 0's shard group, 2 ranks"):
+        Publisher(model(topo(0, 1)), SimpleNamespace(trainers=(0, 1, 2, 3)))  # type: ignore[arg-type]

@@ -28,9 +28,12 @@ STEPS = 3
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
-def ddp_config(strategy: str, *, overlap: bool = False) -> megabuf.DistributedDataParallelConfig:
+def ddp_config(
+    strategy: str, *, overlap: bool = False, instances: int = 1
+) -> megabuf.DistributedDataParallelConfig:
     return megabuf.DistributedDataParallelConfig(
         data_parallel_sharding_strategy=strategy,
+        num_distributed_optimizer_instances=instances,  # > 1: a hybrid split of the dp group
         bucket_size=300,  # several buckets
         overlap_param_gather=overlap and strategy in ("optim", "optim_grads"),
         overlap_grad_reduce=overlap,
@@ -43,12 +46,13 @@ def build(
     overlap: bool = False,
     group: Any = None,
     frozen_first: bool = False,
+    instances: int = 1,
 ) -> tuple[megabuf.DistributedDataParallel, megabuf.MegabufOptimizer]:
     """`frozen_first`: the first layer trains with lr 0 (its buckets never change)."""
     model = MLPStack(DIM, LAYERS, seed=0, dtype=dtype)
     pgs = megabuf.ProcessGroups.for_dp_group(group) if group is not None else None
     ddp = megabuf.DistributedDataParallel(
-        model, ddp_config(strategy, overlap=overlap), process_groups=pgs
+        model, ddp_config(strategy, overlap=overlap, instances=instances), process_groups=pgs
     )
     cfg = megabuf.OptimizerConfig(
         optimizer="adamw", lr=1e-2, weight_decay=0.1, bf16=dtype == torch.bfloat16

@@ -54,7 +54,8 @@ class PublishGroup:
 def publish_group(
     trainer_ranks: Sequence[int], consumer_ranks: Sequence[int], *, timeout_s: float = 300.0
 ) -> PublishGroup:
-    """A gloo group of `trainer_ranks` (the dp ranks of the model, in dp-rank order) and
+    """A gloo group of `trainer_ranks` (the dp ranks of the model, in dp-rank order; under a
+    hybrid split replicate rank 0's shard group, [Note: publishing from replicas]) and
     `consumer_ranks`; every collective on it fails after `timeout_s`. Collective over the
     whole world: every rank calls it, in the same order relative to its other group creations."""
     both = set(trainer_ranks) & set(consumer_ranks)
@@ -69,7 +70,17 @@ def publish_group(
 
 
 class Publisher:
-    """The trainer side for one model (one replica: dp ranks only, no pp / ep)."""
+    """The trainer side for one model (dp ranks only, no pp / ep).
+
+    [Note: publishing from replicas]
+    Under a hybrid split ([Note: hybrid rank order]) every replica holds the same params, laid
+    out and sharded over its shard group of S ranks: the R shard groups hold R identical copies
+    of every slice. So the trainers of a publish are the S ranks of replicate rank 0's shard
+    group, trainer r its shard rank r, each sending its shard of every bucket, exactly the
+    protocol of a flat model at dp S; the other replicas take no part (no Publisher, not in the
+    publish group) and go on training. Sending from every replica would move R times the bytes
+    for nothing, and a consumer would have to pick one copy of each slice anyway.
+    """
 
     def __init__(
         self,
@@ -87,17 +98,28 @@ class Publisher:
                 f"megabuf: Publisher supports dp-only models (pp_size={topo.pp_size}, "
                 f"ep_size={topo.ep_size}); publish each stage's model with its own group"
             )
-        if topo.dp_replicate_size > 1:  # replicas hold the same shards: not in the protocol yet
+        replicas = topo.dp_replicate_size
+        if replicas > 1 and topo.dp_replicate_rank != 0:  # [Note: publishing from replicas]
             raise ValueError(
-                f"megabuf: Publisher on rank {topo.rank}: the model is hybrid-sharded "
-                f"({topo.dp_replicate_size} replicas x {topo.dp_shard_size}); publishing from a "
-                "hybrid split is not supported yet: export with megabuf.weights.export_weights "
-                "on one replica, or train flat (num_distributed_optimizer_instances=1)"
+                f"megabuf: Publisher on rank {topo.rank}: the model is hybrid-sharded ({replicas} "
+                f"replicas x {topo.dp_shard_size}) and this rank is in replica "
+                f"{topo.dp_replicate_rank}; the replicas hold the same shards, so only "
+                "replicate rank 0's shard group publishes: build the Publisher (and the publish "
+                "group's trainers) on those ranks only ([Note: publishing from replicas])"
             )
-        if len(group.trainers) != topo.dp_size or group.trainers[topo.dp_rank] != topo.rank:
+        # a trainer's index: its shard rank under hybrid (the buffers are laid out over the
+        # shard group), else its dp rank
+        self.trainer_rank, count = (
+            (topo.dp_shard_rank, topo.dp_shard_size)
+            if replicas > 1
+            else (topo.dp_rank, topo.dp_size)
+        )
+        if len(group.trainers) != count or group.trainers[self.trainer_rank] != topo.rank:
+            which = "replicate rank 0's shard group" if replicas > 1 else "the model's dp ranks"
             raise ValueError(
-                f"megabuf: Publisher on rank {topo.rank} (dp rank {topo.dp_rank}): the group's "
-                f"trainers {list(group.trainers)} must be the model's dp ranks in dp-rank order"
+                f"megabuf: Publisher on rank {topo.rank} (trainer index {self.trainer_rank}): "
+                f"the group's trainers {list(group.trainers)} must be {which}, {count} ranks "
+                "in order"
             )
         self.model = model
         self.group = group
@@ -130,8 +152,8 @@ class Publisher:
         number = resolve_version(optimizer, version)
         changed = tuple(self._changed(i, dtype) for i in range(len(self.buckets)))
         header = TrainerHeader(
-            topo.dp_rank, number, self.previous, changed,
-            self.manifest if topo.dp_rank == 0 else None,
+            self.trainer_rank, number, self.previous, changed,
+            self.manifest if self.trainer_rank == 0 else None,
             str(dtype) if dtype is not None else "", changed_only,
         )  # fmt: skip
         transfer = decide(self.collectives.all_gather_object(header, self.group.group))
