@@ -25,7 +25,7 @@ as plain attributes of one object rather than members of the nn.Module:
 Construction order: plan (shared with `megabuf inspect`, model_plan.py) -> allocation
 (assembly.py) -> grad sync + grad hooks -> param side (+ the ZeRO-3 units, after the initial
 broadcast) -> comm hooks from the config. Everything built on the bucket groups (`_wire`) is
-built again by the auto bucket re-plan, over the same buffers.
+built again by the auto bucket re-plan (over the same buffers; sharded: new ones).
 """
 
 from __future__ import annotations
@@ -139,8 +139,9 @@ class Engine:
             logger.debug("megabuf: %s", buf.describe())
 
     def _wire(self, built: Assembly) -> None:
-        """Everything built on the bucket groups: at construction, and again over the same
-        buffers at the auto bucket re-plan ([Note: auto bucket re-plan] in autobucket.py)."""
+        """Everything built on the bucket groups: at construction, and again at the auto bucket
+        re-plan ([Note: auto bucket re-plan] in autobucket.py; [Note: sharded auto bucket
+        re-plan] in sharded_replan.py)."""
         cfg = self.config
         self._split_by_kind(built.buffers, built.groups)
         grads = self._exposed_grads(self._params)
