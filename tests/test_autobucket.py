@@ -102,21 +102,26 @@ def test_a_checkpoint_saved_after_the_replan_loads_into_a_model_that_never_repla
 @pytest.fixture(scope="module")
 def pp_results(pools: Any) -> list[dict[str, Any]]:
     cases = {
-        f"pp2_ep{ep}": (pp_ep_case, "no_shard", ep, False, False, False, True) for ep in (1, 2)
+        f"pp2_ep{ep}_{strategy}": (pp_ep_case, strategy, ep, False, False, False, True)
+        for strategy, ep in PP_CASES
     }
     return pools(4).run(run_each, cases)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("ep", [1, 2])
+PP_CASES = (("no_shard", 1), ("no_shard", 2), ("optim_grads", 2))
+
+
+@pytest.mark.parametrize(("strategy", "ep"), PP_CASES)
 def test_pipeline_chunks_and_expert_buffers_replan_per_chunk_and_match_the_whole_model(
-    pp_results: Any, ep: int
+    pp_results: Any, strategy: str, ep: int
 ) -> None:
     """pp 2 on 4 ranks (1F1B, 3 micro-batches; the experts of stage 0 in a buffer of their own,
     reduced over expert dp 1 at ep 2): each chunk re-plans after its 2 warm-up syncs from
     numbers agreed over its own dp group (both ranks of a stage end with the same plan,
     measured, not injected), and the 4 clipped SGD steps still give the whole model's norm and
-    params on every rank."""
-    per_rank = case_result(pp_results, f"pp2_ep{ep}")
+    params on every rank; under "optim_grads" on new buffers ([Note: sharded auto bucket
+    re-plan])."""
+    per_rank = case_result(pp_results, f"pp2_ep{ep}_{strategy}")
     for rank, res in enumerate(per_rank):
         assert res["replanned"] and res["ends"] is not None, (rank, res)
         # one boundary list per buffer: stage 0 holds the dense and the expert buffer
