@@ -5,6 +5,7 @@ bucket_size="auto". No process group (agreement runs over a fake MAX)."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from megabuf.bucket_planner import (
 )
 from megabuf.layout import compute_layout
 from megabuf.overlap import analyze
+from megabuf.sharded_replan import ReplanListeners
 
 numels_st = st.lists(st.integers(1, 5000), min_size=1, max_size=12)
 
@@ -297,3 +299,27 @@ def test_a_new_plan_must_be_predicted_to_save_min_gain_of_the_backward() -> None
     two = (BucketChoice((5, 5), (500, 500), 0.010),)
     assert worth_changing(fewer, two, backward)  # fewer buckets, no worse: take it
     assert not worth_changing(fewer, (BucketChoice((5, 5), (500, 500), 0.009),), backward)
+
+
+def test_two_live_optimizers_on_one_model_refuse_the_sharded_replan_by_name() -> None:
+    """[Note: sharded auto bucket re-plan]: one optimizer carries its state across; two would
+    each need to, so the re-plan raises. A dropped optimizer is neither kept alive nor called."""
+
+    class Optimizer:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def around(self, rebuild: Any) -> None:
+            self.calls += 1
+            rebuild()
+
+    listeners = ReplanListeners(rank=1)
+    first, second = Optimizer(), Optimizer()
+    listeners.add(first.around)
+    listeners.add(second.around)
+    with pytest.raises(RuntimeError, match=r"2 megabuf optimizers .*rank 1"):
+        listeners.run(lambda: None)
+    del second
+    rebuilt: list[int] = []
+    listeners.run(lambda: rebuilt.append(1))
+    assert rebuilt == [1] and first.calls == 1
