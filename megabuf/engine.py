@@ -280,7 +280,7 @@ class Engine:
             return None
         mode = (
             "sharded_grad_accumulation='reduce_each_microbatch'" if each
-            else f"data_parallel_sharding_strategy={cfg.data_parallel_sharding_strategy!r}"
+            else f"data_parallel_sharding_strategy={cfg.sharding.name!r}"
         )  # fmt: skip
         groups = AgreementGroups(
             group=pgs.shard_group(False), group_rank=group_rank, group_size=group_size,
