@@ -57,7 +57,7 @@ from megabuf.plan import Plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.replicas import ParamStructure, check_devices, check_replicas_match, is_expert_parallel
 from megabuf.residency import Residency
-from megabuf.sharded_replan import ReplanListeners, reassemble
+from megabuf.sharded_replan import ReplanListeners, release_old_groups
 from megabuf.sharding.ledger import MemoryLedger
 
 logger = logging.getLogger(__name__)
@@ -211,17 +211,13 @@ class Engine:
         for handle in self._grad_hook_handles:
             handle.remove()
         self.gather_hooks.disable()
-        pgs, cfg = self.process_groups, self.config
-        if sharded:
-            built = reassemble(
-                plan, self.all_bucket_groups, self._params, cfg, pgs, self.collectives,
-                self.memory_ledger, self.param_to_name,
-            )  # fmt: skip
-        else:
-            built = rebucket(
-                plan, self.buffers, cfg, pgs, self.collectives, self.memory_ledger,
-                self.param_to_name,
-            )  # fmt: skip
+        parts = (self.config, self.process_groups, self.collectives, self.memory_ledger,
+                 self.param_to_name)  # fmt: skip
+        if sharded:  # new buffers, params copied in ([Note: sharded auto bucket re-plan])
+            release_old_groups(self.all_bucket_groups, self.config, self.memory_ledger, self.rank)
+            built = assemble(plan, self._params, *parts)
+        else:  # the same buffers, other boundaries
+            built = rebucket(plan, self.buffers, *parts)
         self.plan = plan
         self._wire(built)
         if timeline is not None:

@@ -31,14 +31,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
-from torch import nn
-
-from megabuf.assembly import Assembly, assemble
 from megabuf.bucket_group import BucketGroup
-from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.plan import Plan
-from megabuf.process_groups import ProcessGroups
 from megabuf.sharding.grads import GRAD_SHARD
 from megabuf.sharding.ledger import MemoryLedger
 
@@ -74,23 +68,17 @@ class ReplanListeners:
             rebuild()
 
 
-def reassemble(
-    plan: Plan,
-    engine_groups: list[BucketGroup],
-    params: list[nn.Parameter],
+def release_old_groups(
+    groups: list[BucketGroup],
     config: DistributedDataParallelConfig,
-    pgs: ProcessGroups,
-    collectives: Collectives,
     ledger: MemoryLedger,
-    param_to_name: dict[nn.Parameter, str],
-) -> Assembly:
-    """Step 2 of [Note: sharded auto bucket re-plan]: new buffers on `plan`, params copied in."""
+    rank: int,
+) -> None:
+    """Step 2's start ([Note: sharded auto bucket re-plan]): the params whole and current before
+    `assemble` copies them into the new buffers, the old grad shards off the ledger."""
     if config.sharding.shards_params:
-        raise RuntimeError(
-            f"megabuf: optim_grads_params cannot re-plan buckets (rank {pgs.topology.rank})"
-        )
-    for group in engine_groups:  # the params must be whole and current before they are copied
+        raise RuntimeError(f"megabuf: optim_grads_params cannot re-plan buckets (rank {rank})")
+    for group in groups:
         group.finish_param_sync(skip_next_bucket_dispatch=True)
         if group.sharded_grads is not None:  # released at a step boundary: only shards held
             ledger.free(GRAD_SHARD, group.sharded_grads.shard_nbytes)
-    return assemble(plan, params, config, pgs, collectives, ledger, param_to_name)
