@@ -243,10 +243,6 @@ class DistributedDataParallelConfig:
         refusals = [
             (not self.overlap_grad_reduce, "overlap_grad_reduce=False (nothing to overlap: "
              "set overlap_grad_reduce=True, or leave bucket_size=None)"),
-            (self.sharding.shards_params, f"data_parallel_sharding_strategy="
-             f"{self.sharding.name!r} (its shard units gather and release the params per "
-             "bucket; a re-plan is not supported there: give an int bucket_size, e.g. the one "
-             "an 'optim_grads' run's auto plan logged)"),
             (self.comm_hook is not None, "comm_hook (hook state follows the bucket boundaries: "
              "give an int bucket_size)"),
             (self.deterministic_reduction, "deterministic_reduction=True (its fixed-order hook "

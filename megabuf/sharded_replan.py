@@ -31,8 +31,10 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
+from torch import nn
+
 from megabuf.bucket_group import BucketGroup
-from megabuf.config import DistributedDataParallelConfig
+from megabuf.param_sync import GatheredParams
 from megabuf.sharding.grads import GRAD_SHARD
 from megabuf.sharding.ledger import MemoryLedger
 
@@ -69,16 +71,22 @@ class ReplanListeners:
 
 
 def release_old_groups(
-    groups: list[BucketGroup],
-    config: DistributedDataParallelConfig,
-    ledger: MemoryLedger,
-    rank: int,
-) -> None:
+    groups: list[BucketGroup], param_side: GatheredParams, ledger: MemoryLedger
+) -> list[tuple[str, nn.Module]]:
     """Step 2's start ([Note: sharded auto bucket re-plan]): the params whole and current before
-    `assemble` copies them into the new buffers, the old grad shards off the ledger."""
-    if config.sharding.shards_params:
-        raise RuntimeError(f"megabuf: optim_grads_params cannot re-plan buckets (rank {rank})")
+    `assemble` copies them into the new buffers (ZeRO-3: every unit gathered, its hooks gone),
+    the old grad shards off the ledger. Returns the shard units to build again (ZeRO-3; else
+    none). Collective under optim_grads_params."""
+    units = param_side.whole_for_replan()
     for group in groups:
-        group.finish_param_sync(skip_next_bucket_dispatch=True)
         if group.sharded_grads is not None:  # released at a step boundary: only shards held
             ledger.free(GRAD_SHARD, group.sharded_grads.shard_nbytes)
+    return units
+
+
+def retire_old_params(groups: list[BucketGroup]) -> None:
+    """After `assemble` copied the params out: the old groups' gathered params and param shards
+    (ZeRO-3) leave the ledger and their memory."""
+    for group in groups:
+        if group.sharded_params is not None:
+            group.sharded_params.retire()
