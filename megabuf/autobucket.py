@@ -22,9 +22,12 @@ With `bucket_size = "auto"` the engine starts on the default plan and an `AutoBu
 - Re-plan: once, in `zero_grad_buffer()` after the `auto_bucket_warmup_steps`-th grad sync (every
   rank syncs the same number of times, so every rank re-plans at the same call), or at the first one
   after that outside `no_sync()` (whose exit would reset the replaced grad sync's flag). Under
-  "optim" and "optim_grads" the buffers are padded and sharded, so the re-plan allocates new ones
-  and the optimizer carries its state across in model space ([Note: sharded auto bucket re-plan] in
-  sharded_replan.py); "optim_grads_params" is refused by config.py. On the unsharded path the buffer
+  "optim", "optim_grads" and "optim_grads_params" the buffers are padded and sharded, so the
+  re-plan allocates new ones and the optimizer carries its state across in model space ([Note:
+  sharded auto bucket re-plan] in sharded_replan.py). Under "optim_grads_params" a shard unit's
+  bucket group is reduced once all of the unit's grads are in, so the planner counts each param
+  ready when its unit's last grad is and cuts at unit ends (`placed`); within a unit it then
+  only weighs the per-collective latency. On the unsharded path the buffer
   layout has no padding, so every param keeps its offset, `param.data`, `param.main_grad`, `.grad`
   links and anything an optimizer or the user holds stay valid; what changes is the buckets (new
   views of the same grad storage, zeroed) and everything built on them, rebuilt by the engine
@@ -216,8 +219,7 @@ def choose_buckets(
         order, ready, unit_ends = placed(plan, buf, measurement)
         own = [own_bucket[i] for i in order]
         cuts = [
-            own[p] or unit_ends[p] or (p + 1 < len(order) and own[p + 1])
-            for p in range(len(order))
+            own[p] or unit_ends[p] or (p + 1 < len(order) and own[p + 1]) for p in range(len(order))
         ]
         choices.append(
             plan_buckets(

@@ -127,9 +127,9 @@ class DistributedDataParallelConfig:
     measure `auto_bucket_warmup_steps` steps, then re-plan the bucket boundaries once, so the
     predicted communication left after backward is least ([Note: auto bucket plan] in
     megabuf/bucket_planner.py, [Note: auto bucket re-plan] in megabuf/autobucket.py; under
-    "optim" / "optim_grads" the optimizer state moves to new buffers: [Note: sharded auto bucket
-    re-plan] in megabuf/sharded_replan.py). Needs `overlap_grad_reduce`, a strategy other than
-    "optim_grads_params", and no `comm_hook` or `deterministic_reduction`."""
+    a sharded strategy the params and the optimizer state move to new buffers: [Note: sharded
+    auto bucket re-plan] in megabuf/sharded_replan.py). Needs `overlap_grad_reduce`, and no
+    `comm_hook` or `deterministic_reduction`."""
 
     auto_bucket_warmup_steps: int = 3
     """With `bucket_size = "auto"`: the number of steps run on the default buckets before the

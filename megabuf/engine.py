@@ -221,7 +221,7 @@ class Engine:
         units: list[tuple[str, nn.Module]] = []
         if sharded:  # new buffers, params copied in ([Note: sharded auto bucket re-plan])
             old = self.all_bucket_groups
-            units = release_old_groups(old, self.param_side, self.memory_ledger)
+            units = release_old_groups(old, self.param_side, self.memory_ledger, self.rank)
             built = assemble(plan, self._params, *parts, [name for name, _ in units] or ("",))
             retire_old_params(old)
         else:  # the same buffers, other boundaries

@@ -549,6 +549,22 @@ MUTANTS = (
         "            pass\n",
         ("tests/test_autobucket.py",),
     ),
+    Mutant(
+        "auto-bucket-zero3-params-not-gathered",
+        "a ZeRO-3 auto re-plan gathers every shard unit before copying the params into new buffers",
+        "megabuf/param_sync.py",
+        "        runtime.gather_all()\n        runtime.remove()\n",
+        "        runtime.remove()\n",
+        ("tests/test_autobucket.py",),
+    ),
+    Mutant(
+        "auto-bucket-zero3-old-param-shards-ledgered",
+        "a ZeRO-3 auto re-plan takes the old groups' param shards off the memory ledger",
+        "megabuf/sharding/params.py",
+        "        self.ledger.free(PARAM_SHARD, sum(_nbytes(s) for s in self.shards))\n",
+        "",
+        ("tests/test_autobucket.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")
