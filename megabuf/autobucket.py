@@ -83,6 +83,7 @@ from megabuf.bucket_planner import (
 )
 from megabuf.collectives import Collectives, Group
 from megabuf.config import DistributedDataParallelConfig
+from megabuf.layout import placement_order
 from megabuf.plan import BufferPlan, Plan, build_plan
 from megabuf.replicas import param_specs
 from megabuf.timeline import Event, Timeline
@@ -233,13 +234,13 @@ def choose_buckets(
 def placed(
     plan: Plan, buf: BufferPlan, measurement: Measurement
 ) -> tuple[list[int], list[float], list[bool]]:
-    """`buf`'s spec ids in buffer (placement) order, as its layout holds them ([Note: buffer
+    """`buf`'s spec ids in placement order, the order `bucket_ends` counts in ([Note: buffer
     layout]), their ready times and whether a shard unit ends after each. Under ZeRO-3 a unit's
     bucket group is reduced once every grad of the unit is in ([Note: unit-aligned plan]), so
     each param counts as ready when its unit's last grad is."""
-    buckets = sorted(buf.layout.buckets, key=lambda b: b.start)
-    order = [buf.param_ids[i] for b in buckets for i in b.param_ids]
     units = plan.unit_of_spec
+    unit_ids = None if units is None else [units[i] for i in buf.param_ids]
+    order = [buf.param_ids[p] for p in placement_order(len(buf.param_ids), unit_ids)]
     if units is None:
         return order, [measurement.ready_s[i] for i in order], [False] * len(order)
     unit_ready: dict[int, float] = {}
