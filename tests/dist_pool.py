@@ -73,11 +73,16 @@ def _worker(
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
-    )
     global _CONTROL
-    _CONTROL = dist.new_group(backend="gloo")  # see [Note: clean worker state]
+    try:
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
+        )
+        _CONTROL = dist.new_group(backend="gloo")  # see [Note: clean worker state]
+    except BaseException:  # the parent starts again on another port if it was taken
+        outbox.put((rank, False, traceback.format_exc()))
+        return
+    outbox.put((rank, True, _READY))
     while True:
         job = inbox.get()
         if job is None:
@@ -91,6 +96,8 @@ def _worker(
 
 
 _CONTROL: Any = None  # rank side: a gloo group over all ranks that no case uses
+_READY = "ready"  # a worker's first message: its process group is up
+PORT_ATTEMPTS = 3  # as megabuf.testing.spawn ([Note: a port taken before rank 0 binds it])
 
 
 def _any_rank_failed(failed: bool) -> list[int]:
@@ -130,7 +137,31 @@ class DistPool:
         self._procs: list[Any] = []
 
     def _start(self) -> None:
-        port = _free_port()
+        """Start the ranks and wait until every process group is up. A port that was free when
+        chosen but taken before rank 0's store bound it (EADDRINUSE) starts the pool again on
+        another, PORT_ATTEMPTS times in all ([Note: a port taken before rank 0 binds it] in
+        megabuf/testing/launch.py)."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self._spawn(_free_port())
+            failure = self._wait_ready()
+            if failure is None:
+                return
+            self.close()
+            if "EADDRINUSE" not in failure or attempt == PORT_ATTEMPTS:
+                raise RuntimeError(f"the {self.world_size}-rank pool did not start:\n{failure}")
+
+    def _wait_ready(self) -> str | None:
+        """None once every rank reported its process group up; else the first failure."""
+        for _ in range(self.world_size):
+            try:
+                rank, ok, value = self._outbox.get(timeout=self.timeout_s)
+            except queue.Empty:
+                return f"no rank reported within {self.timeout_s}s"
+            if not ok:
+                return f"rank {rank}: {value}"
+        return None
+
+    def _spawn(self, port: int) -> None:
         self._inboxes = [_CTX.Queue() for _ in range(self.world_size)]
         self._outbox = _CTX.Queue()
         self._procs = [

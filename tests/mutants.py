@@ -485,6 +485,14 @@ MUTANTS = (
         ("tests/test_weights_publish.py",),
     ),
     Mutant(
+        "export-fresh-gather-not-counted",
+        "the ledger counts an export's ZeRO-3 gathers (peak = max_buckets consecutive groups)",
+        "megabuf/weights/export.py",
+        "        chunk.engine.memory_ledger.alloc(EXPORT_CATEGORY, nbytes)\n",
+        "",
+        ("tests/test_weights_publish.py",),
+    ),
+    Mutant(
         "changed-only-trusts-dp-rank-0",
         "changed-only publish sends every bucket whose slice changed on any trainer",
         "megabuf/weights/transfer.py",

@@ -41,10 +41,10 @@ def export_case(strategy: str) -> dict[str, Any]:
         train_step(model, opt, step, rank, size, torch.float32)
     in_flight = sum(g.param_state.name == "DISPATCHED" for g in model.engine.all_bucket_groups)
     model.engine.memory_ledger.reset_peaks()
-    items = []
-    for item in export_weights(model, optimizer=opt, max_buckets=2):
-        items.append((item.version, item.index, [(n, t.clone()) for n, t in item.named]))
-    peak = model.engine.memory_ledger.peak("unsharded_params")
+    # kept past their turn (list()): under ZeRO-3 each item owns its gathered memory
+    kept = list(export_weights(model, optimizer=opt, max_buckets=2))
+    items = [(item.version, item.index, [(n, t.clone()) for n, t in item.named]) for item in kept]
+    peak = model.engine.memory_ledger.peak("weight_export")
     full = [
         g.sharded_params.full_nbytes for g in model.engine.all_bucket_groups if g.sharded_params
     ]

@@ -139,3 +139,39 @@ def test_a_port_taken_before_rank_0_binds_it_is_retried_on_another(
     finally:
         taken.close()
     assert len(ports) == 3, ports  # the taken one, then a second attempt on a fresh port
+
+
+def _pool_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def test_a_pool_whose_first_port_is_taken_starts_on_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The test pool (tests/dist_pool.py) has the same race as spawn: its first port is held by
+    another socket, rank 0's store fails with EADDRINUSE, and the pool starts again on a fresh
+    port instead of timing out its first case."""
+    import socket
+
+    import dist_pool
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    ports = [int(taken.getsockname()[1])]
+    real = dist_pool._free_port
+
+    def port_once_taken() -> int:
+        ports.append(real())
+        return ports[-2] if len(ports) == 2 else ports[-1]
+
+    monkeypatch.setattr(dist_pool, "_free_port", port_once_taken)
+    pool = dist_pool.DistPool(2, timeout_s=60)
+    try:
+        assert pool.run(_pool_rank) == [0, 1]
+    finally:
+        pool.close()
+        taken.close()
+    assert len(ports) == 3, ports  # the taken one, then a second start on a fresh port

@@ -43,7 +43,9 @@ def published(pools: Any) -> list[dict[str, Any]]:
 def test_export_after_overlapped_step_is_the_fresh_params(exported: Any, name: str) -> None:
     """Gathers were in flight when the export started (optim, optim_grads): it waited; the
     export equals the twin trained without overlap bitwise and differs from the pre-step
-    params (a stale publish would equal those)."""
+    params (a stale publish would equal those). The items are read after the whole export ran
+    (`list()`): under ZeRO-3 too they hold the values (each owns its gathered memory), and the
+    ledger's "weight_export" peak is the largest two consecutive groups (max_buckets=2)."""
     for out in case_result(exported, name):
         if name != "optim_grads_params":
             assert out["in_flight"] > 0

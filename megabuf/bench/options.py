@@ -24,6 +24,7 @@ SYSTEM_NAMES: tuple[str, ...] = (
     "megabuf_ar_auto",  # bucket_size="auto" ([Note: auto bucket re-plan]), re-planned in warm-up
     "megabuf_ar_sync",
     "megabuf_distopt_overlap",
+    "megabuf_distopt_auto",  # the same, bucket_size="auto" (ZeRO-1 re-plan, sharded_replan.py)
     "megabuf_distopt_sync",
     "megabuf_zero3",
     "megabuf_zero3_noreshard",

@@ -221,6 +221,13 @@ MEGABUF_CONFIGS: dict[str, dict[str, Any]] = {
         "overlap_grad_reduce": True,
         "overlap_param_gather": True,
     },
+    "megabuf_distopt_auto": {  # the distributed optimizer on the auto plan (issue 30)
+        "use_distributed_optimizer": True,
+        "overlap_grad_reduce": True,
+        "overlap_param_gather": True,
+        "bucket_size": "auto",
+        "auto_bucket_warmup_steps": 2,
+    },
     "megabuf_distopt_sync": {"use_distributed_optimizer": True},
     "megabuf_zero3": {  # ZeRO-3: units gathered in forward and again in backward
         "data_parallel_sharding_strategy": "optim_grads_params",

@@ -7,16 +7,19 @@ params after the last completed optimizer step, under consumer names (`name_map`
 requested dtype (`dtype`, e.g. bf16 for inference). Before the first item every param gather in
 flight is waited for (`publish_params()`, [Note: who waits for param gathers]), so a param is
 never read mid-gather. At most `max_buckets` groups are materialised at once:
-- optim_grads_params: every unit is released first; then each group is gathered (a collective
-  over its dp group: every dp rank iterates the whole export, in step) `max_buckets - 1`
-  groups ahead of the one yielded, and released when the iterator moves past it. The ledger's
-  "unsharded_params" peak during the export is the largest sum of `max_buckets` consecutive
-  groups' full bytes.
+- optim_grads_params: every unit is released first; then each group's shards are all-gathered
+  (a collective over its dp group: every dp rank iterates the whole export, in step) into fresh
+  tensors the item owns, `max_buckets - 1` groups ahead of the one yielded. The params' own
+  storages stay released (the ledger's "unsharded_params" does not move); the fresh tensors are
+  counted as "weight_export" from their gather until the iterator moves past their item, so its
+  peak during the export is the largest sum of `max_buckets` consecutive groups' full bytes.
+  Because an item owns its tensors, one the consumer keeps (`list(export_weights(...))`) stays
+  valid and correct; it is then memory the ledger no longer counts.
 - the other strategies hold whole params already: an item's tensors are views of the model's
   memory (no copy) unless `dtype` differs from the params' or `name_map` makes new tensors;
   copies made by the cast are counted in the ledger as "weight_export" while the item is
-  current.
-An item's tensors are valid until the iterator advances (ZeRO-3 releases them): copy what you
+  current. Views change with the params (the next step writes them): copy what you keep across
+  a step.
 keep. The weight version is the optimizer's count of applied updates (`weight_version`;
 skipped steps do not count), or the `version` given.
 """
@@ -30,8 +33,10 @@ import torch
 from torch import Tensor
 
 from megabuf.bucket_group import BucketGroup
+from megabuf.collectives import PendingCollective
 from megabuf.ddp import DistributedDataParallel, as_model_chunks
 from megabuf.optimizer.base import MegabufOptimizer
+from megabuf.sharding.ledger import MemoryLedger
 
 EXPORT_CATEGORY = "weight_export"
 NameMap = Callable[[str, Tensor], Iterable[tuple[str, Tensor]]]
@@ -40,7 +45,8 @@ NameMap = Callable[[str, Tensor], Iterable[tuple[str, Tensor]]]
 
 @dataclass(frozen=True)
 class WeightBucket:
-    """One bucket group's full weights (valid until the iterator advances)."""
+    """One bucket group's full weights ([Note: streamed export]: views of the params, or, under
+    optim_grads_params, tensors the item owns)."""
 
     version: int  # optimizer updates applied to these weights
     index: int  # position in the export (0, 1, ...)
@@ -95,62 +101,98 @@ def _stream(
     name_map: NameMap | None,
     max_buckets: int,
 ) -> Iterator[WeightBucket]:
-    gathered: set[int] = set()
+    gathered: dict[int, _Gathered] = {}
     try:
         for index, (chunk, group) in enumerate(groups):
             for ahead in range(index, min(index + max_buckets, len(groups))):
                 if ahead not in gathered:
-                    _gather(groups[ahead][1])
-                    gathered.add(ahead)
-            _wait(group)
-            named = _named(chunk, group, dtype, name_map)
-            copied = sum(t.numel() * t.element_size() for t in _copies(group, named))
+                    gathered[ahead] = _Gathered.start(*groups[ahead])
+            current = gathered[index]
+            named = _named(chunk, group, current.wait(), dtype, name_map)
+            copied = sum(t.numel() * t.element_size() for t in _copies(current.views, named))
             chunk.engine.memory_ledger.alloc(EXPORT_CATEGORY, copied)
             try:
                 yield WeightBucket(version, index, named)
             finally:
                 chunk.engine.memory_ledger.free(EXPORT_CATEGORY, copied)
-                _release(group)
-                gathered.discard(index)
+                gathered.pop(index).done()
     finally:  # a consumer that stopped early (close(), break): nothing stays gathered
         for ahead in sorted(gathered):
-            _release(groups[ahead][1])
+            gathered[ahead].wait()
+            gathered[ahead].done()
 
 
-def _gather(group: BucketGroup) -> None:
-    if group.sharded_params is not None:
-        group.sharded_params.start_param_gather()
+@dataclass
+class _Gathered:
+    """One group's full params for the export: the params themselves (whole already), or, under
+    optim_grads_params, fresh tensors its shards are all-gathered into ([Note: streamed export])."""
+
+    views: list[Tensor]  # one per param of the group, in its order
+    pending: list[PendingCollective]
+    ledger: MemoryLedger | None  # the engine's, when fresh memory is counted
+    nbytes: int = 0
+
+    @classmethod
+    def start(cls, chunk: DistributedDataParallel, group: BucketGroup) -> _Gathered:
+        sharded = group.sharded_params
+        if sharded is None:
+            return cls([p.detach() for p in group.params_list], [], None)
+        fresh = [torch.empty_like(t) for t in sharded.full]
+        pending = sharded.collectives.all_gather_many(
+            fresh, sharded.shards, sharded.group, async_op=True, tag=sharded.group_id
+        )
+        nbytes = sum(t.numel() * t.element_size() for t in fresh)
+        chunk.engine.memory_ledger.alloc(EXPORT_CATEGORY, nbytes)
+        views = [_view_in(p, sharded.full, fresh) for p in group.params_list]
+        return cls(views, pending, chunk.engine.memory_ledger, nbytes)
+
+    def wait(self) -> list[Tensor]:
+        for work in self.pending:
+            work.wait()
+        self.pending = []
+        return self.views
+
+    def done(self) -> None:
+        """The iterator moved past this group: its fresh memory leaves the ledger (a consumer
+        may still hold it)."""
+        if self.ledger is not None:
+            self.ledger.free(EXPORT_CATEGORY, self.nbytes)
+            self.ledger = None
 
 
-def _wait(group: BucketGroup) -> None:
-    if group.sharded_params is not None:
-        group.sharded_params.finish_param_gather()
-
-
-def _release(group: BucketGroup) -> None:
-    if group.sharded_params is not None:
-        group.sharded_params.ensure_released()
+def _view_in(param: Tensor, full: Sequence[Tensor], fresh: Sequence[Tensor]) -> Tensor:
+    """`param`'s view of its group's full tensor, made over the fresh copy instead (the
+    param's storage may be released: its metadata still says where it lives)."""
+    storage = param.untyped_storage()._cdata
+    for old, new in zip(full, fresh, strict=True):
+        if old.untyped_storage()._cdata == storage:
+            offset = param.storage_offset() - old.storage_offset()
+            return new.as_strided(param.shape, param.stride(), new.storage_offset() + offset)
+    raise RuntimeError(
+        f"megabuf: export_weights found a param of shape {tuple(param.shape)} outside its bucket "
+        "group's param storage; the engine's views were replaced (param.data was reassigned?)"
+    )
 
 
 def _named(
     chunk: DistributedDataParallel,
     group: BucketGroup,
+    tensors: list[Tensor],
     dtype: torch.dtype | None,
     name_map: NameMap | None,
 ) -> list[tuple[str, Tensor]]:
     out: list[tuple[str, Tensor]] = []
-    for param in group.params_list:
+    for param, tensor in zip(group.params_list, tensors, strict=True):
         name = chunk.engine.param_to_name[param]
-        tensor = param.detach()
         if dtype is not None and tensor.dtype != dtype:
             tensor = tensor.to(dtype)
         out.extend(name_map(name, tensor) if name_map is not None else [(name, tensor)])
     return out
 
 
-def _copies(group: BucketGroup, named: list[tuple[str, Tensor]]) -> list[Tensor]:
-    """The item's tensors that are not views of the model's memory (distinct storages)."""
-    model = {p.untyped_storage().data_ptr() for p in group.params_list}
+def _copies(views: list[Tensor], named: list[tuple[str, Tensor]]) -> list[Tensor]:
+    """The item's tensors that are not views of what `views` lie in (distinct storages)."""
+    model = {v.untyped_storage().data_ptr() for v in views}
     seen: dict[int, Tensor] = {}
     for _, t in named:
         ptr = t.untyped_storage().data_ptr()
