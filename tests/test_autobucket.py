@@ -176,7 +176,7 @@ def pp_results(pools: Any) -> list[dict[str, Any]]:
     return pools(4).run(run_each, cases)  # type: ignore[no-any-return]
 
 
-PP_CASES = (("no_shard", 1), ("no_shard", 2), ("optim_grads", 2))
+PP_CASES = (("no_shard", 1), ("no_shard", 2), ("optim_grads", 2), ("optim_grads_params", 2))
 
 
 @pytest.mark.parametrize(("strategy", "ep"), PP_CASES)
@@ -187,8 +187,8 @@ def test_pipeline_chunks_and_expert_buffers_replan_per_chunk_and_match_the_whole
     reduced over expert dp 1 at ep 2): each chunk re-plans after its 2 warm-up syncs from
     numbers agreed over its own dp group (both ranks of a stage end with the same plan,
     measured, not injected), and the 4 clipped SGD steps still give the whole model's norm and
-    params on every rank; under "optim_grads" on new buffers ([Note: sharded auto bucket
-    re-plan])."""
+    params on every rank; under "optim_grads" and "optim_grads_params" on new buffers ([Note:
+    sharded auto bucket re-plan])."""
     per_rank = case_result(pp_results, f"pp2_ep{ep}_{strategy}")
     for rank, res in enumerate(per_rank):
         assert res["replanned"] and res["ends"] is not None, (rank, res)
