@@ -327,11 +327,11 @@ def planned_with(bucket_ends: Any) -> Iterator[None]:
         megabuf.engine.plan_model = original  # type: ignore[assignment]
 
 
-def zero3_case(flags: dict[str, Any], micro: int) -> dict[str, Any]:
+def zero3_case(flags: dict[str, Any], micro: int, clip: float = 1.0) -> dict[str, Any]:
     """ZeRO-3: N AdamW steps with the re-plan at step WARMUP == N steps on a model built on
     that plan from the start, bitwise; the ledger right after the re-plan == that model's after
     construction (old shards and gathered params freed); the same plan on every rank from
-    asymmetric injected timings."""
+    asymmetric injected timings. `clip`: the grad-norm clip (0: none)."""
     base = build_model(MODEL, seed=0)
     cfg = megabuf.DistributedDataParallelConfig(
         overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=WARMUP,
@@ -341,7 +341,8 @@ def zero3_case(flags: dict[str, Any], micro: int) -> dict[str, Any]:
     n = len(auto.engine.param_to_name)
     auto.engine.auto.measure = lambda dtype: fake_measurement(n, dist.get_rank())  # type: ignore[union-attr]
     default_plan = auto.engine.plan
-    opt = _optimizer("megabuf", auto)
+    opt_cfg = megabuf.OptimizerConfig(optimizer="adamw", lr=1e-2, clip_grad=clip)
+    opt = megabuf.build_optimizer(auto, opt_cfg)
     ledger: dict[str, int] = {}
     for step in range(STEPS):
         if step == WARMUP:
@@ -356,7 +357,7 @@ def zero3_case(flags: dict[str, Any], micro: int) -> dict[str, Any]:
     fixed_cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True, **ZERO3, **flags)
     with planned_with(plan.bucket_ends):
         fixed = megabuf.DistributedDataParallel(copy.deepcopy(base), fixed_cfg)
-    opt2 = _optimizer("megabuf", fixed)
+    opt2 = megabuf.build_optimizer(fixed, opt_cfg)
     fresh_ledger = _nonzero(fixed.engine.memory_ledger.current())
     for step in range(STEPS):
         _step(fixed, opt2, step, micro)
