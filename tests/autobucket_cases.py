@@ -175,16 +175,17 @@ def _named(model: Any) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for p, name in model.engine.param_to_name.items()]
 
 
-def measured_case() -> dict[str, Any]:
+def measured_case(flags: dict[str, Any] | None = None) -> dict[str, Any]:
     """The real warm-up (rank-local timings differ): the re-plan happens, every rank ends with
     the same plan, and the overlap report's timeline survives it."""
     base = build_model(MODEL, seed=0)
+    flags = flags or {}
     cfg = megabuf.DistributedDataParallelConfig(
-        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2
+        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2, **flags
     )
     model = megabuf.DistributedDataParallel(copy.deepcopy(base), cfg)
     timeline = model.enable_timeline()
-    opt = _optimizer("torch", model)
+    opt = _optimizer("megabuf" if flags else "torch", model)
     for step in range(4):
         _step(model, opt, step, 1)
     everyone = [None] * dist.get_world_size()
@@ -353,7 +354,7 @@ def zero3_case(flags: dict[str, Any], micro: int, clip: float = 1.0) -> dict[str
     agreed = agree(fake_measurement(n, dist.get_rank()), auto.engine.collectives,
                    megabuf.ProcessGroups.default().dp, torch.device("cpu"))  # fmt: skip
     specs = param_specs(_named(auto))
-    expected = choose_buckets(plan, [s.numel for s in specs], [False] * n, agreed)
+    expected = choose_buckets(plan, [s.numel for s in specs], [s.own_bucket for s in specs], agreed)
     fixed_cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True, **ZERO3, **flags)
     with planned_with(plan.bucket_ends):
         fixed = megabuf.DistributedDataParallel(copy.deepcopy(base), fixed_cfg)

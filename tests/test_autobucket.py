@@ -42,6 +42,7 @@ CASES: dict[str, tuple[Any, ...]] = {
     ),
     "zero3_offload_refused": (zero3_offload_refused_case,),
     "measured": (measured_case,),
+    "zero3_measured": (measured_case, ZERO3),
     "hook_refused": (hook_refused_case,),
     "no_sync_deferral": (no_sync_deferral_case,),
 }
@@ -84,8 +85,9 @@ def test_every_rank_plans_from_the_agreed_max_even_with_asymmetric_timings(
         assert res["ends"] == res["expected_ends"], res
 
 
-def test_measured_warmup_replans_the_same_on_every_rank(results: Any) -> None:
-    for res in case_result(results, "measured"):
+@pytest.mark.parametrize("name", ["measured", "zero3_measured"])
+def test_measured_warmup_replans_the_same_on_every_rank(results: Any, name: str) -> None:
+    for res in case_result(results, name):
         assert res["replanned"] and res["same_plan"] and res["ends"] is not None, res
         assert res["groups_last_step"] == res["groups"], res  # the timeline follows new groups
         assert res["replanned_before_step"] == 2, res  # warm-up of 2 steps
