@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -345,10 +347,14 @@ def zero3_case(flags: dict[str, Any], micro: int, clip: float = 1.0) -> dict[str
     opt_cfg = megabuf.OptimizerConfig(optimizer="adamw", lr=1e-2, clip_grad=clip)
     opt = megabuf.build_optimizer(auto, opt_cfg)
     ledger: dict[str, int] = {}
+    old_alive = -1
     for step in range(STEPS):
         if step == WARMUP:
+            old = [weakref.ref(g) for g in auto.engine.all_bucket_groups]
             auto.zero_grad_buffer()  # the re-plan (the step's own call then only zeroes)
             ledger = _nonzero(auto.engine.memory_ledger.current())
+            gc.collect()
+            old_alive = sum(ref() is not None for ref in old)
         _step(auto, opt, step, micro)
     plan = auto.engine.plan
     agreed = agree(fake_measurement(n, dist.get_rank()), auto.engine.collectives,
@@ -374,6 +380,7 @@ def zero3_case(flags: dict[str, Any], micro: int, clip: float = 1.0) -> dict[str
         "expected_ends": tuple(ends_of(c) for c in expected),
         "ledger": ledger,
         "fresh_ledger": fresh_ledger,
+        "old_groups_alive": old_alive,
         "walk": (storage_walk(auto, opt), storage_walk(fixed, opt2)),
         "units": len(auto.engine.param_side.units.runtime.units),  # type: ignore[attr-defined]
     }

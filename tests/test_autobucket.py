@@ -159,9 +159,11 @@ def test_zero3_ledger_after_the_replan_equals_a_fresh_model_on_that_plan(
 ) -> None:
     """Old param shards, gathered params and grad shards leave the ledger (no leak, nothing
     freed twice): right after the re-plan it holds what a model built on the new plan holds,
-    and after training the storage walk of both (model and optimizer) is the same."""
+    the old bucket groups are garbage (nothing keeps their storage alive), and after training
+    the storage walk of both (model and optimizer) is the same."""
     for rank, res in enumerate(_zero3_result(results, zero3_dp4, name)):
         assert res["ledger"] == res["fresh_ledger"], (rank, res)
+        assert res["old_groups_alive"] == 0, (rank, res)
         assert res["ledger"]["param_shard"] > 0 and res["ledger"]["grad_shard"] > 0, res
         assert res["walk"][0] == res["walk"][1], (rank, res)
 
