@@ -330,12 +330,15 @@ def planned_with(bucket_ends: Any) -> Iterator[None]:
         megabuf.engine.plan_model = original  # type: ignore[assignment]
 
 
-def zero3_case(flags: dict[str, Any], micro: int, clip: float = 1.0) -> dict[str, Any]:
+def zero3_case(
+    flags: dict[str, Any], micro: int, clip: float = 1.0, bf16: bool = False
+) -> dict[str, Any]:
     """ZeRO-3: N AdamW steps with the re-plan at step WARMUP == N steps on a model built on
     that plan from the start, bitwise; the ledger right after the re-plan == that model's after
     construction (old shards and gathered params freed); the same plan on every rank from
-    asymmetric injected timings. `clip`: the grad-norm clip (0: none)."""
-    base = build_model(MODEL, seed=0)
+    asymmetric injected timings. `clip`: the grad-norm clip (0: none); `bf16`: bf16 params
+    stepped through fp32 main params."""
+    base = build_model(MODEL, seed=0, dtype=torch.bfloat16 if bf16 else torch.float32)
     cfg = megabuf.DistributedDataParallelConfig(
         overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=WARMUP,
         **ZERO3, **flags,
@@ -344,7 +347,7 @@ def zero3_case(flags: dict[str, Any], micro: int, clip: float = 1.0) -> dict[str
     n = len(auto.engine.param_to_name)
     auto.engine.auto.measure = lambda dtype: fake_measurement(n, dist.get_rank())  # type: ignore[union-attr]
     default_plan = auto.engine.plan
-    opt_cfg = megabuf.OptimizerConfig(optimizer="adamw", lr=1e-2, clip_grad=clip)
+    opt_cfg = megabuf.OptimizerConfig(optimizer="adamw", lr=1e-2, clip_grad=clip, bf16=bf16)
     opt = megabuf.build_optimizer(auto, opt_cfg)
     ledger: dict[str, int] = {}
     old_alive = -1

@@ -40,6 +40,7 @@ CASES: dict[str, tuple[Any, ...]] = {
         {"verify_param_access": True, "grad_reduce_in_fp32": True},
         1,
     ),
+    "zero3_bf16_fp32_main": (zero3_case, {"grad_reduce_in_fp32": True}, 2, 1.0, True),
     "zero3_offload_refused": (zero3_offload_refused_case,),
     "measured": (measured_case,),
     "zero3_measured": (measured_case, ZERO3),
@@ -118,7 +119,12 @@ def test_a_checkpoint_saved_after_the_replan_loads_into_a_model_that_never_repla
         assert res["continued"] <= 1e-6, f"rank {rank}: {res}"
 
 
-ZERO3_DP2 = ("zero3_units", "zero3_accum_no_prefetch", "zero3_poisoned_fp32_accum")
+ZERO3_DP2 = (
+    "zero3_units",
+    "zero3_accum_no_prefetch",
+    "zero3_poisoned_fp32_accum",
+    "zero3_bf16_fp32_main",
+)
 
 
 @pytest.fixture(scope="module")
