@@ -132,7 +132,8 @@ def zero3_dp4(pools: Any) -> list[dict[str, Any]]:
     cases = {
         "zero3_dp4": (zero3_case, {"shard_units": ("_Block",)}, 2),
         # hybrid (2 replicas x 2-way shards): bitwise without clipping; with it the norm's
-        # per-shard sums follow the plan's shards, so any two plans round apart (not the re-plan)
+        # per-shard sums follow the plan's shards and two plans round it apart here (ZeRO-2
+        # too), before the re-plan as after it
         "zero3_dp4_hybrid": (zero3_case, {"num_distributed_optimizer_instances": 2}, 1, 0.0),
     }
     return pools(4).run(run_each, cases)  # type: ignore[no-any-return]
