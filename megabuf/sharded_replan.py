@@ -8,16 +8,18 @@ and their state. The buffers cannot change in place (as the unsharded path does,
 bucket re-plan] in autobucket.py); the re-plan is a model-space round trip instead, the one a
 checkpoint makes when it loads at another dp size ([Note: model-space optimizer state]):
 1. Capture: the megabuf optimizer attached to the model (it registers itself here, by weak
-   reference, when it is built) gathers every rank's model-space pieces (fp32 main values and
-   optimizer state per param range) over dp; replicas' copies are dropped, so every rank holds
-   the whole state for the params it steps. A one-time peak of the full optimizer state.
+   reference, when it is built) copies its own model-space pieces (fp32 main values and
+   optimizer state per param range) to the host.
 2. Rebuild: every param gather in flight is finished (the params are whole and current), the
    old groups' grad shards leave the memory ledger, and `assemble` allocates the buffers of the
    new plan: params are copied into the new param buffer, `param.data` and `main_grad` re-linked,
    grad shards allocated (zero, as every grad is at a step boundary); the engine rewires
    everything built on the bucket groups as the unsharded re-plan does.
-3. Restore: the optimizer builds its main params on the new buffers' shards and loads the
-   captured state, exactly (fp32 values are copied, never recomputed).
+3. Restore: the optimizer builds its main params on the new buffers' shards; every dp rank's
+   pieces are broadcast in turn and each rank keeps only their overlap with the ranges it now
+   steps (`exchanged_state`), then loads them, exactly (fp32 values are copied, never
+   recomputed). A rank's host holds its old pieces, one rank's in transit and its new ranges'
+   state: never the whole optimizer state, which at scale would not fit.
 It runs where the unsharded re-plan runs (`Engine.zero_grad_buffer`), so the optimizer's
 `zero_grad()` and a direct `model.zero_grad_buffer()` do the same. A model with no megabuf
 optimizer (none built yet) only rebuilds; under these strategies no other optimizer can step the
