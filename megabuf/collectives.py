@@ -30,11 +30,7 @@ from megabuf.comm_records import (
     nbytes_of,
     sum_chunks,
 )
-from megabuf.strategy import (
-    STRATEGIES,
-    CollectiveStrategy,
-    choose_strategy,
-)
+from megabuf.strategy import STRATEGIES, CollectiveStrategy, choose_strategy
 
 Group = ProcessGroup | None
 
@@ -125,16 +121,9 @@ class Collectives:
         return self._pending("all_reduce", work, tensor, None, divide)
 
     def reduce_scatter(
-        self,
-        output: Tensor,
-        input: Tensor,
-        group: Group,
-        *,
-        average: bool = False,
-        async_op: bool = True,
-        scratch: Tensor | None = None,
-        scale: float = 1.0,
-    ) -> PendingCollective:
+        self, output: Tensor, input: Tensor, group: Group, *, average: bool = False,
+        async_op: bool = True, scratch: Tensor | None = None, scale: float = 1.0,
+    ) -> PendingCollective:  # fmt: skip
         """output (this rank's 1/size chunk of `input`) = scale * sum over ranks of that chunk.
 
         `scratch` (same shape as input) is required by the all-to-all strategy; callers keep it
@@ -243,16 +232,10 @@ class Collectives:
         return [self.all_reduce(t, group, average=average, async_op=async_op) for t in runs]
 
     def reduce_scatter_many(
-        self,
-        outputs: Sequence[Tensor],
-        inputs: Sequence[Tensor],
-        group: Group,
-        *,
-        average: bool = False,
-        async_op: bool = True,
-        scratches: Sequence[Tensor | None],
+        self, outputs: Sequence[Tensor], inputs: Sequence[Tensor], group: Group, *,
+        average: bool = False, async_op: bool = True, scratches: Sequence[Tensor | None],
         scales: Sequence[float],
-    ) -> list[PendingCollective]:
+    ) -> list[PendingCollective]:  # fmt: skip
         """`reduce_scatter` of every (output, input) pair: batched if the strategy coalesces
         native reduce-scatters, never merged ([Note: one collective per bucket group])."""
         args = list(zip(outputs, inputs, scratches, scales, strict=True))
@@ -430,6 +413,18 @@ class Collectives:
         out: list[Any] = [None] * size
         dist.all_gather_object(out, obj, group=group)
         return out
+
+    def broadcast_object(self, obj: Any, src_group_rank: int, group: Group) -> Any:
+        """Group rank `src_group_rank`'s `obj`, on every rank (pickled; one-time transfers: each
+        rank receives the source's bytes only, where `all_gather_object` pads to the largest)."""
+        src = self.global_rank(group, src_group_rank)
+        sent = len(pickle.dumps(obj)) if dist.get_rank() == src else 0
+        self._record(
+            group, "broadcast_object", input_nbytes=sent, output_nbytes=0, ring_nbytes=sent
+        )
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
 
     @staticmethod
     def _pending(

@@ -9,9 +9,8 @@ shards and their state. The buffers cannot change in place (as the unsharded pat
 auto bucket re-plan] in autobucket.py); the re-plan is a model-space round trip instead, the one
 a checkpoint makes when it loads at another dp size ([Note: model-space optimizer state]):
 1. Capture: the megabuf optimizer attached to the model (it registers itself here, by weak
-   reference, when it is built) gathers every rank's model-space pieces (fp32 main values and
-   optimizer state per param range) over dp; replicas' copies are dropped, so every rank holds
-   the whole state for the params it steps. A one-time peak of the full optimizer state.
+   reference, when it is built) copies its own model-space pieces (fp32 main values and
+   optimizer state per param range) to the host.
 2. Rebuild: the params are made whole and current by the engine's param side
    (`whole_for_replan`): every param gather in flight is finished; under ZeRO-3, where only the
    shards persist between forwards, every shard unit is gathered (collective) and its hooks are
@@ -25,8 +24,11 @@ a checkpoint makes when it loads at another dp size ([Note: model-space optimize
    the whole params, these released, the unit hooks installed, peaks reset), so the ledger then
    holds what a model built on the new plan holds. The transient peak is the whole model's
    params twice (the old gathered and the new full storages) plus both sets of shards.
-3. Restore: the optimizer builds its main params on the new buffers' shards and loads the
-   captured state, exactly (fp32 values are copied, never recomputed); under ZeRO-3 the new
+3. Restore: the optimizer builds its main params on the new buffers' shards; every dp rank's
+   pieces are broadcast in turn and each rank keeps only their overlap with the ranges it now
+   steps (`exchanged_state`), then loads them, exactly (fp32 values are copied, never
+   recomputed). A rank's host holds its old pieces, one rank's in transit and its new ranges'
+   state: never the whole optimizer state, which at scale would not fit. Under ZeRO-3 the new
    shards already hold the rounded values of those main params, copied through the gather.
 It runs where the unsharded re-plan runs (`Engine.zero_grad_buffer`), so the optimizer's
 `zero_grad()` and a direct `model.zero_grad_buffer()` do the same. A model with no megabuf

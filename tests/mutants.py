@@ -493,6 +493,14 @@ MUTANTS = (
         ("tests/test_weights_publish.py",),
     ),
     Mutant(
+        "replan-exchange-keeps-whole-pieces",
+        "a sharded re-plan keeps only the old state overlapping the ranges a rank steps now",
+        "megabuf/optimizer/model_space.py",
+        'kept[(piece["key"], lo, hi)] = trimmed(piece, lo, hi)',
+        'kept[(piece["key"], lo, hi)] = piece',
+        ("tests/test_optimizer_units.py", "tests/test_autobucket.py"),
+    ),
+    Mutant(
         "changed-only-trusts-dp-rank-0",
         "changed-only publish sends every bucket whose slice changed on any trainer",
         "megabuf/weights/transfer.py",

@@ -28,7 +28,12 @@ from torch.distributed import ProcessGroup
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.main_params import MainParam, sharded_main_params
-from megabuf.optimizer.model_space import gathered_state, load_model_space_state
+from megabuf.optimizer.model_space import (
+    common_state,
+    exchanged_state,
+    load_model_space_state,
+    own_pieces_on_host,
+)
 from megabuf.optimizer.muon import check_owners_agree
 from megabuf.optimizer.offload import CPUOffload
 from megabuf.optimizer.param_groups import grad_buffers
@@ -62,10 +67,12 @@ class DistributedOptimizer(MegabufOptimizer):
                 "optimizer has cpu_offload (its host copies follow the old shards); give an int "
                 "bucket_size"
             )
-        state = gathered_state(self.parts(), self.collectives, self.process_groups.dp)
+        mine, common = own_pieces_on_host(self.parts()), common_state(self.parts())
         rebuild()
         self.domains = self._build_domains()
         self.defaults = dict(self.domains[0].optimizer.defaults) if self.domains else {}
+        dp = self.process_groups.dp
+        state = exchanged_state(self.parts(), mine, common, self.collectives, dp)
         load_model_space_state(self.parts(), state)
         self._versions = ModelParamVersions(self.main_params)
         self._versions.record()

@@ -217,20 +217,53 @@ def check_keys(parts: OptimizerParts, by_key: dict[str, list[dict[str, Any]]]) -
         )
 
 
-def gathered_state(parts: OptimizerParts, collectives: Collectives, group: Group) -> dict[str, Any]:
-    """Every dp rank's pieces of the params this rank steps, as `load_model_space_state` takes
-    them: step 1 of [Note: sharded auto bucket re-plan] in megabuf/sharded_replan.py. Replicas'
-    copies of a piece are kept once; pieces of params this rank does not hold (other ep ranks'
-    experts) are dropped. Collective over `group`."""
-    mine = [{**p, "state": _to_cpu(p["state"])} for p in owned_pieces(parts)]
-    known = set(parts.keys.values())
-    pieces: dict[tuple[str, int, int], dict[str, Any]] = {}
-    everyone = collectives.all_gather_object(mine, group) if collectives.size(group) > 1 else [mine]
-    for rank_pieces in everyone:
-        for piece in rank_pieces:
-            if piece["key"] in known:
-                pieces.setdefault((piece["key"], piece["start"], piece["end"]), piece)
-    return {"common": common_state(parts), "pieces": list(pieces.values())}
+def own_pieces_on_host(parts: OptimizerParts) -> list[dict[str, Any]]:
+    """Step 1 of [Note: sharded auto bucket re-plan] in megabuf/sharded_replan.py: this rank's
+    pieces (fp32 main values and state of the ranges it steps), copied to the host."""
+    return [{**p, "state": _to_cpu(p["state"])} for p in owned_pieces(parts)]
+
+
+def exchanged_state(
+    parts: OptimizerParts,
+    mine: list[dict[str, Any]],
+    common: dict[str, Any],
+    collectives: Collectives,
+    group: Group,
+) -> dict[str, Any]:
+    """Step 3 of [Note: sharded auto bucket re-plan]: every dp rank's old pieces (`mine`, taken
+    before the rebuild) are broadcast one rank at a time, and each rank keeps only their overlap
+    with the ranges it steps now (`parts`, after the rebuild), as `load_model_space_state` takes
+    them. A rank's host holds its old pieces, one rank's in transit and the state of its new
+    ranges, never the whole optimizer state. Replicas' copies are kept once. Collective over
+    `group`."""
+    wanted: dict[str, list[tuple[int, int]]] = {}
+    for mp in parts.main_params:
+        wanted.setdefault(mp.key, []).append((mp.param_start, mp.param_end))
+    kept: dict[tuple[str, int, int], dict[str, Any]] = {}
+    size, me = collectives.size(group), collectives.rank(group)
+    for src in range(size):
+        theirs = mine if size == 1 else collectives.broadcast_object(
+            mine if src == me else None, src, group
+        )  # fmt: skip
+        for piece in theirs:
+            for start, end in wanted.get(piece["key"], []):
+                lo, hi = max(piece["start"], start), min(piece["end"], end)
+                if lo < hi and (piece["key"], lo, hi) not in kept:
+                    kept[(piece["key"], lo, hi)] = trimmed(piece, lo, hi)
+    return {"common": common, "pieces": list(kept.values())}
+
+
+def trimmed(piece: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
+    """`piece` cut to flat elements [lo, hi) of its param (elementwise entries sliced and
+    copied; scalars kept)."""
+    width, offset = piece["end"] - piece["start"], lo - piece["start"]
+    state = {
+        name: value[offset : offset + hi - lo].clone()
+        if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == width
+        else value
+        for name, value in piece["state"].items()
+    }
+    return {**piece, "start": lo, "end": hi, "state": state}
 
 
 def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:
