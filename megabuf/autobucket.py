@@ -22,9 +22,12 @@ With `bucket_size = "auto"` the engine starts on the default plan and an `AutoBu
 - Re-plan: once, in `zero_grad_buffer()` after the `auto_bucket_warmup_steps`-th grad sync (every
   rank syncs the same number of times, so every rank re-plans at the same call), or at the first one
   after that outside `no_sync()` (whose exit would reset the replaced grad sync's flag). Under
-  "optim" and "optim_grads" the buffers are padded and sharded, so the re-plan allocates new ones
-  and the optimizer carries its state across in model space ([Note: sharded auto bucket re-plan] in
-  sharded_replan.py); "optim_grads_params" is refused by config.py. On the unsharded path the buffer
+  "optim", "optim_grads" and "optim_grads_params" the buffers are padded and sharded, so the
+  re-plan allocates new ones and the optimizer carries its state across in model space ([Note:
+  sharded auto bucket re-plan] in sharded_replan.py). Under "optim_grads_params" a shard unit's
+  bucket group is reduced once all of the unit's grads are in, so the planner counts each param
+  ready when its unit's last grad is and cuts at unit ends (`placed`); within a unit it then
+  only weighs the per-collective latency. On the unsharded path the buffer
   layout has no padding, so every param keeps its offset, `param.data`, `param.main_grad`, `.grad`
   links and anything an optimizer or the user holds stay valid; what changes is the buckets (new
   views of the same grad storage, zeroed) and everything built on them, rebuilt by the engine
@@ -57,6 +60,7 @@ as such).
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 import weakref
@@ -79,7 +83,8 @@ from megabuf.bucket_planner import (
 )
 from megabuf.collectives import Collectives, Group
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.plan import Plan, build_plan
+from megabuf.layout import placement_order
+from megabuf.plan import BufferPlan, Plan, build_plan
 from megabuf.replicas import param_specs
 from megabuf.timeline import Event, Timeline
 
@@ -171,12 +176,12 @@ def current_choices(
     """`plan`'s own boundaries as choices, with the model's exposed time of each buffer."""
     out = []
     for buf in plan.buffers:
-        order = list(reversed(buf.param_ids))  # placement order, [Note: buffer layout]
+        order, ready, _ = placed(plan, buf, measurement)
         buckets = sorted(buf.layout.buckets, key=lambda b: b.start)
         counts = tuple(len(b.param_ids) for b in buckets)
         exposed = predict_exposed(
-            counts, [numels[i] for i in order], [measurement.ready_s[i] for i in order], 0.0,
-            measurement.model, element_size=buf.grad_dtype.itemsize,
+            counts, [numels[i] for i in order], ready, 0.0, measurement.model,
+            element_size=buf.grad_dtype.itemsize,
         )  # fmt: skip
         out.append(BucketChoice(counts, tuple(b.numel for b in buckets), exposed))
     return tuple(out)
@@ -208,20 +213,41 @@ def _timed_all_reduce(collectives: Collectives, tensor: torch.Tensor, group: Gro
 def choose_buckets(
     plan: Plan, numels: Sequence[int], own_bucket: Sequence[bool], measurement: Measurement
 ) -> tuple[BucketChoice, ...]:
-    """One choice per planned buffer (unsharded, no units): params in buffer order (reverse
-    registration), a param with a bucket of its own cut on both sides."""
+    """One choice per planned buffer: params in buffer order, a param with a bucket of its own
+    cut on both sides, a shard unit's last param cut after (ZeRO-3)."""
     choices = []
     for buf in plan.buffers:
-        order = list(reversed(buf.param_ids))  # placement order, [Note: buffer layout]
+        order, ready, unit_ends = placed(plan, buf, measurement)
         own = [own_bucket[i] for i in order]
-        cuts = [own[p] or (p + 1 < len(order) and own[p + 1]) for p in range(len(order))]
+        cuts = [
+            own[p] or unit_ends[p] or (p + 1 < len(order) and own[p + 1]) for p in range(len(order))
+        ]
         choices.append(
             plan_buckets(
-                [numels[i] for i in order], [measurement.ready_s[i] for i in order], 0.0,
-                measurement.model, element_size=buf.grad_dtype.itemsize, breaks_after=cuts,
+                [numels[i] for i in order], ready, 0.0, measurement.model,
+                element_size=buf.grad_dtype.itemsize, breaks_after=cuts,
             )
         )  # fmt: skip
     return tuple(choices)
+
+
+def placed(
+    plan: Plan, buf: BufferPlan, measurement: Measurement
+) -> tuple[list[int], list[float], list[bool]]:
+    """`buf`'s spec ids in placement order, the order `bucket_ends` counts in ([Note: buffer
+    layout]), their ready times and whether a shard unit ends after each. Under ZeRO-3 a unit's
+    bucket group is reduced once every grad of the unit is in ([Note: unit-aligned plan]), so
+    each param counts as ready when its unit's last grad is."""
+    units = plan.unit_of_spec
+    unit_ids = None if units is None else [units[i] for i in buf.param_ids]
+    order = [buf.param_ids[p] for p in placement_order(len(buf.param_ids), unit_ids)]
+    if units is None:
+        return order, [measurement.ready_s[i] for i in order], [False] * len(order)
+    unit_ready: dict[int, float] = {}
+    for i in order:
+        unit_ready[units[i]] = max(unit_ready.get(units[i], -math.inf), measurement.ready_s[i])
+    ends = [p + 1 == len(order) or units[order[p + 1]] != units[i] for p, i in enumerate(order)]
+    return order, [unit_ready[units[i]] for i in order], ends
 
 
 def ends_of(choice: BucketChoice) -> tuple[int, ...]:
@@ -330,7 +356,7 @@ class AutoBucket:
             self.choices = current
         new_plan = build_plan(
             specs, self.config, dp_size=dp_size, expt_dp_size=expt_dp_size,
-            expert_shares_dp_group=expert_shares_dp_group,
+            expert_shares_dp_group=expert_shares_dp_group, unit_of_param=plan.unit_of_spec,
             bucket_ends=[ends_of(c) for c in self.choices],
         )  # fmt: skip
         self.summary = describe(self.choices, agreed, self.kept)

@@ -127,9 +127,9 @@ class DistributedDataParallelConfig:
     measure `auto_bucket_warmup_steps` steps, then re-plan the bucket boundaries once, so the
     predicted communication left after backward is least ([Note: auto bucket plan] in
     megabuf/bucket_planner.py, [Note: auto bucket re-plan] in megabuf/autobucket.py; under
-    "optim" / "optim_grads" the optimizer state moves to new buffers: [Note: sharded auto bucket
-    re-plan] in megabuf/sharded_replan.py). Needs `overlap_grad_reduce`, a strategy other than
-    "optim_grads_params", and no `comm_hook` or `deterministic_reduction`."""
+    a sharded strategy the params and the optimizer state move to new buffers: [Note: sharded
+    auto bucket re-plan] in megabuf/sharded_replan.py). Needs `overlap_grad_reduce`, and no
+    `comm_hook` or `deterministic_reduction`."""
 
     auto_bucket_warmup_steps: int = 3
     """With `bucket_size = "auto"`: the number of steps run on the default buckets before the
@@ -243,10 +243,6 @@ class DistributedDataParallelConfig:
         refusals = [
             (not self.overlap_grad_reduce, "overlap_grad_reduce=False (nothing to overlap: "
              "set overlap_grad_reduce=True, or leave bucket_size=None)"),
-            (self.sharding.shards_params, f"data_parallel_sharding_strategy="
-             f"{self.sharding.name!r} (its shard units gather and release the params per "
-             "bucket; a re-plan is not supported there: give an int bucket_size, e.g. the one "
-             "an 'optim_grads' run's auto plan logged)"),
             (self.comm_hook is not None, "comm_hook (hook state follows the bucket boundaries: "
              "give an int bucket_size)"),
             (self.deterministic_reduction, "deterministic_reduction=True (its fixed-order hook "

@@ -57,7 +57,7 @@ from megabuf.plan import Plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.replicas import ParamStructure, check_devices, check_replicas_match, is_expert_parallel
 from megabuf.residency import Residency
-from megabuf.sharded_replan import ReplanListeners, release_old_groups
+from megabuf.sharded_replan import ReplanListeners, release_old_groups, retire_old_params
 from megabuf.sharding.ledger import MemoryLedger
 
 logger = logging.getLogger(__name__)
@@ -126,17 +126,22 @@ class Engine:
         )  # fmt: skip
         self._module_buffers = list(self.module.buffers())  # what forward broadcasts
         self._wire(built)
-        groups, gather = self.all_bucket_groups, self.gather_hooks
         if init_sync:
             self.broadcast_params()
         if cfg.sharding.shards_params:
-            runtime = ParamUnits.build(  # shards filled, full params released
-                units, self.plan, groups, self.param_to_name, cfg, self.memory_ledger, self.rank
-            )
-            runtime.runtime.entry_guard = self.residency.check
-            self.param_side = UnitParams(groups, gather, cfg, runtime)
+            self._shard_params(units)
         for buf in self.buffers:
             logger.debug("megabuf: %s", buf.describe())
+
+    def _shard_params(self, units: list[tuple[str, nn.Module]]) -> None:
+        """optim_grads_params: fill the shards from the whole params, release these, install the
+        unit hooks; after the initial broadcast, and again at the auto bucket re-plan."""
+        cfg, groups = self.config, self.all_bucket_groups
+        built = ParamUnits.build(
+            units, self.plan, groups, self.param_to_name, cfg, self.memory_ledger, self.rank
+        )
+        built.runtime.entry_guard = self.residency.check
+        self.param_side = UnitParams(groups, self.gather_hooks, cfg, built)
 
     def _wire(self, built: Assembly) -> None:
         """Everything built on the bucket groups: at construction, and again at the auto bucket
@@ -213,13 +218,18 @@ class Engine:
         self.gather_hooks.disable()
         parts = (self.config, self.process_groups, self.collectives, self.memory_ledger,
                  self.param_to_name)  # fmt: skip
+        units: list[tuple[str, nn.Module]] = []
         if sharded:  # new buffers, params copied in ([Note: sharded auto bucket re-plan])
-            release_old_groups(self.all_bucket_groups, self.config, self.memory_ledger, self.rank)
-            built = assemble(plan, self._params, *parts)
+            old = self.all_bucket_groups
+            units = release_old_groups(old, self.param_side, self.memory_ledger, self.rank)
+            built = assemble(plan, self._params, *parts, [name for name, _ in units] or ("",))
+            retire_old_params(old)
         else:  # the same buffers, other boundaries
             built = rebucket(plan, self.buffers, *parts)
         self.plan = plan
         self._wire(built)
+        if units:  # optim_grads_params: the new groups sharded, the unit hooks on them
+            self._shard_params(units)
         if timeline is not None:
             self.sync.enable_timeline(timeline)
 

@@ -164,7 +164,7 @@ def compute_layout(
         buckets.append(BucketSlot(len(buckets), bucket_start, end, payload, tuple(members)))
         bucket_start, cursor, members, payload = end, end, [], 0
 
-    for position, pid in enumerate(_placement_order(len(numels), unit_ids), start=1):
+    for position, pid in enumerate(placement_order(len(numels), unit_ids), start=1):
         new_unit = unit_ids is not None and members and unit_ids[pid] != unit_ids[members[0]]
         if members and (own[pid] or new_unit):
             close_bucket()  # a param with its own bucket, or of another unit, starts a fresh one
@@ -221,7 +221,7 @@ def _check_bucket_ends(
     return frozenset(ends)
 
 
-def _placement_order(n_params: int, unit_ids: Sequence[int] | None) -> list[int]:
+def placement_order(n_params: int, unit_ids: Sequence[int] | None) -> list[int]:
     """Param ids in buffer order: reverse registration order, each unit's params kept together
     (a unit is placed where its last-registered param would be); see [Note: buffer layout]."""
     if unit_ids is None:

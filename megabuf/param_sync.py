@@ -100,6 +100,13 @@ class GatheredParams:
         self.publish()
         return module.state_dict(*args, **kwargs)
 
+    def whole_for_replan(self) -> list[tuple[str, nn.Module]]:
+        """Before a sharded bucket re-plan copies the params into new buffers: make them whole
+        and current (wait for the gathers in flight) and return the shard units to build again
+        on the new groups: none here ([Note: sharded auto bucket re-plan])."""
+        self.publish()
+        return []
+
     def reset(self) -> None:
         """After an exception mid-iteration: wait out the gathers in flight."""
         for group in self.groups:
@@ -142,6 +149,15 @@ class UnitParams(GatheredParams):
                 "only (destination=, prefix=)"
             )
         return self.units.state_dict(module, **kwargs)
+
+    def whole_for_replan(self) -> list[tuple[str, nn.Module]]:
+        """Every unit gathered (collective), its hooks removed: the old groups' params stay
+        whole until the re-plan retires them; (name, module) per unit, the root first."""
+        runtime = self.units.runtime
+        runtime.release_all()
+        runtime.gather_all()
+        runtime.remove()
+        return [(unit.name, unit.module) for unit in runtime.units]
 
     def reset(self) -> None:
         super().reset()

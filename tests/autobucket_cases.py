@@ -5,8 +5,12 @@ deliberately asymmetric input; one case runs on the real measured warm-up."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import os
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -14,11 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 import megabuf
+import megabuf.engine
 from megabuf.autobucket import Measurement, agree, choose_buckets, current_choices, ends_of
 from megabuf.bucket_planner import CollectiveModel, worth_changing
 from megabuf.comm_hooks import build as build_hook
 from megabuf.overlap import analyze
 from megabuf.replicas import param_specs
+from megabuf.sharding.walk import storage_walk
 from megabuf.testing.models import build_model, loss_fn, make_batch
 
 MODEL = "gpt_tiny"
@@ -171,16 +177,17 @@ def _named(model: Any) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for p, name in model.engine.param_to_name.items()]
 
 
-def measured_case() -> dict[str, Any]:
+def measured_case(flags: dict[str, Any] | None = None) -> dict[str, Any]:
     """The real warm-up (rank-local timings differ): the re-plan happens, every rank ends with
     the same plan, and the overlap report's timeline survives it."""
     base = build_model(MODEL, seed=0)
+    flags = flags or {}
     cfg = megabuf.DistributedDataParallelConfig(
-        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2
+        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2, **flags
     )
     model = megabuf.DistributedDataParallel(copy.deepcopy(base), cfg)
     timeline = model.enable_timeline()
-    opt = _optimizer("torch", model)
+    opt = _optimizer("megabuf" if flags else "torch", model)
     for step in range(4):
         _step(model, opt, step, 1)
     everyone = [None] * dist.get_world_size()
@@ -255,8 +262,9 @@ def checkpoint_case(root: str, flags: dict[str, Any] | None = None) -> dict[str,
 
 
 def _max_diff(a: Any, b: Any) -> float:
+    """Read through `state_dict()`: it waits for param gathers (and gathers ZeRO-3 units)."""
     return max(
-        (x - y).abs().max().item() for x, y in zip(a.module.parameters(), b.module.parameters())
+        (x - y).abs().max().item() for x, y in zip(a.state_dict().values(), b.state_dict().values())
     )
 
 
@@ -304,3 +312,107 @@ def no_sync_deferral_case() -> dict[str, Any]:
     same = all(torch.equal(a, b) for a, b in zip(everyone[0], everyone[1]))
     return {"inside": inside, "after": after, "require": model.require_backward_grad_sync,
             "same_grads": same}  # fmt: skip
+
+
+# ---- optim_grads_params (ZeRO-3): [Note: sharded auto bucket re-plan] ---------------------------
+ZERO3: dict[str, Any] = {"data_parallel_sharding_strategy": "optim_grads_params"}
+
+
+@contextlib.contextmanager
+def planned_with(bucket_ends: Any) -> Iterator[None]:
+    """DistributedDataParallel built inside plans with these boundaries from the start: a fresh
+    model on the re-planned plan that never ran the re-plan's code."""
+    original = megabuf.engine.plan_model
+    megabuf.engine.plan_model = lambda *a, **k: original(*a, **{**k, "bucket_ends": bucket_ends})  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        megabuf.engine.plan_model = original  # type: ignore[assignment]
+
+
+def zero3_case(
+    flags: dict[str, Any], micro: int, clip: float = 1.0, bf16: bool = False
+) -> dict[str, Any]:
+    """ZeRO-3: N AdamW steps with the re-plan at step WARMUP == N steps on a model built on
+    that plan from the start, bitwise; the ledger right after the re-plan == that model's after
+    construction (old shards and gathered params freed); the same plan on every rank from
+    asymmetric injected timings. `clip`: the grad-norm clip (0: none); `bf16`: bf16 params
+    stepped through fp32 main params."""
+    base = build_model(MODEL, seed=0, dtype=torch.bfloat16 if bf16 else torch.float32)
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=WARMUP,
+        **ZERO3, **flags,
+    )  # fmt: skip
+    auto = megabuf.DistributedDataParallel(copy.deepcopy(base), cfg)
+    n = len(auto.engine.param_to_name)
+    auto.engine.auto.measure = lambda dtype: fake_measurement(n, dist.get_rank())  # type: ignore[union-attr]
+    default_plan = auto.engine.plan
+    opt_cfg = megabuf.OptimizerConfig(optimizer="adamw", lr=1e-2, clip_grad=clip, bf16=bf16)
+    opt = megabuf.build_optimizer(auto, opt_cfg)
+    ledger: dict[str, int] = {}
+    old_alive = -1
+    for step in range(STEPS):
+        if step == WARMUP:
+            old = [weakref.ref(g) for g in auto.engine.all_bucket_groups]
+            auto.zero_grad_buffer()  # the re-plan (the step's own call then only zeroes)
+            ledger = _nonzero(auto.engine.memory_ledger.current())
+            gc.collect()
+            old_alive = sum(ref() is not None for ref in old)
+        _step(auto, opt, step, micro)
+    plan = auto.engine.plan
+    agreed = agree(fake_measurement(n, dist.get_rank()), auto.engine.collectives,
+                   megabuf.ProcessGroups.default().dp, torch.device("cpu"))  # fmt: skip
+    specs = param_specs(_named(auto))
+    expected = choose_buckets(plan, [s.numel for s in specs], [s.own_bucket for s in specs], agreed)
+    fixed_cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True, **ZERO3, **flags)
+    with planned_with(plan.bucket_ends):
+        fixed = megabuf.DistributedDataParallel(copy.deepcopy(base), fixed_cfg)
+    opt2 = megabuf.build_optimizer(fixed, opt_cfg)
+    fresh_ledger = _nonzero(fixed.engine.memory_ledger.current())
+    for step in range(STEPS):
+        _step(fixed, opt2, step, micro)
+    return {
+        "max_diff": _max_diff(auto, fixed),
+        "moved": max(
+            (a - b).abs().max().item()
+            for a, b in zip(auto.state_dict().values(), base.state_dict().values())
+        ),
+        "same_plan": fixed.engine.plan == plan,
+        "changed": plan != default_plan,
+        "ends": plan.bucket_ends,
+        "expected_ends": tuple(ends_of(c) for c in expected),
+        "ledger": ledger,
+        "fresh_ledger": fresh_ledger,
+        "old_groups_alive": old_alive,
+        "walk": (storage_walk(auto, opt), storage_walk(fixed, opt2)),
+        "units": len(auto.engine.param_side.units.runtime.units),  # type: ignore[attr-defined]
+    }
+
+
+def _nonzero(ledger: Any) -> dict[str, int]:
+    return {k: v for k, v in ledger.items() if v}
+
+
+def zero3_offload_refused_case() -> dict[str, Any]:
+    """The optimizer's cpu_offload host copies follow the old shards: the re-plan raises on
+    every rank naming cpu_offload, before anything is rebuilt, and training goes on on the old
+    plan. CPU params make cpu_offload a no-op, so a stand-in marks the host copies CUDA params
+    would have ([Note: cpu offload])."""
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2, **ZERO3
+    )
+    model = megabuf.DistributedDataParallel(build_model(MODEL, seed=0), cfg)
+    opt = _optimizer("megabuf", model)
+    for step in range(2):
+        _step(model, opt, step, 1)
+    groups = model.engine.all_bucket_groups
+    opt._offload = object()  # the host copies of CUDA params
+    try:
+        model.zero_grad_buffer()
+        error = ""
+    except RuntimeError as err:
+        error = str(err)
+    opt._offload = None
+    _step(model, opt, 2, 1)
+    return {"error": error, "kept": model.engine.all_bucket_groups == groups,
+            "ends": model.engine.plan.bucket_ends}  # fmt: skip

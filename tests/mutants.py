@@ -496,8 +496,8 @@ MUTANTS = (
         "replan-exchange-keeps-whole-pieces",
         "a sharded re-plan keeps only the old state overlapping the ranges a rank steps now",
         "megabuf/optimizer/model_space.py",
-        "kept[(piece[\"key\"], lo, hi)] = trimmed(piece, lo, hi)",
-        "kept[(piece[\"key\"], lo, hi)] = piece",
+        'kept[(piece["key"], lo, hi)] = trimmed(piece, lo, hi)',
+        'kept[(piece["key"], lo, hi)] = piece',
         ("tests/test_optimizer_units.py", "tests/test_autobucket.py"),
     ),
     Mutant(
@@ -563,6 +563,22 @@ MUTANTS = (
         "megabuf/sharded_replan.py",
         "            ledger.free(GRAD_SHARD, group.sharded_grads.shard_nbytes)\n",
         "            pass\n",
+        ("tests/test_autobucket.py",),
+    ),
+    Mutant(
+        "auto-bucket-zero3-params-not-gathered",
+        "a ZeRO-3 auto re-plan gathers every shard unit before copying the params into new buffers",
+        "megabuf/param_sync.py",
+        "        runtime.gather_all()\n        runtime.remove()\n",
+        "        runtime.remove()\n",
+        ("tests/test_autobucket.py",),
+    ),
+    Mutant(
+        "auto-bucket-zero3-old-param-shards-ledgered",
+        "a ZeRO-3 auto re-plan takes the old groups' param shards off the memory ledger",
+        "megabuf/sharding/params.py",
+        "        self.ledger.free(PARAM_SHARD, sum(_nbytes(s) for s in self.shards))\n",
+        "",
         ("tests/test_autobucket.py",),
     ),
 )

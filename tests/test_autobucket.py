@@ -13,19 +13,37 @@ from autobucket_cases import (
     no_sync_deferral_case,
     replan_case,
     world_one_case,
+    zero3_case,
+    zero3_offload_refused_case,
 )
 from dist_pool import case_result, run_each
 from matrix_cases import pp_ep_case
 
 ZERO1 = {"data_parallel_sharding_strategy": "optim", "overlap_param_gather": True}
 ZERO2 = {"data_parallel_sharding_strategy": "optim_grads"}
+ZERO3 = {"data_parallel_sharding_strategy": "optim_grads_params"}
 CASES: dict[str, tuple[Any, ...]] = {
     "megabuf_opt": (replan_case, {}, "megabuf", 1),
     "torch_opt_fp32_accum": (replan_case, {"grad_reduce_in_fp32": True}, "torch", 2),
     # [Note: sharded auto bucket re-plan]: the optimizer's state carried across new buffers
     "zero1_overlap_gather": (replan_case, ZERO1, "megabuf", 1),
     "zero2_fp32_accum": (replan_case, {**ZERO2, "grad_reduce_in_fp32": True}, "megabuf", 2),
+    # ZeRO-3: the params gathered, rebuilt on the new plan, sharded again; asymmetric timings
+    "zero3_units": (zero3_case, {"shard_units": ("_Block",)}, 1),
+    "zero3_accum_no_prefetch": (
+        zero3_case,
+        {"prefetch_units": 0, "reshard_after_forward": False},
+        2,
+    ),
+    "zero3_poisoned_fp32_accum": (
+        zero3_case,
+        {"verify_param_access": True, "grad_reduce_in_fp32": True},
+        1,
+    ),
+    "zero3_bf16_fp32_main": (zero3_case, {"grad_reduce_in_fp32": True}, 2, 1.0, True),
+    "zero3_offload_refused": (zero3_offload_refused_case,),
     "measured": (measured_case,),
+    "zero3_measured": (measured_case, ZERO3),
     "hook_refused": (hook_refused_case,),
     "no_sync_deferral": (no_sync_deferral_case,),
 }
@@ -39,6 +57,7 @@ def results(pools: Any, tmp_path_factory: Any) -> list[dict[str, Any]]:
         **CASES,
         "checkpoint": (checkpoint_case, root),
         "checkpoint_zero2": (checkpoint_case, root, ZERO2),
+        "checkpoint_zero3": (checkpoint_case, root, ZERO3),
     }
     return pools(2).run(run_each, cases)  # type: ignore[no-any-return]
 
@@ -67,8 +86,9 @@ def test_every_rank_plans_from_the_agreed_max_even_with_asymmetric_timings(
         assert res["ends"] == res["expected_ends"], res
 
 
-def test_measured_warmup_replans_the_same_on_every_rank(results: Any) -> None:
-    for res in case_result(results, "measured"):
+@pytest.mark.parametrize("name", ["measured", "zero3_measured"])
+def test_measured_warmup_replans_the_same_on_every_rank(results: Any, name: str) -> None:
+    for res in case_result(results, name):
         assert res["replanned"] and res["same_plan"] and res["ends"] is not None, res
         assert res["groups_last_step"] == res["groups"], res  # the timeline follows new groups
         assert res["replanned_before_step"] == 2, res  # warm-up of 2 steps
@@ -86,7 +106,7 @@ def test_replan_with_a_comm_hook_registered_is_refused_by_name(results: Any) -> 
         assert res["dispatches"] == [1] * res["buckets"] and res["buckets"] > 1, res
 
 
-@pytest.mark.parametrize("name", ["checkpoint", "checkpoint_zero2"])
+@pytest.mark.parametrize("name", ["checkpoint", "checkpoint_zero2", "checkpoint_zero3"])
 def test_a_checkpoint_saved_after_the_replan_loads_into_a_model_that_never_replanned(
     results: Any, name: str
 ) -> None:
@@ -99,6 +119,70 @@ def test_a_checkpoint_saved_after_the_replan_loads_into_a_model_that_never_repla
         assert res["continued"] <= 1e-6, f"rank {rank}: {res}"
 
 
+ZERO3_DP2 = (
+    "zero3_units",
+    "zero3_accum_no_prefetch",
+    "zero3_poisoned_fp32_accum",
+    "zero3_bf16_fp32_main",
+)
+
+
+@pytest.fixture(scope="module")
+def zero3_dp4(pools: Any) -> list[dict[str, Any]]:
+    cases = {
+        "zero3_dp4": (zero3_case, {"shard_units": ("_Block",)}, 2),
+        # hybrid (2 replicas x 2-way shards): bitwise without clipping; with it the norm's
+        # per-shard sums follow the plan's shards and two plans round it apart here (ZeRO-2
+        # too), before the re-plan as after it
+        "zero3_dp4_hybrid": (zero3_case, {"num_distributed_optimizer_instances": 2}, 1, 0.0),
+    }
+    return pools(4).run(run_each, cases)  # type: ignore[no-any-return]
+
+
+def _zero3_result(results: Any, zero3_dp4: Any, name: str) -> list[dict[str, Any]]:
+    return case_result(zero3_dp4 if name.startswith("zero3_dp4") else results, name)
+
+
+@pytest.mark.parametrize("name", [*ZERO3_DP2, "zero3_dp4", "zero3_dp4_hybrid"])
+def test_zero3_replan_is_bitwise_invisible_and_agreed_with_asymmetric_timings(
+    results: Any, zero3_dp4: Any, name: str
+) -> None:
+    """[Note: sharded auto bucket re-plan] under optim_grads_params: N AdamW steps with the
+    re-plan at step k == N steps on a model built on that plan from the start, bitwise; every
+    rank (rank 0's injected timings wildly unlike the others') ends with the plan chosen from
+    the agreed MAX, one bucket per shard unit, not the default's."""
+    per_rank = _zero3_result(results, zero3_dp4, name)
+    for rank, res in enumerate(per_rank):
+        assert res["moved"] > 1e-3, "training did not move the params: the test proves nothing"
+        assert res["max_diff"] == 0.0, f"rank {rank}: re-plan at step k changed the params: {res}"
+        assert res["changed"] and res["same_plan"], (rank, res)
+        assert res["ends"] == res["expected_ends"] == per_rank[0]["ends"], (rank, res)
+        assert len(res["ends"][0]) == res["units"], (rank, res)  # the planner cut at unit ends
+
+
+@pytest.mark.parametrize("name", [*ZERO3_DP2, "zero3_dp4", "zero3_dp4_hybrid"])
+def test_zero3_ledger_after_the_replan_equals_a_fresh_model_on_that_plan(
+    results: Any, zero3_dp4: Any, name: str
+) -> None:
+    """Old param shards, gathered params and grad shards leave the ledger (no leak, nothing
+    freed twice): right after the re-plan it holds what a model built on the new plan holds,
+    the old bucket groups are garbage (nothing keeps their storage alive), and after training
+    the storage walk of both (model and optimizer) is the same."""
+    for rank, res in enumerate(_zero3_result(results, zero3_dp4, name)):
+        assert res["ledger"] == res["fresh_ledger"], (rank, res)
+        assert res["old_groups_alive"] == 0, (rank, res)
+        assert res["ledger"]["param_shard"] > 0 and res["ledger"]["grad_shard"] > 0, res
+        assert res["walk"][0] == res["walk"][1], (rank, res)
+
+
+def test_zero3_replan_with_cpu_offload_is_refused_by_name_and_training_goes_on(
+    results: Any,
+) -> None:
+    for res in case_result(results, "zero3_offload_refused"):
+        assert "cpu_offload" in res["error"] and "bucket_size" in res["error"], res
+        assert res["kept"] and res["ends"] is None, res  # nothing rebuilt: the old plan trains
+
+
 @pytest.fixture(scope="module")
 def pp_results(pools: Any) -> list[dict[str, Any]]:
     cases = {
@@ -108,7 +192,7 @@ def pp_results(pools: Any) -> list[dict[str, Any]]:
     return pools(4).run(run_each, cases)  # type: ignore[no-any-return]
 
 
-PP_CASES = (("no_shard", 1), ("no_shard", 2), ("optim_grads", 2))
+PP_CASES = (("no_shard", 1), ("no_shard", 2), ("optim_grads", 2), ("optim_grads_params", 2))
 
 
 @pytest.mark.parametrize(("strategy", "ep"), PP_CASES)
@@ -119,8 +203,8 @@ def test_pipeline_chunks_and_expert_buffers_replan_per_chunk_and_match_the_whole
     reduced over expert dp 1 at ep 2): each chunk re-plans after its 2 warm-up syncs from
     numbers agreed over its own dp group (both ranks of a stage end with the same plan,
     measured, not injected), and the 4 clipped SGD steps still give the whole model's norm and
-    params on every rank; under "optim_grads" on new buffers ([Note: sharded auto bucket
-    re-plan])."""
+    params on every rank; under "optim_grads" and "optim_grads_params" on new buffers ([Note:
+    sharded auto bucket re-plan])."""
     per_rank = case_result(pp_results, f"pp2_ep{ep}_{strategy}")
     for rank, res in enumerate(per_rank):
         assert res["replanned"] and res["ends"] is not None, (rank, res)

@@ -13,7 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import megabuf
-from megabuf.autobucket import Measurement, agree, exposed_time, ready_times
+from megabuf.autobucket import (
+    Measurement,
+    agree,
+    choose_buckets,
+    ends_of,
+    exposed_time,
+    placed,
+    ready_times,
+)
 from megabuf.bucket_planner import (
     MAX_SLOWDOWN,
     MIN_GAIN,
@@ -27,8 +35,12 @@ from megabuf.bucket_planner import (
     worth_changing,
 )
 from megabuf.layout import compute_layout
+from megabuf.model_plan import plan_model
 from megabuf.overlap import analyze
+from megabuf.plan import build_plan
+from megabuf.replicas import param_specs
 from megabuf.sharded_replan import ReplanListeners
+from megabuf.testing.models import build_model
 
 numels_st = st.lists(st.integers(1, 5000), min_size=1, max_size=12)
 
@@ -229,9 +241,6 @@ def test_calibrate_slows_the_probe_to_the_measured_exposed_time_and_never_speeds
     [
         ({"bucket_size": "big"}, "bucket_size"),
         ({"bucket_size": "auto"}, "overlap_grad_reduce"),
-        ({"bucket_size": "auto", "overlap_grad_reduce": True,
-          "data_parallel_sharding_strategy": "optim_grads_params"},
-         "data_parallel_sharding_strategy='optim_grads_params'"),
         ({"bucket_size": "auto", "overlap_grad_reduce": True, "deterministic_reduction": True},
          "deterministic_reduction"),
         ({"bucket_size": "auto", "overlap_grad_reduce": True, "comm_hook": {"name": "reduce"}},
@@ -248,7 +257,7 @@ def test_auto_bucket_config_refusals_name_the_field(flags: dict, words: str) -> 
 def test_auto_bucket_config_is_accepted_on_the_all_reduce_path() -> None:
     cfg = megabuf.DistributedDataParallelConfig(bucket_size="auto", overlap_grad_reduce=True)
     assert cfg.bucket_size == "auto" and cfg.auto_bucket_warmup_steps == 3
-    for strategy in ("optim", "optim_grads"):  # [Note: sharded auto bucket re-plan]
+    for strategy in ("optim", "optim_grads", "optim_grads_params"):  # [Note: sharded auto ...]
         sharded = megabuf.DistributedDataParallelConfig(
             bucket_size="auto", overlap_grad_reduce=True, data_parallel_sharding_strategy=strategy
         )
@@ -273,7 +282,6 @@ def test_overlap_report_says_before_which_step_the_buckets_were_replanned() -> N
 def test_inspect_shows_the_auto_start_plan_and_a_logged_re_plan() -> None:
     from megabuf.bucket_planner import parse_bucket_ends
     from megabuf.inspect import format_inspection, inspect_model
-    from megabuf.testing.models import build_model
 
     cfg = megabuf.DistributedDataParallelConfig(bucket_size="auto", overlap_grad_reduce=True)
     model = build_model("gpt_tiny")
@@ -323,3 +331,40 @@ def test_two_live_optimizers_on_one_model_refuse_the_sharded_replan_by_name() ->
     rebuilt: list[int] = []
     listeners.run(lambda: rebuilt.append(1))
     assert rebuilt == [1] and first.calls == 1
+
+
+def test_under_zero3_the_planner_counts_a_unit_ready_with_its_last_grad_and_cuts_at_unit_ends() -> (
+    None
+):
+    """[Note: auto bucket re-plan]: a unit's bucket group is reduced once all of its grads are
+    in, so every param of a unit gets the unit's latest ready time; the chosen ends cut at every
+    unit end and the plan built from them is unit-aligned (no bucket spans two units)."""
+
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, data_parallel_sharding_strategy="optim_grads_params"
+    )
+    planned = plan_model(
+        build_model("gpt_tiny"), cfg, dp_size=2, expt_dp_size=2, expert_shares_dp_group=True
+    )
+    plan, units = planned.plan, planned.plan.unit_of_spec
+    assert units is not None and len(set(units)) == 3
+    n = len(units)
+    measured = Measurement(
+        tuple(-0.01 * (i + 1) / n for i in range(n)), CollectiveModel(2e-5, 2e-9), 2
+    )
+    order, ready, unit_ends = placed(plan, plan.buffers[0], measured)
+    for i, t in zip(order, ready):
+        assert t == max(measured.ready_s[j] for j in range(n) if units[j] == units[i])
+    assert sum(unit_ends) == 3 and unit_ends[-1]
+    choices = choose_buckets(
+        plan, [s.numel for s in param_specs(planned.trainable)], [False] * n, measured
+    )
+    cut_at = set(ends_of(choices[0]))
+    assert {p + 1 for p, end in enumerate(unit_ends) if end} <= cut_at
+    new = build_plan(
+        param_specs(planned.trainable), cfg, dp_size=2, expt_dp_size=2,
+        expert_shares_dp_group=True, unit_of_param=units, bucket_ends=[ends_of(choices[0])],
+    )  # fmt: skip
+    for bucket in new.buffers[0].layout.buckets:
+        assert len({units[new.buffers[0].param_ids[p]] for p in bucket.param_ids}) == 1
+    assert len(new.groups) == 3 and new.unit_of_spec == units

@@ -161,6 +161,18 @@ class ShardedParams:
             self.ledger.free(UNSHARDED_PARAMS, self.full_nbytes)
         self.state = ParamShardState.SHARDED
 
+    def retire(self) -> None:
+        """A bucket re-plan replaced this group after copying its gathered params into the new
+        buffers ([Note: sharded auto bucket re-plan] in megabuf/sharded_replan.py): the full
+        params and the shard leave the ledger and give their memory back. Nothing may read
+        them afterwards."""
+        self._expect(ParamShardState.UNSHARDED)
+        self.ledger.free(POISONED_PARAMS if self.poison else UNSHARDED_PARAMS, self.full_nbytes)
+        self.ledger.free(PARAM_SHARD, sum(_nbytes(s) for s in self.shards))
+        for tensor in [*self.full, *self.shards]:
+            tensor.untyped_storage().resize_(0)
+        self.state = ParamShardState.SHARDED
+
     # ---- conveniences used by the runtime -------------------------------------------------------
     def ensure_gathered(self) -> None:
         """Gather if sharded, wait if gathering: the params are readable afterwards."""
