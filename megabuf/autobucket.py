@@ -54,7 +54,7 @@ extra bucket costs during backward (its dispatch, its share of the device or the
 boundaries with more buckets than the ones that ran replace them only if they are predicted to
 save at least MIN_GAIN (2 %) of the backward's length, ones with no more buckets if they are not
 predicted worse (`worth_changing`); otherwise the re-plan keeps the boundaries that ran (logged
-as such).
+as such) and the engine rebuilds nothing.
 """
 
 from __future__ import annotations
@@ -286,7 +286,8 @@ class AutoBucket:
         self.choices: tuple[BucketChoice, ...] = ()
         self.summary = ""  # the chosen plan, as logged (after the re-plan)
         self.replanned = False
-        self.kept = False  # the re-plan kept the plan that ran (too small a predicted gain)
+        self.kept = False  # the re-plan kept the plan that ran (too small a gain, or `keep`)
+        self._current: tuple[BucketChoice, ...] = ()  # the plan that ran, as choices
         self.syncs = 0  # grad syncs seen (the grad sync calls `on_backward_end`)
 
     def _hook(self, index: int):  # type: ignore[no-untyped-def]
@@ -351,6 +352,7 @@ class AutoBucket:
         self.choices = choose_buckets(plan, numels, [s.own_bucket for s in specs], agreed)
         current = current_choices(plan, numels, agreed)
         backward_s = -min(agreed.ready_s, default=0.0)
+        self._current = current
         self.kept = dp_size > 1 and not worth_changing(self.choices, current, backward_s)
         if self.kept:
             self.choices = current
@@ -362,6 +364,12 @@ class AutoBucket:
         self.summary = describe(self.choices, agreed, self.kept)
         logger.info("megabuf: %s", self.summary)
         return new_plan
+
+    def keep(self, reason: str) -> None:
+        """After `replan`: the engine keeps the plan that ran after all (logged with `reason`)."""
+        self.kept, self.choices = True, self._current
+        self.summary = f"kept the boundaries that ran: {reason}"
+        logger.warning("megabuf: bucket_size=auto %s", self.summary)
 
 
 def _remove_all(handles: list[RemovableHandle]) -> None:

@@ -57,7 +57,12 @@ from megabuf.plan import Plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.replicas import ParamStructure, check_devices, check_replicas_match, is_expert_parallel
 from megabuf.residency import Residency
-from megabuf.sharded_replan import ReplanListeners, release_old_groups, retire_old_params
+from megabuf.sharded_replan import (
+    ReplanListeners,
+    release_old_groups,
+    retire_old_params,
+    zero3_replan_shortfall,
+)
 from megabuf.sharding.ledger import MemoryLedger
 
 logger = logging.getLogger(__name__)
@@ -195,11 +200,25 @@ class Engine:
         pgs = self.process_groups
         if self.sync.timeline is not None:  # the overlap report says where the plan changed
             self.sync.timeline.record(-1, "replan")
-        self.rebucket(auto.replan(
+        plan = auto.replan(
             self.plan, dp_size=self.topology.sharding(False)[1],
             expt_dp_size=self.topology.sharding(True)[1],
             expert_shares_dp_group=pgs.expt_dp is pgs.dp,
-        ))  # fmt: skip
+        )  # fmt: skip
+        if auto.kept:  # the boundaries that ran: nothing to rebuild
+            return
+        if self.config.sharding.shards_params:
+            short = zero3_replan_shortfall(
+                self.all_bucket_groups, self.device, self.collectives, pgs.dp
+            )
+            if short:
+                auto.keep(
+                    f"the ZeRO-3 re-plan needs {short / 2**30:.2f} GiB more device memory than a "
+                    "dp rank has free (the whole params twice at once); give an int bucket_size "
+                    "to silence this"
+                )
+                return
+        self.rebucket(plan)
 
     def rebucket(self, plan: Plan) -> None:
         """Rebuild on `plan` (the same params; other bucket boundaries) at a step boundary with

@@ -416,3 +416,42 @@ def zero3_offload_refused_case() -> dict[str, Any]:
     _step(model, opt, 2, 1)
     return {"error": error, "kept": model.engine.all_bucket_groups == groups,
             "ends": model.engine.plan.bucket_ends}  # fmt: skip
+
+
+def zero3_memory_kept_case() -> dict[str, Any]:
+    """The ZeRO-3 re-plan needs the whole params twice at once: where one dp rank (here rank 1,
+    a stand-in for a full CUDA device) has too little free memory, every rank keeps the plan
+    that ran (agreed, so none hangs in the gathers), says why in a warning, and trains on."""
+    import logging
+
+    import megabuf.sharded_replan as sharded_replan
+
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2, **ZERO3
+    )
+    model = megabuf.DistributedDataParallel(build_model(MODEL, seed=0), cfg)
+    n = len(model.engine.param_to_name)
+    model.engine.auto.measure = lambda dtype: fake_measurement(n, dist.get_rank())  # type: ignore[union-attr]
+    opt = _optimizer("megabuf", model)
+    for step in range(2):
+        _step(model, opt, step, 1)
+    groups, plan = model.engine.all_bucket_groups, model.engine.plan
+    original = sharded_replan.free_device_bytes
+    sharded_replan.free_device_bytes = lambda device: 0 if dist.get_rank() == 1 else None  # type: ignore[assignment]
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("megabuf.autobucket").addHandler(handler)
+    try:
+        model.zero_grad_buffer()
+    finally:
+        sharded_replan.free_device_bytes = original  # type: ignore[assignment]
+        logging.getLogger("megabuf.autobucket").removeHandler(handler)
+    auto = model.engine.auto
+    kept = model.engine.all_bucket_groups == groups and model.engine.plan == plan
+    _step(model, opt, 2, 1)
+    return {
+        "kept": kept, "auto_kept": auto.kept, "summary": auto.summary,  # type: ignore[union-attr]
+        "warnings": [r.getMessage() for r in records if r.levelno == logging.WARNING],
+        "finite": all(torch.isfinite(v).all() for v in model.state_dict().values()),
+    }  # fmt: skip

@@ -501,6 +501,14 @@ MUTANTS = (
         ("tests/test_optimizer_units.py", "tests/test_autobucket.py"),
     ),
     Mutant(
+        "zero3-replan-memory-not-agreed",
+        "every dp rank decides alike whether the ZeRO-3 re-plan fits (MAX of the shortfalls)",
+        "megabuf/sharded_replan.py",
+        "    collectives.all_reduce_max(short, group)\n",
+        "",
+        ("tests/test_autobucket.py",),
+    ),
+    Mutant(
         "changed-only-trusts-dp-rank-0",
         "changed-only publish sends every bucket whose slice changed on any trainer",
         "megabuf/weights/transfer.py",

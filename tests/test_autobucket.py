@@ -14,6 +14,7 @@ from autobucket_cases import (
     replan_case,
     world_one_case,
     zero3_case,
+    zero3_memory_kept_case,
     zero3_offload_refused_case,
 )
 from dist_pool import case_result, run_each
@@ -42,6 +43,7 @@ CASES: dict[str, tuple[Any, ...]] = {
     ),
     "zero3_bf16_fp32_main": (zero3_case, {"grad_reduce_in_fp32": True}, 2, 1.0, True),
     "zero3_offload_refused": (zero3_offload_refused_case,),
+    "zero3_memory_kept": (zero3_memory_kept_case,),
     "measured": (measured_case,),
     "zero3_measured": (measured_case, ZERO3),
     "hook_refused": (hook_refused_case,),
@@ -181,6 +183,16 @@ def test_zero3_replan_with_cpu_offload_is_refused_by_name_and_training_goes_on(
     for res in case_result(results, "zero3_offload_refused"):
         assert "cpu_offload" in res["error"] and "bucket_size" in res["error"], res
         assert res["kept"] and res["ends"] is None, res  # nothing rebuilt: the old plan trains
+
+
+def test_zero3_replan_that_would_not_fit_keeps_the_plan_on_every_rank(results: Any) -> None:
+    """[Note: sharded auto bucket re-plan]: one rank short of device memory for the whole
+    params twice: both ranks keep the old plan (no hang, no OOM), warn naming the memory and
+    the int bucket_size way out, and train on."""
+    for res in case_result(results, "zero3_memory_kept"):
+        assert res["kept"] and res["auto_kept"] and res["finite"], res
+        assert len(res["warnings"]) == 1 and "device memory" in res["warnings"][0], res
+        assert "int bucket_size" in res["summary"], res
 
 
 @pytest.fixture(scope="module")
