@@ -216,3 +216,21 @@ def test_auto_rows_show_the_planners_prediction_next_to_the_measured_exposed_tim
     assert _exposed_cell(92.04, 80.12) == "92.0 (model 80.1)"  # bucket_size="auto" rows
     assert _exposed_cell(92.04, None) == "92.0"
     assert _exposed_cell(None, None) == "-"
+
+
+def test_auto_systems_are_the_overlapped_systems_on_the_auto_plan() -> None:
+    """Each `*_auto` bench system is its overlapped sibling with bucket_size="auto", so the
+    pair's rows compare the plans alone."""
+    from megabuf import DistributedDataParallelConfig
+    from megabuf.bench.options import SYSTEM_NAMES
+    from megabuf.bench.systems import MEGABUF_CONFIGS
+
+    for auto, sibling in (
+        ("megabuf_ar_auto", "megabuf_ar_overlap"),
+        ("megabuf_distopt_auto", "megabuf_distopt_overlap"),
+    ):
+        assert auto in SYSTEM_NAMES and sibling in SYSTEM_NAMES
+        fields = dict(MEGABUF_CONFIGS[auto])
+        assert fields.pop("bucket_size") == "auto" and fields.pop("auto_bucket_warmup_steps") >= 2
+        assert fields == MEGABUF_CONFIGS[sibling]
+        DistributedDataParallelConfig(**MEGABUF_CONFIGS[auto])  # a valid config
