@@ -247,6 +247,8 @@ class DistributedDataParallelConfig:
              "give an int bucket_size)"),
             (self.deterministic_reduction, "deterministic_reduction=True (its fixed-order hook "
              "is installed per bucket: give an int bucket_size)"),
+            (self.whole_param_owners, "whole_param_owners=True (the owner table follows the "
+             "bucket boundaries and a re-plan of it is not verified yet: give an int bucket_size)"),
         ]  # fmt: skip
         for refused, why in refusals:
             if refused:

@@ -247,6 +247,8 @@ def test_calibrate_slows_the_probe_to_the_measured_exposed_time_and_never_speeds
          "comm_hook"),
         ({"bucket_size": "auto", "overlap_grad_reduce": True, "auto_bucket_warmup_steps": 1},
          "auto_bucket_warmup_steps"),
+        ({"bucket_size": "auto", "overlap_grad_reduce": True, "whole_param_owners": True,
+          "use_distributed_optimizer": True}, "whole_param_owners"),
     ],
 )  # fmt: skip
 def test_auto_bucket_config_refusals_name_the_field(flags: dict, words: str) -> None:
