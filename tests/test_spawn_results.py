@@ -9,6 +9,9 @@ makes the race deterministic: the raw pipe fails (the control), megabuf's encodi
 
 from __future__ import annotations
 
+import contextlib
+import socket
+from collections.abc import Iterator
 from multiprocessing import connection as mp_connection
 from typing import Any
 
@@ -113,31 +116,39 @@ def _rank_joins_a_group() -> int:
     return rank
 
 
-def test_a_port_taken_before_rank_0_binds_it_is_retried_on_another(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """[Note: a port taken before rank 0 binds it]: the first port handed out is held by another
-    socket (as another process on the machine would), so rank 0's store fails with EADDRINUSE;
-    spawn starts the run again on the next port."""
-    import socket
-
-    from megabuf.testing import launch
-
+@contextlib.contextmanager
+def _first_port_taken(
+    monkeypatch: pytest.MonkeyPatch, module: Any, name: str
+) -> Iterator[list[int]]:
+    """`module.name` (a free-port chooser) hands out, first, a port another socket holds (as
+    another process on the machine would), then fresh ones; yields every port handed out."""
     taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     taken.bind(("127.0.0.1", 0))
     taken.listen(1)
     ports = [int(taken.getsockname()[1])]
-    real = launch.free_port
+    real = getattr(module, name)
 
     def port_once_taken() -> int:
         ports.append(real())
         return ports[-2] if len(ports) == 2 else ports[-1]
 
-    monkeypatch.setattr(launch, "free_port", port_once_taken)
+    monkeypatch.setattr(module, name, port_once_taken)
     try:
-        assert spawn(_rank_joins_a_group, 1, timeout_s=120) == [0]
+        yield ports
     finally:
         taken.close()
+
+
+def test_a_port_taken_before_rank_0_binds_it_is_retried_on_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """[Note: a port taken before rank 0 binds it]: the first port handed out is held by another
+    socket, so rank 0's store fails with EADDRINUSE; spawn starts the run again on the next
+    port."""
+    from megabuf.testing import launch
+
+    with _first_port_taken(monkeypatch, launch, "free_port") as ports:
+        assert spawn(_rank_joins_a_group, 1, timeout_s=120) == [0]
     assert len(ports) == 3, ports  # the taken one, then a second attempt on a fresh port
 
 
@@ -153,25 +164,12 @@ def test_a_pool_whose_first_port_is_taken_starts_on_another(
     """The test pool (tests/dist_pool.py) has the same race as spawn: its first port is held by
     another socket, rank 0's store fails with EADDRINUSE, and the pool starts again on a fresh
     port instead of timing out its first case."""
-    import socket
-
     import dist_pool
 
-    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    taken.bind(("127.0.0.1", 0))
-    taken.listen(1)
-    ports = [int(taken.getsockname()[1])]
-    real = dist_pool._free_port
-
-    def port_once_taken() -> int:
-        ports.append(real())
-        return ports[-2] if len(ports) == 2 else ports[-1]
-
-    monkeypatch.setattr(dist_pool, "_free_port", port_once_taken)
-    pool = dist_pool.DistPool(2, timeout_s=60)
-    try:
-        assert pool.run(_pool_rank) == [0, 1]
-    finally:
-        pool.close()
-        taken.close()
+    with _first_port_taken(monkeypatch, dist_pool, "_free_port") as ports:
+        pool = dist_pool.DistPool(2, timeout_s=60)
+        try:
+            assert pool.run(_pool_rank) == [0, 1]
+        finally:
+            pool.close()
     assert len(ports) == 3, ports  # the taken one, then a second start on a fresh port
