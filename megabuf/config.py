@@ -129,7 +129,7 @@ class DistributedDataParallelConfig:
     megabuf/bucket_planner.py, [Note: auto bucket re-plan] in megabuf/autobucket.py; under
     a sharded strategy the params and the optimizer state move to new buffers: [Note: sharded
     auto bucket re-plan] in megabuf/sharded_replan.py). Needs `overlap_grad_reduce`, and no
-    `comm_hook` or `deterministic_reduction`."""
+    `comm_hook`, `deterministic_reduction` or `whole_param_owners`."""
 
     auto_bucket_warmup_steps: int = 3
     """With `bucket_size = "auto"`: the number of steps run on the default buckets before the
