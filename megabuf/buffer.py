@@ -188,6 +188,11 @@ class _ParamAndGradBuffer:
         self.buckets = [self._make_bucket(slot.bucket_id, []) for slot in layout.buckets]
 
     @property
+    def grad_storage(self) -> Tensor | None:
+        """The whole buffer's grads where such a tensor exists (not under optim_grads*)."""
+        return self._grad_data
+
+    @property
     def grad_data(self) -> Tensor:
         """The whole buffer's grads (1-D, grad_dtype, padded numel). Under optim_grads* there
         is no such tensor: raises, naming what to read instead."""

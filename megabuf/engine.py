@@ -60,8 +60,8 @@ from megabuf.residency import Residency
 from megabuf.sharded_replan import (
     ReplanListeners,
     release_old_groups,
+    replan_shortfall,
     retire_old_params,
-    zero3_replan_shortfall,
 )
 from megabuf.sharding.ledger import MemoryLedger
 
@@ -207,15 +207,15 @@ class Engine:
         )  # fmt: skip
         if auto.kept:  # the boundaries that ran: nothing to rebuild
             return
-        if self.config.sharding.shards_params:
-            short = zero3_replan_shortfall(
-                self.all_bucket_groups, self.device, self.collectives, pgs.dp
+        if self.config.sharding.shards_optimizer:  # new buffers beside the old ones
+            short = replan_shortfall(
+                self.buffers, self.all_bucket_groups, self.device, self.collectives, pgs.dp
             )
             if short:
                 auto.keep(
-                    f"the ZeRO-3 re-plan needs {short / 2**30:.2f} GiB more device memory than a "
-                    "dp rank has free (the whole params twice at once); give an int bucket_size "
-                    "to silence this"
+                    f"the sharded re-plan needs {short / 2**30:.2f} GiB more device memory than "
+                    "a dp rank has free (new buffers beside the old ones); give an int "
+                    "bucket_size to silence this"
                 )
                 return
         self.rebucket(plan)

@@ -23,12 +23,14 @@ a checkpoint makes when it loads at another dp size ([Note: model-space optimize
    on the new groups exactly as at construction (`ParamUnits.build`: the new shards filled from
    the whole params, these released, the unit hooks installed, peaks reset), so the ledger then
    holds what a model built on the new plan holds. The transient peak is the whole model's
-   params twice (the old gathered and the new full storages) plus both sets of shards, which
-   a model sharded because its params do not fit one device cannot afford: before anything
-   changes the engine asks each dp rank's free device memory (CUDA; unknown on the host) and,
-   if any rank is short (agreed by MAX, so no rank goes on into the gathers alone), keeps the
-   plan that ran and warns (`zero3_replan_shortfall`). Moving the param shards by the same
-   range exchange as the optimizer state (step 3) would need no whole params; not built yet.
+   params twice (the old gathered and the new full storages) plus both sets of shards.
+   Under every sharded strategy the new buffers exist beside the old ones for a moment (under
+   ZeRO-3 with the whole params twice), which a model sharded because it barely fits cannot
+   afford: before anything changes the engine asks each dp rank's free device memory (CUDA;
+   unknown on the host) and, if any rank is short (agreed by MAX, so no rank goes on into the
+   collectives alone), keeps the plan that ran and warns (`replan_shortfall`). Moving the
+   param shards by the same range exchange as the optimizer state (step 3) would need no whole
+   params; not built yet.
 3. Restore: the optimizer builds its main params on the new buffers' shards; every dp rank's
    pieces are broadcast in turn and each rank keeps only their overlap with the ranges it now
    steps (`exchanged_state`), then loads them, exactly (fp32 values are copied, never
@@ -51,6 +53,7 @@ import torch
 from torch import nn
 
 from megabuf.bucket_group import BucketGroup
+from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives, Group
 from megabuf.param_sync import GatheredParams
 from megabuf.sharding.grads import GRAD_SHARD
@@ -115,17 +118,27 @@ def free_device_bytes(device: torch.device) -> int | None:
     return int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
 
 
-def zero3_replan_shortfall(
-    groups: list[BucketGroup], device: torch.device, collectives: Collectives, group: Group
+def replan_shortfall(
+    buffers: list[_ParamAndGradBuffer],
+    groups: list[BucketGroup],
+    device: torch.device,
+    collectives: Collectives,
+    group: Group,
 ) -> int:
-    """Bytes the ZeRO-3 re-plan needs at once beyond what is free, on the dp rank worst off
+    """Bytes a sharded re-plan needs at once beyond what is free, on the dp rank worst off
     (agreed by MAX over `group`, so every rank decides alike; 0 where it fits or the memory is
-    not known): the whole params twice (the old ones gathered, the new full storages) and the
-    new shards ([Note: sharded auto bucket re-plan]). Collective over `group`."""
-    held = [g.sharded_params for g in groups if g.sharded_params is not None]
-    need = sum(
-        2 * p.full_nbytes + sum(s.numel() * s.element_size() for s in p.shards) for p in held
-    )
+    not known; [Note: sharded auto bucket re-plan]): the new buffers while the old ones still
+    exist (as much as the param and grad storages and grad shards held now), and under ZeRO-3
+    the whole params twice (the old ones gathered, the new full storages) and the new param
+    shards. Collective over `group`."""
+    storages = [t for b in buffers for t in (b.param_data, b.grad_storage) if t is not None]
+    need = sum(t.untyped_storage().nbytes() for t in storages)
+    for g in groups:
+        if g.sharded_grads is not None:
+            need += g.sharded_grads.shard_nbytes
+        if g.sharded_params is not None:
+            shards = sum(s.numel() * s.element_size() for s in g.sharded_params.shards)
+            need += 2 * g.sharded_params.full_nbytes + shards
     free = free_device_bytes(device)
     short = torch.tensor([0.0 if free is None else float(max(0, need - free))], device=device)
     collectives.all_reduce_max(short, group)

@@ -418,16 +418,17 @@ def zero3_offload_refused_case() -> dict[str, Any]:
             "ends": model.engine.plan.bucket_ends}  # fmt: skip
 
 
-def zero3_memory_kept_case() -> dict[str, Any]:
-    """The ZeRO-3 re-plan needs the whole params twice at once: where one dp rank (here rank 1,
-    a stand-in for a full CUDA device) has too little free memory, every rank keeps the plan
-    that ran (agreed, so none hangs in the gathers), says why in a warning, and trains on."""
+def memory_kept_case(flags: dict[str, Any]) -> dict[str, Any]:
+    """A sharded re-plan needs new buffers beside the old ones (ZeRO-3: the whole params twice)
+    at once: where one dp rank (here rank 1, a stand-in for a full CUDA device) has too little
+    free memory, every rank keeps the plan that ran (agreed, so none goes on into the
+    collectives alone), says why in a warning, and trains on."""
     import logging
 
     import megabuf.sharded_replan as sharded_replan
 
     cfg = megabuf.DistributedDataParallelConfig(
-        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2, **ZERO3
+        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2, **flags
     )
     model = megabuf.DistributedDataParallel(build_model(MODEL, seed=0), cfg)
     n = len(model.engine.param_to_name)

@@ -502,7 +502,7 @@ MUTANTS = (
     ),
     Mutant(
         "zero3-replan-memory-not-agreed",
-        "every dp rank decides alike whether the ZeRO-3 re-plan fits (MAX of the shortfalls)",
+        "every dp rank decides alike whether a sharded re-plan fits (MAX of the shortfalls)",
         "megabuf/sharded_replan.py",
         "    collectives.all_reduce_max(short, group)\n",
         "",

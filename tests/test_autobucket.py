@@ -10,11 +10,11 @@ from autobucket_cases import (
     checkpoint_case,
     hook_refused_case,
     measured_case,
+    memory_kept_case,
     no_sync_deferral_case,
     replan_case,
     world_one_case,
     zero3_case,
-    zero3_memory_kept_case,
     zero3_offload_refused_case,
 )
 from dist_pool import case_result, run_each
@@ -43,7 +43,8 @@ CASES: dict[str, tuple[Any, ...]] = {
     ),
     "zero3_bf16_fp32_main": (zero3_case, {"grad_reduce_in_fp32": True}, 2, 1.0, True),
     "zero3_offload_refused": (zero3_offload_refused_case,),
-    "zero3_memory_kept": (zero3_memory_kept_case,),
+    "zero3_memory_kept": (memory_kept_case, ZERO3),
+    "zero1_memory_kept": (memory_kept_case, ZERO1),
     "measured": (measured_case,),
     "zero3_measured": (measured_case, ZERO3),
     "hook_refused": (hook_refused_case,),
@@ -185,11 +186,14 @@ def test_zero3_replan_with_cpu_offload_is_refused_by_name_and_training_goes_on(
         assert res["kept"] and res["ends"] is None, res  # nothing rebuilt: the old plan trains
 
 
-def test_zero3_replan_that_would_not_fit_keeps_the_plan_on_every_rank(results: Any) -> None:
-    """[Note: sharded auto bucket re-plan]: one rank short of device memory for the whole
-    params twice: both ranks keep the old plan (no hang, no OOM), warn naming the memory and
-    the int bucket_size way out, and train on."""
-    for res in case_result(results, "zero3_memory_kept"):
+@pytest.mark.parametrize("name", ["zero3_memory_kept", "zero1_memory_kept"])
+def test_a_sharded_replan_that_would_not_fit_keeps_the_plan_on_every_rank(
+    results: Any, name: str
+) -> None:
+    """[Note: sharded auto bucket re-plan]: one rank short of device memory for the new
+    buffers beside the old (ZeRO-3: the whole params twice): both ranks keep the old plan (no
+    hang, no OOM), warn naming the memory and the int bucket_size way out, and train on."""
+    for res in case_result(results, name):
         assert res["kept"] and res["auto_kept"] and res["finite"], res
         assert len(res["warnings"]) == 1 and "device memory" in res["warnings"][0], res
         assert "int bucket_size" in res["summary"], res
