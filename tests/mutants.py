@@ -488,7 +488,7 @@ MUTANTS = (
         "export-fresh-gather-not-counted",
         "the ledger counts an export's ZeRO-3 gathers (peak = max_buckets consecutive groups)",
         "megabuf/weights/export.py",
-        "        chunk.engine.memory_ledger.alloc(EXPORT_CATEGORY, nbytes)\n",
+        "        ledger.alloc(EXPORT_CATEGORY, nbytes)\n",
         "",
         ("tests/test_weights_publish.py",),
     ),

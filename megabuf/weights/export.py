@@ -129,22 +129,22 @@ class _Gathered:
 
     views: list[Tensor]  # one per param of the group, in its order
     pending: list[PendingCollective]
-    ledger: MemoryLedger | None  # the engine's, when fresh memory is counted
-    nbytes: int = 0
+    ledger: MemoryLedger  # the engine's
+    nbytes: int = 0  # fresh memory counted as EXPORT_CATEGORY until `done()`
 
     @classmethod
     def start(cls, chunk: DistributedDataParallel, group: BucketGroup) -> _Gathered:
-        sharded = group.sharded_params
+        sharded, ledger = group.sharded_params, chunk.engine.memory_ledger
         if sharded is None:
-            return cls([p.detach() for p in group.params_list], [], None)
+            return cls([p.detach() for p in group.params_list], [], ledger)
         fresh = [torch.empty_like(t) for t in sharded.full]
         pending = sharded.collectives.all_gather_many(
             fresh, sharded.shards, sharded.group, async_op=True, tag=sharded.group_id
         )
         nbytes = sum(t.numel() * t.element_size() for t in fresh)
-        chunk.engine.memory_ledger.alloc(EXPORT_CATEGORY, nbytes)
+        ledger.alloc(EXPORT_CATEGORY, nbytes)
         views = [_view_in(p, sharded.full, fresh) for p in group.params_list]
-        return cls(views, pending, chunk.engine.memory_ledger, nbytes)
+        return cls(views, pending, ledger, nbytes)
 
     def wait(self) -> list[Tensor]:
         for work in self.pending:
@@ -155,9 +155,8 @@ class _Gathered:
     def done(self) -> None:
         """The iterator moved past this group: its fresh memory leaves the ledger (a consumer
         may still hold it)."""
-        if self.ledger is not None:
-            self.ledger.free(EXPORT_CATEGORY, self.nbytes)
-            self.ledger = None
+        self.ledger.free(EXPORT_CATEGORY, self.nbytes)
+        self.nbytes = 0
 
 
 def _view_in(param: Tensor, full: Sequence[Tensor], fresh: Sequence[Tensor]) -> Tensor:
