@@ -16,9 +16,8 @@ With `bucket_size = "auto"` the engine starts on the default plan and an `AutoBu
   plans from the same (most pessimistic) numbers: a rank-local plan could differ across ranks
   and pair collectives of different sizes (a hang or wrong sums). `plan_buckets` is
   deterministic, so the same numbers give the same boundaries everywhere ([Note: auto bucket
-  plan] in bucket_planner.py). At dp 1 nothing is measured: nothing crosses a link, so the plan
-  is the fewest buckets the layout rules allow (one per buffer unless a param keeps a bucket of
-  its own), never fragmented.
+  plan] in bucket_planner.py). At dp 1 nothing is measured and the plan that ran is kept ([Note:
+  auto bucket plan at dp 1]).
 - Re-plan: once, in `zero_grad_buffer()` after the `auto_bucket_warmup_steps`-th grad sync (every
   rank syncs the same number of times, so every rank re-plans at the same call), or at the first one
   after that outside `no_sync()` (whose exit would reset the replaced grad sync's flag). Under
@@ -55,6 +54,14 @@ boundaries with more buckets than the ones that ran replace them only if they ar
 save at least MIN_GAIN (2 %) of the backward's length, ones with no more buckets if they are not
 predicted worse (`worth_changing`); otherwise the re-plan keeps the boundaries that ran (logged
 as such) and the engine rebuilds nothing.
+
+[Note: auto bucket plan at dp 1]
+A dp group of one rank has nothing to overlap: nothing is measured and the plan that ran (the
+int default's) is kept, so the engine rebuilds nothing. Re-planning to one bucket per buffer was
+the first design; on one H100 (BENCHMARKS.md, GPU section 5) it ran no faster than the plan
+that ran (step time within 0.4 %), while under the distributed optimizer its rebuild put new
+buffers beside the old ones: +1225 MiB of peak CUDA memory and +4.7 GiB of host memory for the
+optimizer state in transit, for nothing.
 """
 
 from __future__ import annotations
@@ -344,16 +351,18 @@ class AutoBucket:
         grad_dtype = plan.buffers[0].grad_dtype if plan.buffers else torch.float32
         specs = param_specs(self.trainable)
         numels = [s.numel for s in specs]
-        if dp_size == 1:  # nothing crosses a link: the fewest buckets the layout rules allow
-            agreed = Measurement(tuple(0.0 for _ in specs), CollectiveModel(0.0, 0.0), 0)
-        else:
-            agreed = agree(self.measure(grad_dtype), self.collectives, self.group, self.device)
-            agreed = calibrated(plan, numels, agreed)
+        if dp_size == 1:  # [Note: auto bucket plan at dp 1]
+            nothing = Measurement(tuple(0.0 for _ in specs), CollectiveModel(0.0, 0.0), 0)
+            self._current = current_choices(plan, numels, nothing)
+            self.keep("a dp group of one rank has nothing to overlap", warn=False)
+            return plan
+        agreed = agree(self.measure(grad_dtype), self.collectives, self.group, self.device)
+        agreed = calibrated(plan, numels, agreed)
         self.choices = choose_buckets(plan, numels, [s.own_bucket for s in specs], agreed)
         current = current_choices(plan, numels, agreed)
         backward_s = -min(agreed.ready_s, default=0.0)
         self._current = current
-        self.kept = dp_size > 1 and not worth_changing(self.choices, current, backward_s)
+        self.kept = not worth_changing(self.choices, current, backward_s)
         if self.kept:
             self.choices = current
         new_plan = build_plan(
@@ -365,11 +374,11 @@ class AutoBucket:
         logger.info("megabuf: %s", self.summary)
         return new_plan
 
-    def keep(self, reason: str) -> None:
-        """After `replan`: the engine keeps the plan that ran after all (logged with `reason`)."""
+    def keep(self, reason: str, *, warn: bool = True) -> None:
+        """The plan that ran stays (logged with `reason`; a warning where it was not chosen)."""
         self.kept, self.choices = True, self._current
         self.summary = f"kept the boundaries that ran: {reason}"
-        logger.warning("megabuf: bucket_size=auto %s", self.summary)
+        (logger.warning if warn else logger.info)("megabuf: bucket_size=auto %s", self.summary)
 
 
 def _remove_all(handles: list[RemovableHandle]) -> None:

@@ -128,8 +128,9 @@ class DistributedDataParallelConfig:
     predicted communication left after backward is least ([Note: auto bucket plan] in
     megabuf/bucket_planner.py, [Note: auto bucket re-plan] in megabuf/autobucket.py; under
     a sharded strategy the params and the optimizer state move to new buffers: [Note: sharded
-    auto bucket re-plan] in megabuf/sharded_replan.py). Needs `overlap_grad_reduce`, and no
-    `comm_hook`, `deterministic_reduction` or `whole_param_owners`."""
+    auto bucket re-plan] in megabuf/sharded_replan.py); at dp 1 the default stays. Needs
+    `overlap_grad_reduce`, and no `comm_hook`, `deterministic_reduction` or
+    `whole_param_owners`."""
 
     auto_bucket_warmup_steps: int = 3
     """With `bucket_size = "auto"`: the number of steps run on the default buckets before the

@@ -269,24 +269,37 @@ def _max_diff(a: Any, b: Any) -> float:
 
 
 def world_one_case() -> dict[str, Any]:
-    """dp 1: nothing to overlap, so the re-plan keeps one bucket per buffer (no fragmentation)
-    even where the default plan had several."""
-    cfg = megabuf.DistributedDataParallelConfig(
-        overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2
-    )
-    model = megabuf.DistributedDataParallel(build_model("mlp_34m", seed=0), cfg)
-    before = [len(b.layout.buckets) for b in model.engine.plan.buffers]
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    for step in range(3):
-        model.zero_grad_buffer()
-        x, y = make_batch("mlp_34m", 2, seed=step)
-        loss_fn("mlp_34m")(model(x), y).backward()
-        opt.step()
-    return {
-        "replanned": model.engine.auto.replanned,  # type: ignore[union-attr]
-        "before": before,
-        "after": [len(b.layout.buckets) for b in model.engine.plan.buffers],
-    }
+    """dp 1: nothing to overlap, so the re-plan keeps the plan that ran ([Note: auto bucket plan
+    at dp 1]), under the distributed optimizer too: the same buffers, nothing rebuilt."""
+    out = {}
+    for distopt in (False, True):
+        cfg = megabuf.DistributedDataParallelConfig(
+            overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2,
+            use_distributed_optimizer=distopt,
+        )  # fmt: skip
+        model = megabuf.DistributedDataParallel(build_model("mlp_34m", seed=0), cfg)
+        before = [len(b.layout.buckets) for b in model.engine.plan.buffers]
+        buffers = list(model.engine.buffers)
+        if distopt:
+            opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig(optimizer="sgd", lr=1e-3))
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for step in range(3):
+            model.zero_grad_buffer()
+            x, y = make_batch("mlp_34m", 2, seed=step)
+            loss_fn("mlp_34m")(model(x), y).backward()
+            model.finish_grad_sync()
+            opt.step()
+        auto = model.engine.auto
+        out["distopt" if distopt else "all_reduce"] = {
+            "replanned": auto.replanned,  # type: ignore[union-attr]
+            "kept": auto.kept,  # type: ignore[union-attr]
+            "summary": auto.summary,  # type: ignore[union-attr]
+            "before": before,
+            "after": [len(b.layout.buckets) for b in model.engine.plan.buffers],
+            "same_buffers": all(a is b for a, b in zip(buffers, model.engine.buffers)),
+        }
+    return out
 
 
 def no_sync_deferral_case() -> dict[str, Any]:

@@ -91,7 +91,7 @@ def test_gpu_session_script_runs_the_tier_then_the_bench_offline(tmp_path: Path)
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     calls = log.read_text().splitlines()
-    tier = [i for i, c in enumerate(calls) if c.startswith("-m pytest -q -rs -m gpu")]
+    tier = [i for i, c in enumerate(calls) if c.startswith("-m pytest -v -rs -m gpu")]
     bench = [i for i, c in enumerate(calls) if c.startswith("-m megabuf.bench --device cuda")]
     assert len(tier) == 1 and len(bench) == 1 and tier[0] < bench[0], calls
     assert "--repeat 3" in calls[bench[0]] and "--gpt-width 1024" in calls[bench[0]]
