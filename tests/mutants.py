@@ -509,6 +509,14 @@ MUTANTS = (
         ("tests/test_autobucket.py",),
     ),
     Mutant(
+        "auto-bucket-dp1-rebuilds",
+        "at dp 1 the auto re-plan keeps the plan that ran (a rebuild only costs memory)",
+        "megabuf/autobucket.py",
+        "        if dp_size == 1:  # [Note: auto bucket plan at dp 1]\n",
+        "        if dp_size == 0:\n",
+        ("tests/test_autobucket.py",),
+    ),
+    Mutant(
         "changed-only-trusts-dp-rank-0",
         "changed-only publish sends every bucket whose slice changed on any trainer",
         "megabuf/weights/transfer.py",
