@@ -128,6 +128,8 @@ class GradSync:
             self.phase = SyncPhase.ACCUMULATING  # accumulates on top: the sync is owed again
         if self.grads.exposed:
             self.grads.begin_backward()
+        elif self.grads.armed:
+            self.grads.link_small()
         self.backward_end.on_grad()
 
     def _backward_ended(self) -> None:

@@ -27,6 +27,24 @@ compared with what was exposed: `.grad` None (`optimizer.zero_grad(set_to_none=T
 the param fresh (its next grad overwrites `main_grad`; without one it is zero-filled); a
 `.grad` replaced by another tensor, or an exposed copy modified in place (zeroed, clipped), is
 written back into `main_grad`; an untouched one is accumulated on top, as torch would.
+
+[Note: small grads accumulate in place]
+The lazy first grad ([Note: grad accumulation into main_grad] in hooks.py) costs a fixed few
+microseconds a param on the host: autograd hands the hook a new tensor, which is copied into
+`main_grad`, and `.grad` is swapped. For a large param that beats a memset (a pass over its
+bytes); for a small one the fixed cost is all there is, and a model of thousands of small
+tensors (norms, biases, LoRA adapters) pays it thousands of times a step. So linked params of
+at most SMALL_GRAD_NUMEL elements are zeroed at `zero_grad_buffer()` (one `_foreach_zero_`
+over runs of them that are contiguous in their buffer, padding included; no large param lies
+in a run) and, at the first grad of the next backward, those whose `.grad` is still None are
+linked to their `main_grad`, so autograd accumulates into it in place and their hooks copy
+nothing (the param whose hook that is was copied, as before). Until that first grad `.grad`
+stays None as before, so an optimizer stepped without a backward skips them as torch would. A
+`.grad` the user set in between is kept (backward adds to it, as torch would). A grad sync
+with no grad in between zero-fills every unwritten `main_grad` ([Note: grad readiness]), so
+linking after it is still exact; once any grad arrived, the user's changes take the path of
+[Note: grads the user changed]. Measured on `many_small` (2000 params of 16 and 256
+elements, CPU): about 2-3 us less per param in backward (BENCHMARKS.md, issue 30).
 """
 
 from __future__ import annotations
@@ -45,11 +63,14 @@ from megabuf.bucket_group import BucketGroup
 from megabuf.collectives import Collectives
 from megabuf.process_groups import ProcessGroups
 
+SMALL_GRAD_NUMEL = 4096  # [Note: small grads accumulate in place]; even on CPU at ~8192
+
 
 class ExposedGrads:
     """`linked` params (grad dtype == param dtype) expose their `main_grad` view as `.grad`;
     `copied` ones (a bf16 param over fp32 grads) a copy in their dtype, dropped before the
-    next backward accumulates (a one-shot hook), so that backward adds into `main_grad`."""
+    next backward accumulates (a one-shot hook), so that backward adds into `main_grad`.
+    Small linked params accumulate in place: [Note: small grads accumulate in place]."""
 
     def __init__(
         self,
@@ -63,6 +84,11 @@ class ExposedGrads:
         self.exposed = False  # expose() ran and no backward or clear() since
         self._copies: list[tuple[nn.Parameter, Any, int]] = []  # (param, copy, its _version)
         self._drop_handle: RemovableHandle | None = None
+        mains = [(p, p.main_grad) for p in linked]  # type: ignore[attr-defined]
+        self.small = [(p, g) for p, g in mains if g.numel() <= SMALL_GRAD_NUMEL]
+        views = [g for _, g in mains]  # all of them: a large one breaks a run
+        self._small_runs = contiguous_runs(views, SMALL_GRAD_NUMEL) if self.small else []
+        self.armed = False  # zero_grad_buffer() zeroed the small grads; not linked yet
 
     def expose(self) -> None:
         """After a sync: link unlinked same-dtype grads (params unused this iteration) and give
@@ -100,11 +126,21 @@ class ExposedGrads:
         self._drop_copies()
 
     def clear(self) -> None:
-        """zero_grad_buffer(): every grad unlinked, copies dropped."""
+        """zero_grad_buffer(): every grad unlinked, copies dropped, small grads zeroed."""
         self.exposed = False
         for param in self.linked:
             param.grad = None
         self._drop_copies()
+        if self._small_runs:
+            torch._foreach_zero_(self._small_runs)
+            self.armed = True
+
+    def link_small(self) -> None:
+        """First grad of a backward after clear(): small params accumulate in place."""
+        self.armed = False
+        for param, main_grad in self.small:
+            if param.grad is None:
+                param.grad = main_grad
 
     def _on_copied_grad(self, *unused: Any) -> None:
         del unused
@@ -122,6 +158,37 @@ class ExposedGrads:
         for param, _, _ in self._copies:
             param.grad = None
         self._copies = []
+
+
+def contiguous_runs(views: Sequence[torch.Tensor], max_numel: int) -> list[torch.Tensor]:
+    """1-D views covering the `views` of at most `max_numel` elements: runs of them adjacent in
+    their 1-D base tensor (what lies between two of them is padding), broken by a larger view."""
+    by_base: dict[int, list[torch.Tensor]] = {}
+    for view in views:
+        base = view._base if view._base is not None else view
+        by_base.setdefault(id(base), []).append(view)
+    runs: list[torch.Tensor] = []
+    for same_base in by_base.values():
+        run: list[torch.Tensor] = []
+        for view in sorted(same_base, key=lambda v: v.storage_offset()):
+            if view.numel() <= max_numel:
+                run.append(view)
+                continue
+            runs.extend(_span(run))
+            run = []
+        runs.extend(_span(run))
+    return runs
+
+
+def _span(run: list[torch.Tensor]) -> list[torch.Tensor]:
+    if not run:
+        return []
+    first, last = run[0], run[-1]
+    base = first._base if first._base is not None else first
+    if base.dim() != 1:  # not a flat buffer: each view on its own
+        return [v.view(-1) for v in run]
+    start = first.storage_offset() - base.storage_offset()
+    return [base[start : last.storage_offset() - base.storage_offset() + last.numel()]]
 
 
 def find_tensors(obj: Any) -> Iterator[torch.Tensor]:
