@@ -151,7 +151,8 @@ class DistributedDataParallel(nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Start a new iteration's grads: lazily, see [Note: grad accumulation into main_grad]
-        (no pass over the buffer; each param's first grad overwrites its main_grad). With
+        (no pass over the buffer: each param's first grad overwrites its main_grad; only the
+        small params' grads are zeroed, [Note: small grads accumulate in place]). With
         bucket_size="auto", after the warm-up also the one re-plan ([Note: auto bucket re-plan])."""
         self.engine.zero_grad_buffer()
         self.buffers[:] = self.engine.dense_buffers  # type: ignore[index]  # renewed: sharded re-plan

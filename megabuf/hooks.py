@@ -5,7 +5,8 @@
 `param.grad`. The first grad of a fresh param is *copied* into its `main_grad` (one pass, where
 zero-then-add would be three), later ones are added; the hook then links `param.grad` to the
 `main_grad` view (same dtype) so further backwards accumulate in place through autograd, with no
-copy at all. A param that got no grad is still fresh when its bucket group is reduced, and its
+copy at all. Small params are the exception: zeroed and linked ahead of their first grad ([Note:
+small grads accumulate in place] in grads.py). A param that got no grad is still fresh when its bucket group is reduced, and its
 `main_grad` is zeroed then (`BucketGroup.zero_unwritten_grads`) and, without the distributed
 optimizer, its `.grad` is linked at `finish_grad_sync()` ([Note: grad contract] in grads.py).
 So `main_grad` holds stale values between `zero_grad_buffer()` and the param's first grad: read

@@ -99,8 +99,11 @@ def run_cases() -> dict[str, Any]:
         "error": _error(_grads(model), _reference(net, [0], world)),
     }
 
-    # 3. micro-batches under no_sync(), then the synced one: the sum of the three
+    # 3. after an iteration, zero_grad_buffer(), micro-batches under no_sync(), then the synced
+    #    one: the sum of the three (nothing of the iteration before leaks)
     net, model = _wrapped()
+    _loss(model, _batch(rank, 5)).backward()
+    model.finish_grad_sync()
     model.zero_grad_buffer()
     with model.no_sync():
         for step in (0, 1):
