@@ -163,7 +163,7 @@ class Engine:
         )  # fmt: skip
         self._install_hooks(self._params, grads)
         self.param_side = GatheredParams(self.all_bucket_groups, self.gather_hooks, cfg)
-        self.hooks = CommHookRegistry(
+        self.hooks: CommHookRegistry = CommHookRegistry(
             self.all_bucket_groups, self.plan, cfg, self.memory_ledger, self.rank
         )
 
@@ -265,8 +265,9 @@ class Engine:
 
     def _install_hooks(self, params: Sequence[nn.Parameter], grads: ExposedGrads) -> None:
         self._grad_hook_handles = register_grad_hooks(
-            params, self.param_to_bucket_group, set(grads.linked), self._on_grad
-        )
+            params, self.param_to_bucket_group, set(grads.linked), self._on_grad,
+            self.sync.in_backward,
+        )  # fmt: skip
         for group in self.all_bucket_groups:  # the hooks hold the views: guard the attribute
             if group.sharded_grads is not None:
                 names = [self.param_to_name[p] for p in group.params_list]
@@ -333,10 +334,11 @@ class Engine:
         return params_device(self.param_to_name, self.process_groups.dp)
 
     def _on_grad(self) -> None:
-        """Every param grad hook's first step (hot path)."""
+        """A backward's first param grad hook ([Note: one bookkeeping per backward])."""
         self.residency.check("backward (a param's grad hook)")
         self.hooks.backward_seen = True
         self.sync.on_grad()
+        self.sync.skip_until_backward_ends()
 
     @torch.compiler.disable
     def before_forward(self, compiling: bool, sync_buffers: bool) -> None:

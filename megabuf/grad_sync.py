@@ -22,6 +22,16 @@ whose reduction into the grad shards has not finished yet; SYNCED: the last `fin
 handed out this iteration's reduced grads and ran the checks; `finish_grad_sync()` is then a
 no-op (a later backward accumulates on top, as in torch, and owes the sync again). The groups'
 own states say whether their grads are still this iteration's: `unsynced_group()`.
+
+[Note: one bookkeeping per backward]
+What a grad hook does for the engine as a whole (the offload check, the phase, the user's grad
+changes, arming the end-of-backward sync: `Engine._on_grad`) is owed once per backward, not
+once per param, and on a model of thousands of small tensors a few Python calls a param are a
+measurable share of backward. So after the first grad of a backward has done it, `in_backward`
+is set and the hooks skip it; it is cleared by a callback queued on that backward (run when it
+ends) and, because a backward that raised never runs its callbacks, also at every forward,
+`zero_grad_buffer()` and grad sync. It is set only after the bookkeeping passed, so a hook that
+raised (an offloaded engine) raises again at the next grad.
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ import enum
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
+
+from torch.autograd import Variable
 
 from megabuf.backward_sync import BackwardEndSync
 from megabuf.bucket_group import BucketGroup, DispatchChain, GradSyncState
@@ -71,6 +83,8 @@ class GradSync:
         self.backward_end = BackwardEndSync(config.sync_grads_at_backward_end, self._backward_ended)
         self.backward_end.every_backward = self.reduce_each
         self.phase = SyncPhase.ACCUMULATING
+        # shared with the grad hooks: [Note: one bookkeeping per backward]
+        self.in_backward = [False]
         self.timeline: Timeline | None = None
         # bucket_size="auto" warm-up: told when each grad sync starts ([Note: auto bucket re-plan])
         self.on_backward_end: Callable[[], None] | None = None
@@ -109,6 +123,7 @@ class GradSync:
         """A forward starts: a backward that raised never ran its callbacks; a micro-batch
         whose reduction is still owed (its backward's sync was deferred) finishes now."""
         self.backward_end.queued = False
+        self.in_backward[0] = False
         if self.phase is SyncPhase.MICROBATCH_OWED:
             self.finish_microbatch()
         if self.agreement is not None and grad_enabled:
@@ -131,6 +146,15 @@ class GradSync:
         elif self.grads.armed:
             self.grads.link_small()
         self.backward_end.on_grad()
+
+    def skip_until_backward_ends(self) -> None:
+        """The grad hooks skip `on_grad` for the rest of this backward ([Note: one bookkeeping
+        per backward])."""
+        self.in_backward[0] = True
+        Variable._execution_engine.queue_callback(self._backward_over)  # type: ignore[attr-defined]
+
+    def _backward_over(self) -> None:
+        self.in_backward[0] = False
 
     def _backward_ended(self) -> None:
         """The end-of-backward callback: the grad sync, or under reduce_each_microbatch inside
@@ -168,6 +192,7 @@ class GradSync:
         backward's end already ran it. Every group SYNCED is not enough: under optim_grads*
         backward itself finishes the groups whose reduction already landed, and the checks
         are collectives every dp rank runs once per iteration."""
+        self.in_backward[0] = False
         if self.groups and self.phase is SyncPhase.SYNCED and self.unsynced_group() is None:
             return
         if self.timeline is not None:
@@ -224,6 +249,7 @@ class GradSync:
             group.is_final_microbatch = self.require_sync
         self.grads.clear()
         self.backward_end.queued = False
+        self.in_backward[0] = False
         self.phase = SyncPhase.ACCUMULATING
         if self.agreement is not None:
             self.agreement.reset()

@@ -6,9 +6,10 @@
 zero-then-add would be three), later ones are added; the hook then links `param.grad` to the
 `main_grad` view (same dtype) so further backwards accumulate in place through autograd, with no
 copy at all. Small params are the exception: zeroed and linked ahead of their first grad ([Note:
-small grads accumulate in place] in grads.py). A param that got no grad is still fresh when its bucket group is reduced, and its
-`main_grad` is zeroed then (`BucketGroup.zero_unwritten_grads`) and, without the distributed
-optimizer, its `.grad` is linked at `finish_grad_sync()` ([Note: grad contract] in grads.py).
+small grads accumulate in place] in grads.py). A param that got no grad is still fresh when its
+bucket group is reduced, and its `main_grad` is zeroed then (`BucketGroup.zero_unwritten_grads`)
+and, without the distributed optimizer, its `.grad` is linked at `finish_grad_sync()` ([Note:
+grad contract] in grads.py).
 So `main_grad` holds stale values between `zero_grad_buffer()` and the param's first grad: read
 grads after `finish_grad_sync()`.
 `optimizer.zero_grad()` alone does not clear gradients: call `model.zero_grad_buffer()` (or
@@ -56,19 +57,25 @@ def make_grad_hook(
     index: int,
     link: bool,
     on_grad: Callable[[], None],
+    in_backward: list[bool],
 ) -> Callable[[nn.Parameter], None]:
     """The post-accumulate-grad hook of one param; see [Note: grad accumulation into main_grad].
-    `on_grad` runs first (the model's per-backward bookkeeping, [Note: grad contract]).
-    The hook holds its group and `on_grad` weakly ([Note: hooks hold the engine weakly])."""
+    `on_grad` runs first, unless `in_backward[0]` says it already ran in this backward (the
+    model's per-backward bookkeeping: [Note: grad contract], [Note: one bookkeeping per
+    backward] in grad_sync.py). The hook holds its group and `on_grad` weakly ([Note: hooks
+    hold the engine weakly])."""
     group_ref = weakref.ref(group)
     on_grad_ref = _weak_callable(on_grad)
 
     def hook(param: nn.Parameter) -> None:
         group = group_ref()
-        on_grad = on_grad_ref()
-        if group is None or on_grad is None:  # the engine is gone: the param is plain again
+        if group is None:  # the engine is gone: the param is plain again
             return
-        on_grad()
+        if not in_backward[0]:
+            on_grad = on_grad_ref()
+            if on_grad is None:
+                return
+            on_grad()
         grad = param.grad
         first = group.mark_written(index)
         if grad is not None and grad is not main_grad:
@@ -95,6 +102,7 @@ def register_grad_hooks(
     param_to_group: dict[nn.Parameter, BucketGroup],
     linked: set[nn.Parameter],
     on_grad: Callable[[], None],
+    in_backward: list[bool],
 ) -> list[RemovableHandle]:
     """`linked`: params whose `.grad` becomes their `main_grad` view after the first grad."""
     handles = []
@@ -102,7 +110,8 @@ def register_grad_hooks(
         main_grad = param.main_grad  # type: ignore[attr-defined]
         param.grad = None  # linked to main_grad by the hook at the param's first grad
         group = param_to_group[param]
-        hook = make_grad_hook(main_grad, group, group.index_of(param), param in linked, on_grad)
+        index, link = group.index_of(param), param in linked
+        hook = make_grad_hook(main_grad, group, index, link, on_grad, in_backward)
         handles.append(param.register_post_accumulate_grad_hook(hook))
     return handles
 

@@ -541,6 +541,14 @@ MUTANTS = (
         ("tests/test_small_grads.py",),
     ),
     Mutant(
+        "bookkeeping-gate-not-reopened-at-backward-end",
+        "the engine's per-backward bookkeeping runs again in the next backward over a kept graph",
+        "megabuf/grad_sync.py",
+        "    def _backward_over(self) -> None:\n        self.in_backward[0] = False\n",
+        "    def _backward_over(self) -> None:\n        pass\n",
+        ("tests/test_small_grads.py",),
+    ),
+    Mutant(
         "changed-only-trusts-dp-rank-0",
         "changed-only publish sends every bucket whose slice changed on any trainer",
         "megabuf/weights/transfer.py",

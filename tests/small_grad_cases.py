@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -142,4 +143,60 @@ def run_cases() -> dict[str, Any]:
             _loss(model, _batch(rank, step)).backward()
             model.finish_grad_sync()
         out[name] = _error(_grads(model), _reference(net, [2], world))
+    out["bookkeeping"] = bookkeeping_counts(rank)
     return out
+
+
+def bookkeeping_counts(rank: int) -> dict[str, int]:
+    """How often the per-backward bookkeeping ran ([Note: one bookkeeping per backward]): once
+    per backward, also under no_sync(), over a retained graph, and after a backward that raised
+    in a hook (its end-of-backward callback never ran: the next forward reopens)."""
+    _, model = _wrapped()
+    calls = [0]
+    inner = model.engine.sync.on_grad
+
+    def counting() -> None:
+        calls[0] += 1
+        inner()
+
+    model.engine.sync.on_grad = counting
+    counts: dict[str, int] = {}
+
+    def count(name: str, run: Any) -> None:
+        calls[0] = 0
+        run()
+        counts[name] = calls[0]
+
+    model.zero_grad_buffer()
+    count("one_backward", lambda: _loss(model, _batch(rank, 0)).backward())
+    model.finish_grad_sync()
+    model.zero_grad_buffer()
+
+    def micro() -> None:
+        with model.no_sync():
+            for step in (0, 1):
+                _loss(model, _batch(rank, step)).backward()
+
+    count("two_no_sync_backwards", micro)
+
+    def retained() -> None:
+        loss = _loss(model, _batch(rank, 2))
+        with model.no_sync():
+            loss.backward(retain_graph=True)
+            loss.backward()
+
+    count("two_backwards_one_graph", retained)
+    model.finish_grad_sync()
+    model.zero_grad_buffer()
+    handle = model.module.b.bias.register_post_accumulate_grad_hook(_raise)
+    with pytest.raises(RuntimeError, match="planted"):
+        _loss(model, _batch(rank, 3)).backward()
+    handle.remove()
+    model.reset_iter_state()
+    count("after_a_raised_backward", lambda: _loss(model, _batch(rank, 4)).backward())
+    model.finish_grad_sync()
+    return counts
+
+
+def _raise(param: Any) -> None:
+    raise RuntimeError("planted")

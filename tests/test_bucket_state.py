@@ -184,7 +184,9 @@ def grad(group: BucketGroup, i: int, value: float = 1.0) -> None:
     """One backward's gradient for param `i` of `group`, through the real backward hook."""
     param = group.params_list[i]
     param.grad = torch.full_like(param, value)
-    make_grad_hook(param.main_grad, group, i, link=False, on_grad=lambda: None)(param)  # type: ignore[attr-defined]
+    main_grad = param.main_grad  # type: ignore[attr-defined]
+    hook = make_grad_hook(main_grad, group, i, False, on_grad=lambda: None, in_backward=[False])
+    hook(param)
 
 
 def make_chain(

@@ -1,7 +1,8 @@
-"""[Note: small grads accumulate in place] (megabuf/grads.py): the runs zeroed at
-`zero_grad_buffer()` (pure), and on 2 gloo ranks against a single-process reference: small
-params accumulate into `main_grad` in place, while every visible `.grad` and every grad keeps the
-[Note: grad contract] and [Note: grads the user changed]."""
+"""The grad hooks' hot path. [Note: small grads accumulate in place] (megabuf/grads.py): the
+runs zeroed at `zero_grad_buffer()` (pure), and on 2 gloo ranks against a single-process
+reference: small params accumulate into `main_grad` in place, while every visible `.grad` and
+every grad keeps the [Note: grad contract] and [Note: grads the user changed]. [Note: one
+bookkeeping per backward] (megabuf/grad_sync.py): counted per backward."""
 
 from __future__ import annotations
 
@@ -64,3 +65,13 @@ def test_small_params_accumulate_in_place_and_grads_equal_the_reference(results:
 def test_grads_equal_the_reference(results: Any, case: str) -> None:
     for rank, res in enumerate(results):
         assert res[case] <= TOL, (rank, case, res[case])
+
+
+def test_the_engine_bookkeeping_runs_once_per_backward(results: Any) -> None:
+    for rank, res in enumerate(results):
+        assert res["bookkeeping"] == {
+            "one_backward": 1,
+            "two_no_sync_backwards": 2,
+            "two_backwards_one_graph": 2,
+            "after_a_raised_backward": 1,
+        }, rank
