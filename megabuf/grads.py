@@ -44,7 +44,8 @@ stays None as before, so an optimizer stepped without a backward skips them as t
 with no grad in between zero-fills every unwritten `main_grad` ([Note: grad readiness]), so
 linking after it is still exact; once any grad arrived, the user's changes take the path of
 [Note: grads the user changed]. Measured on `many_small` (2000 params of 16 and 256
-elements, CPU): about 2-3 us less per param in backward (BENCHMARKS.md, issue 30).
+elements, CPU, in isolation): about 3.5 us less per param in backward (BENCHMARKS.md, "The
+grad hooks' hot path").
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ from megabuf.bucket_group import BucketGroup
 from megabuf.collectives import Collectives
 from megabuf.process_groups import ProcessGroups
 
-SMALL_GRAD_NUMEL = 4096  # [Note: small grads accumulate in place]; even on CPU at ~8192
+# [Note: small grads accumulate in place]; on CPU the in-place path broke even at ~8192 elements
+SMALL_GRAD_NUMEL = 4096
 
 
 class ExposedGrads:
