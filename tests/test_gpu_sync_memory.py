@@ -96,6 +96,10 @@ def sync_case(path: str) -> dict[str, list[str]]:
             out["backward"] += backward
             out["finish_grad_sync"] += finish
             out["step"] += stepped
+    # the last step's param gathers are still in flight: wait for them, so that no NCCL work of
+    # this case holds a buffer into the next case's measurements (suspected: no_shard's figures
+    # came out one fp32 param copy short on the H200 and H100, right after this case)
+    model.publish_params()
     torch.cuda.synchronize()
     return out
 
