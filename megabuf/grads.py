@@ -165,32 +165,31 @@ class ExposedGrads:
 def contiguous_runs(views: Sequence[torch.Tensor], max_numel: int) -> list[torch.Tensor]:
     """1-D views covering the `views` of at most `max_numel` elements: runs of them adjacent in
     their 1-D base tensor (what lies between two of them is padding), broken by a larger view."""
-    by_base: dict[int, list[torch.Tensor]] = {}
+    by_base: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
     for view in views:
         base = view._base if view._base is not None else view
-        by_base.setdefault(id(base), []).append(view)
+        by_base.setdefault(id(base), (base, []))[1].append(view)
     runs: list[torch.Tensor] = []
-    for same_base in by_base.values():
+    for base, same_base in by_base.values():
         run: list[torch.Tensor] = []
         for view in sorted(same_base, key=lambda v: v.storage_offset()):
             if view.numel() <= max_numel:
                 run.append(view)
                 continue
-            runs.extend(_span(run))
+            runs.extend(_span(base, run))
             run = []
-        runs.extend(_span(run))
+        runs.extend(_span(base, run))
     return runs
 
 
-def _span(run: list[torch.Tensor]) -> list[torch.Tensor]:
+def _span(base: torch.Tensor, run: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One slice of `base` from the first view of `run` to the end of its last."""
     if not run:
         return []
-    first, last = run[0], run[-1]
-    base = first._base if first._base is not None else first
     if base.dim() != 1:  # not a flat buffer: each view on its own
         return [v.view(-1) for v in run]
-    start = first.storage_offset() - base.storage_offset()
-    return [base[start : last.storage_offset() - base.storage_offset() + last.numel()]]
+    start = run[0].storage_offset() - base.storage_offset()
+    return [base[start : run[-1].storage_offset() - base.storage_offset() + run[-1].numel()]]
 
 
 def find_tensors(obj: Any) -> Iterator[torch.Tensor]:
