@@ -66,7 +66,7 @@ CPU_ALLOWLIST = {
     ("bench/curves.py", "run_ranks"): "loss curves of the demo GPT on gloo ranks, CPU by choice",
     ("bench/options.py", "build_parser"): "--device's default: CPU models and gloo on any "
     "machine unless --device cuda is asked for",
-    ("bench/worker.py", "_rank_device"): "the benchmark's own choice of device (--device)",
+    ("bench/worker.py", "rank_device"): "the benchmark's own choice of device (--device)",
     ("optimizer/offload.py", "*"): "cpu_offload: main params, optimizer state and grad copies "
     "live on the host by definition ([Note: cpu offload])",
     ("optimizer/builder.py", "build_optimizer"): "cpu_offload: the inner optimizer steps the "

@@ -78,7 +78,7 @@ class BenchOptions:
     hook_batch: int = 0
 
 
-def _parse_models(text: str) -> dict[str, int]:
+def parse_models(text: str) -> dict[str, int]:
     models: dict[str, int] = {}
     for item in text.split(","):
         name, _, batch = item.strip().partition(":")
@@ -90,7 +90,7 @@ def _parse_models(text: str) -> dict[str, int]:
     return models
 
 
-def _parse_systems(text: str | None) -> tuple[str, ...]:
+def parse_systems(text: str | None) -> tuple[str, ...]:
     if not text:
         return SYSTEM_NAMES
     names = tuple(s.strip() for s in text.split(",") if s.strip())
@@ -204,7 +204,7 @@ def parse_options(argv: Sequence[str]) -> BenchOptions:
     args = build_parser().parse_args(list(argv))
     quick = bool(args.quick)
     models = (
-        _parse_models(args.models) if args.models else (QUICK_MODELS if quick else DEFAULT_MODELS)
+        parse_models(args.models) if args.models else (QUICK_MODELS if quick else DEFAULT_MODELS)
     )
     warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
     steps = args.steps if args.steps is not None else (2 if quick else 12)
@@ -219,7 +219,7 @@ def parse_options(argv: Sequence[str]) -> BenchOptions:
     if steps < 1 or warmup < 0 or world_size < 1:
         raise ValueError("megabuf.bench: need --steps >= 1, --warmup >= 0, --world-size >= 1")
     return BenchOptions(
-        models=dict(models), systems=_parse_systems(args.systems), world_size=world_size,
+        models=dict(models), systems=parse_systems(args.systems), world_size=world_size,
         warmup=warmup, steps=steps, isolate=not (quick or args.no_isolate), out=args.out,
         trace_dir=args.trace, trace_steps=2 if quick else 3,
         retries=args.retries if args.retries is not None else (0 if quick else 1),
@@ -242,7 +242,7 @@ def _hook_options(
 
     hooks = parse_hooks(text, () if narrowed else DEFAULT_HOOKS)
     if model_text:
-        return hooks, next(iter(_parse_models(model_text).items()))
+        return hooks, next(iter(parse_models(model_text).items()))
     gpts = [m for m in models if m.startswith("gpt")]
     name = (gpts or list(models))[0]
     return hooks, (name, models[name])

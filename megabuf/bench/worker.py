@@ -155,7 +155,7 @@ def _clock(device: torch.device) -> Callable[[], float]:
     return now
 
 
-def _check(job: Job, engine: Engine) -> float | None:
+def check_error(job: Job, engine: Engine) -> float | None:
     if job.reference is None:
         return None
     # the reference was computed on the CPU
@@ -281,6 +281,17 @@ def _trace(job: Job, engine: Engine, x: Tensor, y: Tensor) -> dict[str, Any] | N
             "events": [e for e in events if e[2] >= start]}  # fmt: skip
 
 
+def build_engine(job: Job, module: torch.nn.Module, pgs: megabuf.ProcessGroups) -> Engine:
+    """`job.system` around `module`; raises NotAvailable where it cannot run here."""
+    if job.system in MEGABUF_CONFIGS:
+        return build_megabuf(job.system, module, pgs, _megabuf_overrides(job))
+    if job.system in HOOK_VARIANTS:
+        return build_hooked(job.system, module, pgs, job.megabuf_overrides)
+    if job.system in MCORE_SYSTEMS:
+        return build_mcore(job.system, module, pgs)
+    return BUILDERS[job.system](module, pgs)
+
+
 def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
     """Measure one (model, system) pair on this rank."""
     result: dict[str, Any] = {"model": job.model, "system": job.system, "rank": dist.get_rank(),
@@ -289,7 +300,7 @@ def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
     load_at_start = _load()
     if job.reset_peak:
         reset_peak_rss()
-    device = _rank_device(job.device)
+    device = rank_device(job.device)
     if device.type == "cuda":
         # [Note: peak CUDA memory per system]: what is still allocated now was left by earlier
         # systems of this launch (none when isolated); the peak below includes it
@@ -299,20 +310,13 @@ def run_job(job: Job, pgs: megabuf.ProcessGroups) -> dict[str, Any]:
         cfg = bench_model(job.model, job.model_overrides)
         module = model_from_config(cfg, seed=0).to(device)
         result.update(_model_figures(job, module, tokens_per_sample(cfg)))
-        if job.system in MEGABUF_CONFIGS:
-            engine = build_megabuf(job.system, module, pgs, _megabuf_overrides(job))
-        elif job.system in HOOK_VARIANTS:
-            engine = build_hooked(job.system, module, pgs, job.megabuf_overrides)
-        elif job.system in MCORE_SYSTEMS:
-            engine = build_mcore(job.system, module, pgs)
-        else:
-            engine = BUILDERS[job.system](module, pgs)
+        engine = build_engine(job, module, pgs)
     except NotAvailable as exc:
         return {**result, "status": "n/a (not available)", "reason": str(exc)}
     x, y = (t.to(device) for t in rank_batch(cfg, job.batch_per_rank, pgs.dp_rank))
     _show(job, "checking one step")
     train_step(engine, x, y, loss_fn(job.model))
-    result["check_max_abs_error"] = _check(job, engine)
+    result["check_max_abs_error"] = check_error(job, engine)
     cpu: dict[str, Any] = {}
     phases = _timed_steps(job, engine, x, y, cpu)
     result.update(cpu)
@@ -348,7 +352,7 @@ def run_jobs(jobs: list[Job]) -> list[dict[str, Any]]:
     return [run_job(job, pgs) for job in jobs]
 
 
-def _rank_device(device: str) -> torch.device:
+def rank_device(device: str) -> torch.device:
     """This rank's device: the CPU, or the GPU init_distributed made current (LOCAL_RANK)."""
     if device == "cuda":
         return torch.device("cuda", torch.cuda.current_device())

@@ -1,0 +1,97 @@
+"""The paired benchmark ([Note: paired measurement] in megabuf/bench/paired.py): pure tests of
+its statistics and order, its refusals, and one run on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megabuf.bench.paired import check_options, median_interval, round_order, summarize
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_rounds_alternate_forward_and_reversed() -> None:
+    assert round_order(3, 0) == [0, 1, 2]
+    assert round_order(3, 1) == [2, 1, 0]
+    assert round_order(3, 2) == [0, 1, 2]
+    for r in range(5):  # every system once a round
+        assert sorted(round_order(4, r)) == [0, 1, 2, 3]
+
+
+def test_median_interval_is_the_binomial_order_statistics() -> None:
+    xs = [float(v) for v in range(30, 0, -1)]  # 30 values, unsorted
+    # n = 30: P(B <= 9) = 0.021 <= 0.025 < P(B <= 10) = 0.049, so the 10th smallest and largest
+    assert median_interval(xs) == (10.0, 21.0)
+    # n = 9: P(B <= 1) = 0.0195 <= 0.025 < P(B <= 2) = 0.090
+    assert median_interval([float(v) for v in range(1, 10)]) == (2.0, 8.0)
+    # n = 5: P(B <= 0) = 1/32 > 0.025: no interval narrower than the range
+    assert median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0)
+    assert median_interval([7.0]) == (7.0, 7.0)
+    # a lower confidence gives a narrower interval
+    low, high = median_interval(xs, confidence=0.5)
+    assert 10.0 < low <= high < 21.0
+    with pytest.raises(ValueError, match="no values"):
+        median_interval([])
+
+
+def test_a_drift_common_to_a_round_cancels_and_the_slowest_rank_counts() -> None:
+    """Rounds alternate a fast and a 10x slower machine; the second system is 0.8x the baseline
+    in every round: the per-round ratio is exactly 0.8 with an interval of zero width (a ratio
+    to the baseline's overall median would spread from 0.08 to 8)."""
+    drift = [1.0 if r % 2 == 0 else 10.0 for r in range(9)]
+    rank0 = [drift, [0.8 * d for d in drift]]
+    rank1 = [[d / 2 for d in drift], [0.4 * d for d in drift]]  # faster: never the step's time
+    rank1[1][3] = 100.0  # rank 1 slowest in one round: that round's step is 100 s
+    base, other = summarize("m", ["a", "b"], [rank0, rank1])
+    assert (base.ratio, base.ratio_low, base.ratio_high, base.faster_rounds) == (1.0, 1.0, 1.0, 0)
+    assert other.ratio == pytest.approx(0.8) and other.rounds == 9
+    assert other.ratio_low == pytest.approx(0.8) and other.ratio_high == pytest.approx(0.8)
+    assert other.faster_rounds == 8  # round 3: 100 s against the baseline's 10 s
+    assert base.step_ms == pytest.approx(1e3 * 1.0) and other.step_ms == pytest.approx(800.0)
+
+
+@pytest.mark.parametrize(
+    ("systems", "rounds", "warmup", "match"),
+    [
+        (("torch_ddp_gabv",), 30, 5, "--systems needs a baseline"),
+        (("torch_ddp_gabv", "megabuf_ar_overlap", "torch_ddp_gabv"), 30, 5, "names a system twice"),
+        (("torch_ddp_gabv", "megabuf_ar_overlap"), 0, 5, "--rounds must be >= 1"),
+        (("torch_ddp_gabv", "megabuf_ar_auto"), 30, 2, "--warmup must be >= 3"),
+    ],
+)
+def test_misuse_is_refused_naming_the_option(
+    systems: tuple[str, ...], rounds: int, warmup: int, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_options(systems, rounds, warmup)
+    check_options(("torch_ddp_gabv", "megabuf_ar_auto"), 1, 3)  # the smallest valid run
+
+
+def test_paired_run_end_to_end(tmp_path: Path) -> None:
+    """Two systems on 2 gloo ranks: each checked against the single-process step, the auto plan
+    chosen in warm-up (before the rounds), every round timed on both ranks."""
+    out = tmp_path / "p.jsonl"
+    cmd = [sys.executable, "-m", "megabuf.bench.paired", "--models", "gpt_tiny:2",
+           "--systems", "torch_ddp_gabv,megabuf_ar_auto", "--rounds", "4", "--warmup", "3",
+           "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    head, *rows = (json.loads(line) for line in out.read_text().splitlines())
+    assert head["kind"] == "run" and head["systems"] == ["torch_ddp_gabv", "megabuf_ar_auto"]
+    assert [r["system"] for r in rows] == head["systems"]
+    base, auto = rows
+    assert base["ratio"] == 1.0 and base["rounds"] == auto["rounds"] == 4
+    for row in rows:
+        assert row["check_max_abs_error"] <= 1e-5, row
+        assert [len(s) for s in row["step_s_per_rank"]] == [4, 4], row
+        assert row["ratio_low"] <= row["ratio"] <= row["ratio_high"], row
+    assert "auto_plan" in auto and auto["exposed_ms"] is not None, auto
+    assert "exposed_ms" not in base  # torch DDP has no megabuf timeline
+    assert "megabuf_ar_auto" in proc.stdout and "95% interval" in proc.stdout
