@@ -629,6 +629,14 @@ MUTANTS = (
         "",
         ("tests/test_autobucket.py",),
     ),
+    Mutant(
+        "paired-ratio-not-per-round",
+        "the paired bench divides each step by the baseline's step of the same round",
+        "megabuf/bench/paired.py",
+        "        ratios = [steps[s][r] / steps[0][r] for r in range(n_rounds)]\n",
+        "        ratios = [steps[s][r] / statistics.median(steps[0]) for r in range(n_rounds)]\n",
+        ("tests/test_bench_paired.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")
