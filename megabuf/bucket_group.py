@@ -25,13 +25,8 @@ from megabuf.buffer import _ParamAndGradBucket
 from megabuf.collectives import Collectives
 from megabuf.comm_hooks.contract import GradBucket, HookWork, Waitable
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.dispatch import (  # re-exported: users import them from here
-    DispatchChain,
-    GradSyncState,
-    ParamSyncState,
-    SyncWork,
-)
-from megabuf.grad_math import NonfiniteFlags, by_dtype, foreach_scale
+from megabuf.dispatch import DispatchChain, GradSyncState, ParamSyncState, SyncWork  # re-exported
+from megabuf.grad_math import InboundScale, NonfiniteFlags, by_dtype, foreach_scale
 from megabuf.sharding.grads import GradBucketState, ShardedGrads
 from megabuf.sharding.params import ShardedParams
 from megabuf.sharding.replicate import ReplicaStage
@@ -105,6 +100,7 @@ class BucketGroup(TwoLevelReduction):
         # both are reset in place every iteration, never reallocated
         self._unwritten = bytearray(self._all_unwritten)
         self._arrivals = list(self._no_arrivals)
+        self.inbound = InboundScale.of(self.buckets, ddp_config.sharding)
         self.is_last_microbatch = True
         self.nonfinite = NonfiniteFlags(  # [Note: NaN check] in nan_check.py
             self.params_list, [len(b.params_list) for b in self.buckets], self.name_of,
@@ -175,6 +171,7 @@ class BucketGroup(TwoLevelReduction):
         self._clear_readiness()
         self.is_last_microbatch = True
         self._unwritten[:] = self._all_unwritten
+        self.inbound.clear()
         self.unused_indices: tuple[int, ...] = ()  # unwritten when dispatched (zero-filled)
         self.nonfinite.clear()
 
@@ -211,6 +208,12 @@ class BucketGroup(TwoLevelReduction):
         """Param `i`'s main_grad no longer counts as written (its exposed `.grad` was set to
         None): its next grad overwrites it, and without one it is zero-filled at dispatch."""
         self._unwritten[i] = 1
+
+    def copy_factor(self, i: int, first: bool) -> float:
+        """Param `i`'s grad's factor into main_grad: [Note: scale on the way in] (grad_math.py)."""
+        cfg = self.ddp_config
+        ok = self.is_final_microbatch and self.comm_hook is None and cfg.sync_grads_at_backward_end
+        return self.inbound.factor_for(i, first, ok)
 
     def zero_unwritten_grads(self) -> None:
         """Zero the main_grad of params that got no grad since zero_grad_buffer(), and remember
@@ -330,7 +333,8 @@ class BucketGroup(TwoLevelReduction):
         grads = [b.grad_data for b in self.buckets]
         scales = [b.gradient_scaling_factor for b in self.buckets]
         pre = [strategy.prescales(g.dtype) for g in grads]
-        foreach_scale([g for g, p in zip(grads, pre) if p], [f for f, p in zip(scales, pre) if p])
+        chosen = [(g, f) for g, f, p in zip(grads, scales, pre) if p]
+        self.inbound.prescale([g for g, _ in chosen], [f for _, f in chosen], self.params_list)
         group, average = self.collective_group, cfg.average_in_collective
         if strategy.reduction == "all_reduce":
             return self.collectives.all_reduce_many(

@@ -79,13 +79,21 @@ def make_grad_hook(
         grad = param.grad
         first = group.mark_written(index)
         if grad is not None and grad is not main_grad:
-            if first or link:
-                # linked: param.grad is not main_grad only when it was None (zero_grad_buffer
-                # or the user's set_to_none) or replaced, so it holds the whole accumulated grad
-                main_grad.copy_(grad)
+            factor = group.copy_factor(index, first) if grad.dtype == main_grad.dtype else 1.0
+            if factor != 1.0:  # [Note: scale on the way in] in grad_math.py
+                if first:
+                    torch.mul(grad, factor, out=main_grad)
+                else:
+                    main_grad.add_(grad, alpha=factor)
+                param.grad = None  # linked at the sync: no unscaled grad added in place
             else:
-                main_grad.add_(grad)
-            param.grad = main_grad if link else None
+                if first or link:
+                    # linked: param.grad is not main_grad only when it was None (zero_grad_buffer
+                    # or set_to_none) or replaced, so it holds the whole accumulated grad
+                    main_grad.copy_(grad)
+                else:
+                    main_grad.add_(grad)
+                param.grad = main_grad if link else None
         group.register_grad_ready_at(index, param)
 
     return hook
