@@ -6,10 +6,11 @@
 zero-then-add would be three), later ones are added; the hook then links `param.grad` to the
 `main_grad` view (same dtype) so further backwards accumulate in place through autograd, with no
 copy at all. Small params are the exception: zeroed and linked ahead of their first grad ([Note:
-small grads accumulate in place] in grads.py). A param that got no grad is still fresh when its
-bucket group is reduced, and its `main_grad` is zeroed then (`BucketGroup.zero_unwritten_grads`)
-and, without the distributed optimizer, its `.grad` is linked at `finish_grad_sync()` ([Note:
-grad contract] in grads.py).
+small grads accumulate in place] in grads.py); so is a grad scaled on its way in, linked only at
+the sync ([Note: scale on the way in] in grad_math.py). A param that got no grad is still fresh
+when its bucket group is reduced, and its `main_grad` is zeroed then
+(`BucketGroup.zero_unwritten_grads`) and, without the distributed optimizer, its `.grad` is
+linked at `finish_grad_sync()` ([Note: grad contract] in grads.py).
 So `main_grad` holds stale values between `zero_grad_buffer()` and the param's first grad: read
 grads after `finish_grad_sync()`.
 `optimizer.zero_grad()` alone does not clear gradients: call `model.zero_grad_buffer()` (or

@@ -160,6 +160,8 @@ def test_options() -> None:
     assert quick.steps == 2 and not quick.isolate and "gpt_tiny" in quick.models
     full = parse_options(["--models", "gpt_small:2,mlp_34m", "--systems", "no_comm"])
     assert full.models == {"gpt_small": 2, "mlp_34m": 64} and full.isolate
+    named = parse_options(["--models", "many_small,mlp_tiny"])  # in both lists: the full batch
+    assert named.models == {"many_small": 32, "mlp_tiny": 8}
     with pytest.raises(ValueError, match="unknown systems"):
         parse_options(["--systems", "deepspeed"])
 

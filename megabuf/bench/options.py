@@ -84,7 +84,8 @@ def parse_models(text: str) -> dict[str, int]:
         name, _, batch = item.strip().partition(":")
         if not name:
             continue
-        models[name] = int(batch) if batch else {**DEFAULT_MODELS, **QUICK_MODELS}.get(name, 8)
+        # a model of both lists runs at its full-run batch (many_small: 32, not --quick's 8)
+        models[name] = int(batch) if batch else {**QUICK_MODELS, **DEFAULT_MODELS}.get(name, 8)
     if not models:
         raise ValueError(f"megabuf.bench: no models in {text!r}")
     return models
