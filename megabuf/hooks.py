@@ -82,10 +82,10 @@ def make_grad_hook(
         if grad is not None and grad is not main_grad:
             factor = group.copy_factor(index, first) if grad.dtype == main_grad.dtype else 1.0
             if factor != 1.0:  # [Note: scale on the way in] in grad_math.py
-                if first:
-                    torch.mul(grad, factor, out=main_grad)
+                if first:  # detached: an out= product refuses a grad that requires grad
+                    torch.mul(grad.detach(), factor, out=main_grad)
                 else:
-                    main_grad.add_(grad, alpha=factor)
+                    main_grad.add_(grad.detach(), alpha=factor)
                 param.grad = None  # linked at the sync: no unscaled grad added in place
             else:
                 if first or link:
