@@ -18,9 +18,11 @@ none did. A param takes this path only from its first grad of an iteration whose
 ends with the group's reduction (outside no_sync, sync_grads_at_backward_end), with no comm
 hook registered (a hook may want unscaled grads, [Note: comm hook contract]), in a group that
 all-reduces pre-scaled buckets of one factor (the reduce-scatter strategies scale 1/dp of the
-bytes after the collective instead), and for a grad of `main_grad`'s dtype (a bf16 grad scaled
-before its upcast would round differently). So between such a param's first grad and the end
-of backward its `.grad` is None, not the partial `main_grad`: read grads after the sync.
+bytes after the collective instead), for a grad of `main_grad`'s dtype (a bf16 grad scaled
+before its upcast would round differently), and for a param of more than SMALL_GRAD_NUMEL
+elements (scaling a small one on the way in saves next to nothing, and would make the dispatch
+scale its bucket param by param). So between such a param's first grad and the end of backward
+its `.grad` is None, not the partial `main_grad`: read grads after the sync.
 """
 
 from __future__ import annotations

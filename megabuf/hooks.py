@@ -50,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from megabuf.bucket_group import BucketGroup
+from megabuf.grads import SMALL_GRAD_NUMEL
 
 
 def make_grad_hook(
@@ -67,6 +68,7 @@ def make_grad_hook(
     hold the engine weakly])."""
     group_ref = weakref.ref(group)
     on_grad_ref = _weak_callable(on_grad)
+    inbound = main_grad.numel() > SMALL_GRAD_NUMEL  # [Note: scale on the way in]
 
     def hook(param: nn.Parameter) -> None:
         group = group_ref()
@@ -80,7 +82,8 @@ def make_grad_hook(
         grad = param.grad
         first = group.mark_written(index)
         if grad is not None and grad is not main_grad:
-            factor = group.copy_factor(index, first) if grad.dtype == main_grad.dtype else 1.0
+            same = inbound and grad.dtype == main_grad.dtype
+            factor = group.copy_factor(index, first) if same else 1.0
             if factor != 1.0:  # [Note: scale on the way in] in grad_math.py
                 if first:  # detached: an out= product refuses a grad that requires grad
                     torch.mul(grad.detach(), factor, out=main_grad)
