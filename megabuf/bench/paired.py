@@ -45,7 +45,7 @@ import torch.distributed as dist
 import megabuf
 from megabuf.bench.options import CHECK_ATOL, DEFAULT_MODELS, parse_models, parse_systems
 from megabuf.bench.reference import bench_model, compute_reference, rank_batch
-from megabuf.bench.report import write_jsonl
+from megabuf.bench.report import markdown_table, write_jsonl
 from megabuf.bench.systems import MEGABUF_CONFIGS
 from megabuf.bench.worker import (
     PHASES,
@@ -201,16 +201,16 @@ def check_options(systems: Sequence[str], rounds: int, warmup: int) -> None:
 def _table(rows: Sequence[dict[str, Any]]) -> str:
     head = ("model", "system", "step ms", "x base", "95% interval", "faster rounds", "exposed ms",
             "check")  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for r in rows:
-        exposed = r.get("exposed_ms")
-        err = r.get("check_max_abs_error")
-        lines.append("| " + " | ".join((
-            r["model"], r["system"], f"{r['step_ms']:.1f}", f"{r['ratio']:.3f}",
-            f"{r['ratio_low']:.3f}-{r['ratio_high']:.3f}", f"{r['faster_rounds']}/{r['rounds']}",
-            "-" if exposed is None else f"{exposed:.1f}", "-" if err is None else f"{err:.1e}",
-        )) + " |")  # fmt: skip
-    return "\n".join(lines)
+    return markdown_table(head, [_cells(r) for r in rows])
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    exposed, err = r.get("exposed_ms"), r.get("check_max_abs_error")
+    return [
+        r["model"], r["system"], f"{r['step_ms']:.1f}", f"{r['ratio']:.3f}",
+        f"{r['ratio_low']:.3f}-{r['ratio_high']:.3f}", f"{r['faster_rounds']}/{r['rounds']}",
+        "-" if exposed is None else f"{exposed:.1f}", "-" if err is None else f"{err:.1e}",
+    ]  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
