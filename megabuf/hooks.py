@@ -68,7 +68,8 @@ def make_grad_hook(
     hold the engine weakly])."""
     group_ref = weakref.ref(group)
     on_grad_ref = _weak_callable(on_grad)
-    inbound = main_grad.numel() > SMALL_GRAD_NUMEL  # [Note: scale on the way in]
+    # [Note: scale on the way in]: a linked grad has main_grad's dtype; decided once, here
+    inbound = link and group.inbound.factor is not None and main_grad.numel() > SMALL_GRAD_NUMEL
 
     def hook(param: nn.Parameter) -> None:
         group = group_ref()
@@ -82,8 +83,7 @@ def make_grad_hook(
         grad = param.grad
         first = group.mark_written(index)
         if grad is not None and grad is not main_grad:
-            same = inbound and grad.dtype == main_grad.dtype
-            factor = group.copy_factor(index, first) if same else 1.0
+            factor = group.copy_factor(index, first) if inbound else 1.0
             if factor != 1.0:  # [Note: scale on the way in] in grad_math.py
                 if first:  # detached: an out= product refuses a grad that requires grad
                     torch.mul(grad.detach(), factor, out=main_grad)

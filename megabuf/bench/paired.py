@@ -48,10 +48,10 @@ from megabuf.bench.reference import bench_model, compute_reference, rank_batch
 from megabuf.bench.report import markdown_table, write_jsonl
 from megabuf.bench.systems import MEGABUF_CONFIGS
 from megabuf.bench.worker import (
-    PHASES,
     Job,
     build_engine,
     check_error,
+    phase_medians,
     rank_device,
     train_step,
 )
@@ -152,9 +152,7 @@ def _rounds(jobs: Sequence[Job], pgs: megabuf.ProcessGroups, rounds: int) -> lis
             phases[i].append([b - a for a, b in itertools.pairwise(times)])
     for i, engine in enumerate(engines):
         out[i]["step_s"] = steps[i]
-        out[i]["phase_ms"] = {
-            n: 1e3 * statistics.median(p[k] for p in phases[i]) for k, n in enumerate(PHASES)
-        }
+        out[i]["phase_ms"] = phase_medians(phases[i])
         if engine.ddp is not None and engine.ddp.timeline is not None:
             out[i]["exposed_ms"] = (
                 analyze(engine.ddp.timeline.events).to_dict().get("median_exposed_ms")

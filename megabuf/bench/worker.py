@@ -201,13 +201,16 @@ def _timed_steps(
     return phases
 
 
+def phase_medians(phases: list[list[float]]) -> dict[str, float]:
+    """Median ms of each of PHASES over steps (`phases[step][phase]` in seconds)."""
+    return {n: 1e3 * statistics.median(p[i] for p in phases) for i, n in enumerate(PHASES)}
+
+
 def _summary(job: Job, engine: Engine, phases: list[list[float]]) -> dict[str, Any]:
     totals = [sum(p) for p in phases]
     out: dict[str, Any] = {
         "step_ms": 1e3 * statistics.median(totals),
-        "phase_ms": {
-            n: 1e3 * statistics.median(p[i] for p in phases) for i, n in enumerate(PHASES)
-        },
+        "phase_ms": phase_medians(phases),
         "optimizer_state_nbytes": optimizer_state_nbytes(engine.optimizer),
         # [Note: measured model state] and [Note: memory formula]
         "persistent_nbytes": measured_persistent_nbytes(engine),
