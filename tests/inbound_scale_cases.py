@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import megabuf
 from megabuf.comm_hooks import from_torch
 
+TOL = 1e-6
 WIDTH = 96  # Linear weights of 9216 elements: large; biases, norm and `gate`: small
 
 
@@ -41,9 +42,9 @@ class Net(nn.Module):
         return h * self.gate
 
 
-def _batch(rank: int, step: int) -> torch.Tensor:
+def _batch(rank: int, step: int, device: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(4, WIDTH, generator=g).requires_grad_(True)  # reentrant checkpoint input
+    return torch.randn(4, WIDTH, generator=g).to(device).requires_grad_(True)  # checkpoint input
 
 
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -52,10 +53,11 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _reference(net: Net, steps: list[int], world: int) -> dict[str, torch.Tensor]:
     ref = copy.deepcopy(net)
+    device = str(next(net.parameters()).device)
     for step in steps:
         for rank in range(world):
             ref.rank = rank
-            (_loss(ref, _batch(rank, step)) / world).backward()
+            (_loss(ref, _batch(rank, step, device)) / world).backward()
     return {n: p.grad.clone() for n, p in ref.named_parameters()}  # type: ignore[union-attr]
 
 
@@ -77,7 +79,7 @@ def _grads(model: Any) -> dict[str, torch.Tensor]:
 def _run(model: Any, steps: list[int], micro: list[int]) -> tuple[dict[str, Any], dict[str, bool]]:
     """One iteration: `micro` steps under no_sync(), then `steps`; also, per param, whether its
     `.grad` was None right after megabuf's hook at its last arrival (taken in scaled)."""
-    rank = dist.get_rank()
+    rank, device = dist.get_rank(), str(next(model.module.parameters()).device)
     none_after: dict[str, bool] = {}
     for name, param in model.module.named_parameters():  # registered after megabuf's hooks
         param.register_post_accumulate_grad_hook(
@@ -86,9 +88,9 @@ def _run(model: Any, steps: list[int], micro: list[int]) -> tuple[dict[str, Any]
     model.zero_grad_buffer()
     with model.no_sync():
         for step in micro:
-            _loss(model, _batch(rank, step)).backward()
+            _loss(model, _batch(rank, step, device)).backward()
     for step in steps:
-        _loss(model, _batch(rank, step)).backward()
+        _loss(model, _batch(rank, step, device)).backward()
     model.finish_grad_sync()
     linked = all(p.grad is p.main_grad for p in model.module.parameters())
     return {"grads": _grads(model), "linked": linked}, none_after
@@ -109,10 +111,38 @@ def _compare(net: Net, micro: list[int], hook: Any = None) -> dict[str, Any]:
     }
 
 
-def run_cases() -> dict[str, Any]:
-    net = Net()
+def run_cases(device: str = "cpu") -> dict[str, Any]:
+    """Every case on `device` ("cuda": the GPU tier's gloo ranks sharing one GPU)."""
+    net = Net().to(device)
     return {
         "one_backward": _compare(net, []),
         "microbatches": _compare(net, [0, 1]),
         "torch_hook": _compare(net, [], from_torch(allreduce_hook, None)),
     }
+
+
+def _copied_in(rank: int) -> list[str]:
+    """The large params this rank uses. Not `gate`: the first grad of the backward, whose hook
+    links the other small params ([Note: small grads accumulate in place]), is itself copied,
+    but unscaled, as small params are not scaled on the way in."""
+    return sorted(["a.weight", "b.weight"] + (["skip.weight"] if rank != 0 else []))
+
+
+def check_large_grads_scaled(results: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(results):
+        case = res["one_backward"]
+        assert case["scaled"] == _copied_in(rank), (rank, case["scaled"])
+        # a.weight arrives twice: g1 * f + g2 * f, the bucket pass (g1 + g2) * f; the same bits
+        # when f is a power of two (dp 2)
+        twice = [] if len(results) == 2 else ["a.weight"]
+        assert sorted(set(case["names"]) - set(twice)) == sorted(set(case["bitwise"]) - set(twice))
+        assert case["error"] <= TOL and case["linked"], (rank, case)
+
+
+def check_unscaled_paths(results: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(results):
+        for name in ("microbatches", "torch_hook"):
+            case = res[name]
+            assert case["scaled"] == [], (rank, name, case["scaled"])
+            assert case["bitwise"] == case["names"], (rank, name, case)
+            assert case["error"] <= TOL and case["linked"], (rank, name, case)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist_pool import run_each
+from dist_pool import case_result, run_each
 from gpu_cases import (
     check_sweep,
     checkpoint_crosses_devices,
@@ -27,6 +27,10 @@ from gpu_cases import (
     rank_cases,
     sweep,
 )
+from inbound_scale_cases import check_large_grads_scaled, check_unscaled_paths
+from inbound_scale_cases import run_cases as inbound_cases
+from small_grad_cases import check_all as check_small_grads
+from small_grad_cases import run_cases as small_grad_cases
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -54,6 +58,21 @@ def test_gloo_ranks_sharing_one_gpu_all_reduce(pools: Any, world_size: int) -> N
     assert {p["cuda_device"] for p in pool.run(env_probe, [])} == {0}
     cases = rank_cases("cuda", world_size, allreduce_only=True)
     check_sweep(cases, pool.run(run_each, sweep(cases)), f"gloo-cuda x{world_size}", "native")
+
+
+def test_gloo_ranks_sharing_one_gpu_scale_inbound_and_accumulate_small_grads_in_place(
+    pools: Any,
+) -> None:
+    """[Note: scale on the way in] and [Note: small grads accumulate in place] with CUDA grads
+    (torch.mul(out=), add_(alpha=), foreach zeroing on the device): the CPU tests' cases and
+    assertions (tests/test_inbound_scale.py, tests/test_small_grads.py) on 2 gloo ranks."""
+    per_rank = pools(2, "gloo").run(
+        run_each, {"inbound": (inbound_cases, "cuda"), "small": (small_grad_cases, "cuda")}
+    )
+    inbound = case_result(per_rank, "inbound")
+    check_large_grads_scaled(inbound)
+    check_unscaled_paths(inbound)
+    check_small_grads(case_result(per_rank, "small"))
 
 
 @needs_2_gpus
