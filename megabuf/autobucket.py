@@ -2,12 +2,14 @@
 
 [Note: auto bucket re-plan]
 With `bucket_size = "auto"` the engine starts on the default plan and an `AutoBucket` watches:
-- Measure: a post-accumulate-grad hook per param (registered after the engine's, so it fires
-  once the grad is in `main_grad`) records "param_ready" into a `Timeline` of its own, and the
-  grad sync records "backward_end" there at the start of each `finish_grad_sync()`. The first
-  step is not used (it learns arrival counts and reduces at the end); for each later warm-up
-  step, each param's last ready time relative to that step's backward end; the median over the
-  measured steps. A param without a grad in a step counts as ready at backward end.
+- Measure (megabuf/warmup.py): a post-accumulate-grad hook per param (registered after the
+  engine's, so it fires once the grad is in `main_grad`) records "param_ready" into a
+  `Timeline` of its own, and the grad sync records "backward_end" there at the start of each
+  `finish_grad_sync()`. The first step is not used (it learns arrival counts and reduces at
+  the end); for each later overlapped warm-up step, each param's last ready time relative to
+  that step's backward end; the median over the measured steps. A param without a grad in a
+  step counts as ready at backward end. With 3 or more warm-up steps the last is quiet, its
+  reductions after backward ([Note: quiet step] in warmup.py).
 - Collective model: at the re-plan, a probe of all-reduces of two sizes on the dp group (the
   same communicator, dtype and device as the grads; one untimed round, then the fastest of three)
   fitted by `fit_collective_model` (latency + bytes / bandwidth), then calibrated against the
@@ -68,11 +70,9 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
-import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -82,10 +82,10 @@ from megabuf.bucket_planner import (
     BucketChoice,
     CollectiveModel,
     calibrate,
-    fit_collective_model,
     format_bucket_ends,
     plan_buckets,
     predict_exposed,
+    reduce_at_end,
     worth_changing,
 )
 from megabuf.collectives import Collectives, Group
@@ -93,76 +93,19 @@ from megabuf.config import DistributedDataParallelConfig
 from megabuf.layout import placement_order
 from megabuf.plan import BufferPlan, Plan, build_plan
 from megabuf.replicas import param_specs
-from megabuf.timeline import Event, Timeline
+from megabuf.timeline import Timeline
+from megabuf.warmup import (
+    BACKWARD_END,
+    PARAM_READY,
+    QUIET,
+    SYNCED,
+    Measurement,
+    agree,
+    measured,
+    probe_collective,
+)
 
 logger = logging.getLogger(__name__)
-
-PARAM_READY = "param_ready"
-BACKWARD_END = "backward_end"
-SYNCED = "synced"
-PROBE_NUMELS = (1 << 12, 1 << 20)  # the two all-reduce sizes of the probe (elements)
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """What the planner needs, as measured (and, after `agree`, the same on every rank)."""
-
-    ready_s: tuple[float, ...]  # per trainable param, registration order, rel. to backward end
-    model: CollectiveModel
-    steps: int  # measured steps
-    exposed_s: float = (
-        0.0  # median exposed time of the plan the warm-up ran (synced - backward end)
-    )
-    slowdown: float = 1.0  # the calibration's factor on the probed model (set at the re-plan)
-
-
-def ready_times(
-    events: Sequence[Event], n_params: int, skip_steps: int = 1
-) -> tuple[list[float], int]:
-    """Per param, the median over steps (after the first `skip_steps`) of its last "param_ready"
-    before the step's "backward_end", relative to it (<= 0); 0.0 when it had no grad."""
-    per_step: list[list[float]] = []
-    last: dict[int, float] = {}
-    for group_id, name, t in events:
-        if name == PARAM_READY:
-            last[group_id] = t
-        elif name == BACKWARD_END:
-            per_step.append([last[i] - t if i in last else 0.0 for i in range(n_params)])
-            last = {}
-    measured = per_step[skip_steps:]
-    if not measured:
-        return [0.0] * n_params, 0
-    return [statistics.median(step[i] for step in measured) for i in range(n_params)], len(measured)
-
-
-def exposed_time(events: Sequence[Event], skip_steps: int = 1) -> float:
-    """The least over steps (after the first `skip_steps`) of "synced" - "backward_end": the
-    exposed communication of the plan the warm-up ran ([Note: calibrated collective model]).
-    The least, not the median: load from outside the step only ever adds time."""
-    gaps: list[float] = []
-    start: float | None = None
-    for _, name, t in events:
-        if name == BACKWARD_END:
-            start = t
-        elif name == SYNCED and start is not None:
-            gaps.append(t - start)
-            start = None
-    measured = gaps[skip_steps:]
-    return min(measured) if measured else 0.0
-
-
-def agree(
-    measurement: Measurement, collectives: Collectives, group: Group, device: torch.device
-) -> Measurement:
-    """The elementwise MAX of every rank's numbers over `group` (one all-reduce)."""
-    m = measurement.model
-    values = [*measurement.ready_s, m.latency_s, m.seconds_per_byte, measurement.exposed_s,
-              float(measurement.steps)]  # fmt: skip
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    collectives.all_reduce_max(tensor, group)
-    out = tensor.tolist()
-    model = CollectiveModel(max(0.0, out[-4]), max(0.0, out[-3]))
-    return Measurement(tuple(out[:-4]), model, int(out[-1]), max(0.0, out[-2]))
 
 
 def calibrated(plan: Plan, numels: Sequence[int], measurement: Measurement) -> Measurement:
@@ -175,6 +118,23 @@ def calibrated(plan: Plan, numels: Sequence[int], measurement: Measurement) -> M
 
     model, factor = calibrate(measurement.model, predict, measurement.exposed_s)
     return replace(measurement, model=model, slowdown=factor)
+
+
+def at_end(
+    plan: Plan, numels: Sequence[int], own_bucket: Sequence[bool], measurement: Measurement
+) -> tuple[BucketChoice, ...]:
+    """Each buffer as few buckets as the layout allows (one, but for params with a bucket of
+    their own), all reduced after backward, predicted with the model calibrated on the quiet
+    step: slowed until the plan that ran, reduced after backward buffer after buffer, takes
+    the quiet step's exposed time ([Note: quiet step] in warmup.py)."""
+    after = replace(measurement, ready_s=tuple(0.0 for _ in measurement.ready_s))
+
+    def predict(model: CollectiveModel) -> float:
+        current = current_choices(plan, numels, replace(after, model=model))
+        return sum(c.predicted_exposed_s for c in current)
+
+    model, _ = calibrate(measurement.model, predict, measurement.quiet_exposed_s)
+    return choose_buckets(plan, numels, own_bucket, replace(after, model=model))
 
 
 def current_choices(
@@ -192,29 +152,6 @@ def current_choices(
         )  # fmt: skip
         out.append(BucketChoice(counts, tuple(b.numel for b in buckets), exposed))
     return tuple(out)
-
-
-def probe_collective(
-    collectives: Collectives, group: Group, device: torch.device, dtype: torch.dtype
-) -> CollectiveModel:
-    """Latency and bandwidth of an all-reduce on `group`: see [Note: auto bucket re-plan]."""
-    samples = []
-    for numel in PROBE_NUMELS:
-        tensor = torch.zeros(numel, dtype=dtype, device=device)
-        times = [_timed_all_reduce(collectives, tensor, group) for _ in range(4)][1:]
-        samples.append((numel * tensor.element_size(), min(times)))
-    return fit_collective_model(samples)
-
-
-def _timed_all_reduce(collectives: Collectives, tensor: torch.Tensor, group: Group) -> float:
-    cuda = tensor.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(tensor.device)
-    start = time.perf_counter()
-    collectives.all_reduce(tensor, group, async_op=False).wait()
-    if cuda:
-        torch.cuda.synchronize(tensor.device)
-    return time.perf_counter() - start
 
 
 def choose_buckets(
@@ -296,6 +233,11 @@ class AutoBucket:
         self.kept = False  # the re-plan kept the plan that ran (too small a gain, or `keep`)
         self._current: tuple[BucketChoice, ...] = ()  # the plan that ran, as choices
         self.syncs = 0  # grad syncs seen (the grad sync calls `on_backward_end`)
+        # [Note: quiet step] in warmup.py: unsharded grads, something to overlap
+        self.quiet_allowed = not config.sharding.shards_grads and collectives.size(group) > 1
+        self._quiet_marked = -1  # `syncs` when the quiet step was marked
+        self.at_end = False  # the re-plan chose to reduce each buffer after backward
+        self.comparison = ""  # the quiet step's comparison, as logged
 
     def _hook(self, index: int):  # type: ignore[no-untyped-def]
         record = self.timeline.record
@@ -321,12 +263,28 @@ class AutoBucket:
         return not self.replanned and self.syncs >= self.config.auto_bucket_warmup_steps
 
     @property
+    def quiet_next(self) -> bool:
+        """The step about to start is the quiet one: the last warm-up step, of at least 3
+        ([Note: quiet step] in warmup.py)."""
+        warmup = self.config.auto_bucket_warmup_steps
+        due = warmup >= 3 and self.syncs == warmup - 1
+        return due and self.quiet_allowed and not self.replanned
+
+    def begin_quiet(self) -> None:
+        """Mark the quiet step (once, however often `zero_grad_buffer()` runs before it)."""
+        if self._quiet_marked != self.syncs:
+            self._quiet_marked = self.syncs
+            self.timeline.record(-1, QUIET)
+
+    @property
     def predicted_exposed_s(self) -> float | None:
         """After the re-plan: the model's exposed time of the chosen plan (the largest over
         the buffers; buffers reduced on one chain queue behind each other, so this is a lower
         bound when there are several), for the bench's model check."""
         if not self.replanned:
             return None
+        if self.at_end:  # one after the other, after backward
+            return sum(c.predicted_exposed_s for c in self.choices)
         return max((c.predicted_exposed_s for c in self.choices), default=0.0)
 
     def close(self) -> None:
@@ -337,10 +295,8 @@ class AutoBucket:
     def measure(self, grad_dtype: torch.dtype) -> Measurement:
         """This rank's numbers: the warm-up's ready times and a probe of the collective
         (collective over the dp group)."""
-        events = self.timeline.events
-        ready, steps = ready_times(events, len(self.trainable))
         model = probe_collective(self.collectives, self.group, self.device, grad_dtype)
-        return Measurement(tuple(ready), model, steps, exposed_time(events))
+        return measured(self.timeline.events, len(self.trainable), model)
 
     def replan(
         self, plan: Plan, *, dp_size: int, expt_dp_size: int, expert_shares_dp_group: bool
@@ -365,14 +321,38 @@ class AutoBucket:
         self.kept = not worth_changing(self.choices, current, backward_s)
         if self.kept:
             self.choices = current
+        if self.quiet_allowed and agreed.quiet_backward_s > 0:
+            self._weigh_end(plan, numels, [s.own_bucket for s in specs], agreed, current)
         new_plan = build_plan(
             specs, self.config, dp_size=dp_size, expt_dp_size=expt_dp_size,
             expert_shares_dp_group=expert_shares_dp_group, unit_of_param=plan.unit_of_spec,
             bucket_ends=[ends_of(c) for c in self.choices],
         )  # fmt: skip
-        self.summary = describe(self.choices, agreed, self.kept)
+        self.summary = describe(self.choices, agreed, self.kept, self.comparison, self.at_end)
         logger.info("megabuf: %s", self.summary)
         return new_plan
+
+    def _weigh_end(
+        self, plan: Plan, numels: Sequence[int], own: Sequence[bool], agreed: Measurement,
+        current: Sequence[BucketChoice],
+    ) -> None:  # fmt: skip
+        """Overlapped (the choice so far) or each buffer reduced after backward: [Note: quiet
+        step] in warmup.py."""
+        end = at_end(plan, numels, own, agreed)
+        worst = max((c.predicted_exposed_s for c in self.choices), default=0.0)
+        end_exposed = sum(c.predicted_exposed_s for c in end)
+        overlapped_s = agreed.backward_s + worst
+        end_s = agreed.quiet_backward_s + end_exposed
+        self.at_end = reduce_at_end(overlapped_s, end_s, agreed.backward_s)
+        ms = [1e3 * x for x in (agreed.backward_s, worst, agreed.quiet_backward_s, end_exposed)]
+        self.comparison = (
+            f"overlapped: backward {ms[0]:.1f} ms + predicted exposed {ms[1]:.1f} ms; reduced "
+            f"after backward: quiet backward {ms[2]:.1f} ms + predicted {ms[3]:.1f} ms -> "
+            + ("reduce each buffer after backward" if self.at_end else "overlap")
+        )
+        if self.at_end:
+            self.choices = end
+            self.kept = [c.param_counts for c in end] == [c.param_counts for c in current]
 
     def keep(self, reason: str, *, warn: bool = True) -> None:
         """The plan that ran stays (logged with `reason`; a warning where it was not chosen)."""
@@ -386,11 +366,15 @@ def _remove_all(handles: list[RemovableHandle]) -> None:
         handle.remove()
 
 
-def describe(choices: Sequence[BucketChoice], measurement: Measurement, kept: bool) -> str:
+def describe(
+    choices: Sequence[BucketChoice], measurement: Measurement, kept: bool, comparison: str = "",
+    at_end: bool = False,
+) -> str:  # fmt: skip
     """One line per buffer of the chosen plan (logged at the re-plan)."""
     m = measurement.model
-    head = ("kept the boundaries that ran (more buckets for less than MIN_GAIN of backward): "
-            if kept else "")  # fmt: skip
+    why = "already as few as the layout allows" if at_end else (
+        "more buckets for less than MIN_GAIN of backward")  # fmt: skip
+    head = f"kept the boundaries that ran ({why}): " if kept else ""
     head += (
         f"bucket_size=auto re-planned from {measurement.steps} measured steps, all-reduce "
         f"latency {1e6 * m.latency_s:.1f} us, {1e-9 / max(m.seconds_per_byte, 1e-30):.3g} GB/s"
@@ -399,7 +383,7 @@ def describe(choices: Sequence[BucketChoice], measurement: Measurement, kept: bo
     )
     ends = format_bucket_ends([ends_of(c) for c in choices])
     show = f"megabuf inspect <model> --set bucket_size=auto --bucket-ends '{ends}'"
-    lines = [head, f"  show it: {show}"]
+    lines = [head, f"  show it: {show}"] + ([f"  quiet step: {comparison}"] if comparison else [])
     for b, c in enumerate(choices):
         lines.append(
             f"  buffer {b}: {len(c.param_counts)} buckets of {list(c.bucket_numels)} elements, "

@@ -334,3 +334,12 @@ def worth_changing(
     if count(chosen) <= count(current):
         return gain >= -TIE_S
     return gain >= MIN_GAIN * backward_s
+
+
+def reduce_at_end(overlapped_s: float, at_end_s: float, backward_s: float) -> bool:
+    """Whether reducing every buffer after backward (`at_end_s`: the quiet step's backward + the
+    predicted time of those collectives) beats the overlapped plan (`overlapped_s`: its
+    measured backward + predicted exposed time) by at least MIN_GAIN of the overlapped
+    backward `backward_s` ([Note: quiet step] in warmup.py): a smaller predicted gain is
+    within what one quiet step measures."""
+    return at_end_s <= overlapped_s - MIN_GAIN * backward_s

@@ -170,7 +170,10 @@ class Engine:
     def zero_grad_buffer(self) -> None:
         """A new iteration's grads (lazily: [Note: grad accumulation into main_grad]); with
         bucket_size="auto", after the warm-up also the one re-plan."""
-        self.sync.zero()
+        quiet = self.auto is not None and self.auto.quiet_next
+        self.sync.zero(defer_dispatch=quiet)
+        if quiet:
+            self.auto.begin_quiet()  # type: ignore[union-attr]
         # not inside no_sync(): its exit would restore the flag of the replaced grad sync
         if self.auto is not None and self.auto.due and self.sync.require_sync:
             self._replan_buckets(self.auto)

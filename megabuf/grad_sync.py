@@ -82,6 +82,7 @@ class GradSync:
         )
         self.backward_end = BackwardEndSync(config.sync_grads_at_backward_end, self._backward_ended)
         self.backward_end.every_backward = self.reduce_each
+        self.defer_dispatch = False  # this iteration reduces after backward ([Note: quiet step])
         self.phase = SyncPhase.ACCUMULATING
         # shared with the grad hooks: [Note: one bookkeeping per backward]
         self.in_backward = [False]
@@ -103,8 +104,11 @@ class GradSync:
     def require_sync(self, value: bool) -> None:
         self.backward_end.require_sync = bool(value)
         for group in self.groups:
-            group.is_last_microbatch = bool(value) or self.reduce_each
+            group.is_last_microbatch = self._dispatches_in_backward(bool(value))
             group.is_final_microbatch = bool(value)  # [Note: two-level reduction]
+
+    def _dispatches_in_backward(self, require_sync: bool) -> bool:
+        return (require_sync or self.reduce_each) and not self.defer_dispatch
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -238,14 +242,17 @@ class GradSync:
         return next((g for g in self.groups if g.grad_state is not GradSyncState.SYNCED), None)
 
     # ---- a new iteration ----------------------------------------------------------------------
-    def zero(self) -> None:
-        """Start a new iteration's grads (lazily: [Note: grad accumulation into main_grad])."""
+    def zero(self, defer_dispatch: bool = False) -> None:
+        """Start a new iteration's grads (lazily: [Note: grad accumulation into main_grad]);
+        `defer_dispatch`: its backward only accumulates and the sync reduces everything after
+        it (the auto bucket warm-up's quiet step, [Note: quiet step] in warmup.py)."""
+        self.defer_dispatch = defer_dispatch
         for group in self.groups:
             group.reset()
         for chain in self.chains:
             chain.reset()
         for group in self.groups:
-            group.is_last_microbatch = self.require_sync or self.reduce_each
+            group.is_last_microbatch = self._dispatches_in_backward(self.require_sync)
             group.is_final_microbatch = self.require_sync
         self.grads.clear()
         self.backward_end.queued = False

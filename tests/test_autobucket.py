@@ -12,6 +12,7 @@ from autobucket_cases import (
     measured_case,
     memory_kept_case,
     no_sync_deferral_case,
+    quiet_step_case,
     replan_case,
     world_one_case,
     zero3_case,
@@ -49,6 +50,11 @@ CASES: dict[str, tuple[Any, ...]] = {
     "zero3_measured": (measured_case, ZERO3),
     "hook_refused": (hook_refused_case,),
     "no_sync_deferral": (no_sync_deferral_case,),
+    # [Note: quiet step]: injected numbers for and against reducing after backward
+    "quiet_end": (quiet_step_case, 0.001),
+    "quiet_overlap": (quiet_step_case, 0.050),
+    "quiet_end_zero1": (quiet_step_case, 0.001, ZERO1),
+    "quiet_none_zero2": (quiet_step_case, 0.001, ZERO2),
 }
 REPLAN = ("megabuf_opt", "torch_opt_fp32_accum", "zero1_overlap_gather", "zero2_fp32_accum")
 
@@ -252,3 +258,48 @@ def test_a_due_replan_waits_for_a_zero_grad_buffer_outside_no_sync(results: Any)
     for res in case_result(results, "no_sync_deferral"):
         assert not res["inside"] and res["after"], res
         assert res["require"] and res["same_grads"], res  # the new grad sync reduces
+
+
+@pytest.mark.parametrize("name", ["quiet_end", "quiet_overlap", "quiet_end_zero1"])
+def test_the_last_warmup_step_is_quiet_and_reduces_the_same_grads_bitwise(
+    results: Any, name: str
+) -> None:
+    """[Note: quiet step]: with 3 warm-up steps the third reduces after backward (no group is
+    ready during it; the second, overlapped, had some, and so have the steps after the
+    re-plan), its numbers are measured, one
+    overlapped step is, and the run equals one on the chosen plan from the start, bitwise."""
+    for rank, res in enumerate(case_result(results, name)):
+        ready = res["ready_per_step"]
+        # the first step learns the arrivals, as does the first on rebuilt groups; then overlap
+        assert ready[0] == 0 and ready[1] > 0 and ready[2] == 0 and ready[-1] > 0, (rank, ready)
+        assert res["real"]["steps"] == 1 and min(res["real"]["quiet"]) > 0, (rank, res["real"])
+        assert res["moved"] > 1e-3, "training did not move the params: the test proves nothing"
+        assert res["max_diff"] == 0.0, (rank, res)
+
+
+def test_reducing_after_backward_is_chosen_only_where_the_quiet_step_says_it_pays(
+    results: Any,
+) -> None:
+    """Quiet backward 1 ms against 10 ms overlapped: one bucket per buffer at backward's end,
+    the same on both ranks, the comparison logged; quiet backward 50 ms: overlap stays."""
+    for name in ("quiet_end", "quiet_end_zero1"):
+        per_rank = case_result(results, name)
+        for res in per_rank:
+            assert res["at_end"] and res["buckets"] == [1] * len(res["buckets"]), res
+            assert res["default_buckets"] != res["buckets"], "one bucket already: no test"
+            assert "-> reduce each buffer after backward" in res["summary"], res["summary"]
+        assert per_rank[0]["buckets"] == per_rank[1]["buckets"]
+    for res in case_result(results, "quiet_overlap"):
+        assert not res["at_end"] and max(res["buckets"]) > 1, res
+        assert "quiet step: overlapped: backward 10.0 ms" in res["summary"], res["summary"]
+        assert "quiet backward 50.0 ms" in res["summary"] and "-> overlap" in res["summary"]
+
+
+def test_no_quiet_step_where_the_grads_are_sharded(results: Any) -> None:
+    """optim_grads: reducing after backward would hold every full grad bucket to the end, the
+    memory the strategy saves: every warm-up step overlaps and nothing is weighed."""
+    for res in case_result(results, "quiet_none_zero2"):
+        ready = res["ready_per_step"]  # (the 4th step relearns arrivals on rebuilt groups)
+        assert ready[1] > 0 and ready[2] > 0 and res["real"]["quiet"] == (0.0, 0.0), res
+        assert not res["at_end"] and "quiet step" not in res["summary"], res
+        assert res["max_diff"] == 0.0, res

@@ -1,10 +1,11 @@
 """The pure bucket planner ([Note: auto bucket plan] in megabuf/bucket_planner.py), the layout's
-explicit boundaries, the measurement helpers of megabuf/autobucket.py and the config refusals of
+explicit boundaries, the measurement helpers of megabuf/warmup.py and the config refusals of
 bucket_size="auto". No process group (agreement runs over a fake MAX)."""
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -13,15 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import megabuf
-from megabuf.autobucket import (
-    Measurement,
-    agree,
-    choose_buckets,
-    ends_of,
-    exposed_time,
-    placed,
-    ready_times,
-)
+from megabuf.autobucket import AutoBucket, at_end, choose_buckets, current_choices, ends_of, placed
 from megabuf.bucket_planner import (
     MAX_SLOWDOWN,
     MIN_GAIN,
@@ -32,6 +25,7 @@ from megabuf.bucket_planner import (
     fit_collective_model,
     plan_buckets,
     predict_exposed,
+    reduce_at_end,
     worth_changing,
 )
 from megabuf.layout import compute_layout
@@ -41,6 +35,15 @@ from megabuf.plan import build_plan
 from megabuf.replicas import param_specs
 from megabuf.sharded_replan import ReplanListeners
 from megabuf.testing.models import build_model
+from megabuf.warmup import (
+    Measurement,
+    agree,
+    backward_time,
+    exposed_time,
+    measured,
+    quiet_times,
+    ready_times,
+)
 
 numels_st = st.lists(st.integers(1, 5000), min_size=1, max_size=12)
 
@@ -199,12 +202,21 @@ class _MaxOver:
 
 
 def test_agree_takes_the_elementwise_max_of_every_rank() -> None:
-    mine = Measurement((-0.5, -0.1), CollectiveModel(1e-5, 1e-9), 2, exposed_s=0.004)
-    theirs = torch.tensor([-0.9, -0.01, 3e-5, 1e-10, 0.009, 2.0], dtype=torch.float64)
+    mine = Measurement(
+        (-0.5, -0.1), CollectiveModel(1e-5, 1e-9), 2, exposed_s=0.004, backward_s=0.05,
+        quiet_backward_s=0.01, quiet_exposed_s=0.004,
+    )  # fmt: skip
+    # ready x2, latency, seconds per byte, exposed, backward, quiet backward, quiet exposed, steps
+    theirs = torch.tensor(
+        [-0.9, -0.01, 3e-5, 1e-10, 0.009, 0.02, 0.03, 0.001, 2.0], dtype=torch.float64
+    )
     agreed = agree(mine, _MaxOver([theirs]), None, torch.device("cpu"))  # type: ignore[arg-type]
     assert agreed.ready_s == pytest.approx((-0.5, -0.01))
     assert (agreed.model.latency_s, agreed.model.seconds_per_byte) == pytest.approx((3e-5, 1e-9))
     assert agreed.steps == 2 and agreed.exposed_s == pytest.approx(0.009)
+    assert (agreed.backward_s, agreed.quiet_backward_s, agreed.quiet_exposed_s) == pytest.approx(
+        (0.05, 0.03, 0.004)
+    )
 
 
 def test_exposed_time_is_the_least_synced_minus_backward_end_after_the_first_step() -> None:
@@ -370,3 +382,107 @@ def test_under_zero3_the_planner_counts_a_unit_ready_with_its_last_grad_and_cuts
     for bucket in new.buffers[0].layout.buckets:
         assert len({units[new.buffers[0].param_ids[p]] for p in bucket.param_ids}) == 1
     assert len(new.groups) == 3 and new.unit_of_spec == units
+
+
+# ---- [Note: quiet step] (megabuf/warmup.py) -----------------------------------------------------
+QUIET_EVENTS = [
+    (0, "param_ready", 1.0), (1, "param_ready", 1.5), (-1, "backward_end", 2.0),  # learns
+    (-1, "synced", 2.5),
+    (1, "param_ready", 10.0), (0, "param_ready", 10.5), (-1, "backward_end", 11.0),
+    (-1, "synced", 11.25),  # overlapped: backward 1.0 from the first grad, exposed 0.25
+    (-1, "quiet", 11.5),
+    (1, "param_ready", 20.2), (0, "param_ready", 20.4), (-1, "backward_end", 21.0),
+    (-1, "synced", 21.75),  # quiet: backward 0.8, exposed 0.75
+]  # fmt: skip
+
+
+def test_the_quiet_step_is_left_out_of_the_overlapped_numbers_and_read_on_its_own() -> None:
+    ready, steps = ready_times(QUIET_EVENTS, 2)
+    assert steps == 1 and ready == pytest.approx([-0.5, -1.0])  # the overlapped step's only
+    assert exposed_time(QUIET_EVENTS) == pytest.approx(0.25)
+    assert backward_time(QUIET_EVENTS) == pytest.approx(1.0)
+    assert quiet_times(QUIET_EVENTS) == pytest.approx((0.8, 0.75))
+    plain = [e for e in QUIET_EVENTS if e[1] != "quiet"]  # no marker: three ordinary steps
+    assert quiet_times(plain) == (0.0, 0.0) and ready_times(plain, 2)[1] == 2
+    m = measured(QUIET_EVENTS, 2, CollectiveModel(1e-5, 1e-9))
+    assert (m.steps, m.quiet_backward_s, m.quiet_exposed_s) == pytest.approx((1, 0.8, 0.75))
+
+
+def test_reducing_after_backward_must_save_min_gain_of_the_overlapped_backward() -> None:
+    # many_small's measured numbers (ms): overlapped 63.2 backward + 3.0 exposed; after
+    # backward 54.5 + ~3; mlp_34m's: 183.6 + 29.7 overlapped, 140.6 + ~106 after
+    assert reduce_at_end(63.2 + 3.0, 54.5 + 3.0, 63.2)
+    assert not reduce_at_end(183.6 + 29.7, 140.6 + 106.0, 183.6)
+    backward = 100.0
+    assert not reduce_at_end(110.0, 110.0 - 0.5 * MIN_GAIN * backward, backward)  # too small
+    assert reduce_at_end(110.0, 110.0 - MIN_GAIN * backward, backward)
+
+
+def _no_shard_plan(bucket_size: int):  # type: ignore[no-untyped-def]
+    cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=bucket_size)
+    planned = plan_model(
+        build_model("gpt_tiny"), cfg, dp_size=2, expt_dp_size=2, expert_shares_dp_group=True
+    )
+    return planned.plan, [s.numel for s in param_specs(planned.trainable)]
+
+
+def test_at_end_is_the_fewest_buckets_with_the_model_calibrated_on_the_quiet_step() -> None:
+    """Each buffer one bucket (but for params with a bucket of their own), predicted with the
+    probe slowed until the plan that ran, reduced after backward, takes the quiet exposed time."""
+    plan, numels = _no_shard_plan(20_000)
+    assert len(plan.buffers[0].layout.buckets) > 2
+    n = len(numels)
+    m = Measurement(tuple(-0.001 * i for i in range(n)), CollectiveModel(1e-5, 1e-10), 1,
+                    quiet_backward_s=0.01, quiet_exposed_s=0.004)  # fmt: skip
+    end = at_end(plan, numels, [False] * n, m)
+    assert [c.param_counts for c in end] == [(n,)]
+    own = [i == n // 2 for i in range(n)]  # a param with a bucket of its own: cut both sides
+    assert len(at_end(plan, numels, own, m)[0].param_counts) == 3
+    # the calibrated model: the plan that ran, all after backward, takes 4 ms; one bucket saves
+    # the latencies of the others, so it is predicted below that
+    assert 0 < end[0].predicted_exposed_s < 0.004
+    fast = replace(m, quiet_exposed_s=0.0)  # the probe already predicts more: kept as it is
+    ran = current_choices(plan, numels, replace(fast, ready_s=(0.0,) * n))
+    probe_end = at_end(plan, numels, [False] * n, fast)[0].predicted_exposed_s
+    assert probe_end <= sum(c.predicted_exposed_s for c in ran)
+
+
+class _Size:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def size(self, group: object = None) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize(
+    ("flags", "dp", "quiet_at"),
+    [
+        ({}, 2, 2),  # the third of 3 warm-up steps
+        ({"auto_bucket_warmup_steps": 5}, 2, 4),
+        ({"auto_bucket_warmup_steps": 2}, 2, None),  # 2: one measured step, which overlaps
+        ({"data_parallel_sharding_strategy": "optim"}, 2, 2),
+        ({"data_parallel_sharding_strategy": "optim_grads"}, 2, None),
+        ({"data_parallel_sharding_strategy": "optim_grads_params"}, 2, None),
+        ({}, 1, None),  # nothing to overlap
+    ],
+)
+def test_the_quiet_step_is_the_last_warmup_step_where_grads_are_not_sharded(
+    flags: dict, dp: int, quiet_at: int | None
+) -> None:
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size="auto", **flags
+    )
+    param = torch.nn.Parameter(torch.zeros(2))
+    owner = _Size(dp)  # any object that takes a weak reference
+    auto = AutoBucket([("w", param)], cfg, _Size(dp), None, torch.device("cpu"), owner)  # type: ignore[arg-type]
+    seen = []
+    for syncs in range(cfg.auto_bucket_warmup_steps + 1):
+        auto.syncs = syncs
+        if auto.quiet_next:
+            seen.append(syncs)
+            auto.begin_quiet()
+            auto.begin_quiet()  # zero_grad_buffer() twice: one marker
+    assert seen == ([] if quiet_at is None else [quiet_at])
+    assert sum(e[1] == "quiet" for e in auto.timeline.events) == len(seen)
+    auto.close()

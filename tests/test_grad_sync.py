@@ -86,6 +86,30 @@ def test_require_sync_sets_every_groups_last_microbatch_flag() -> None:
     assert sync.require_sync and all(g.is_last_microbatch for g in groups)
 
 
+def test_a_deferred_iteration_reduces_after_backward_even_past_a_no_sync_exit() -> None:
+    """[Note: quiet step] (megabuf/warmup.py): zero(defer_dispatch=True) makes backward only
+    accumulate, also for the last micro-batch after a no_sync() block; finish() then dispatches
+    every group in chain order; the next zero() dispatches in backward again."""
+    sync, groups, coll, _ = make_sync(order=[2, 0, 1])
+    backward(groups)  # the first iteration learns the arrivals
+    sync.finish()
+    sync.zero()
+    backward(groups)
+    assert len(coll.calls) == 6  # learned: each group dispatched from its last grad
+    sync.finish()
+    sync.zero(defer_dispatch=True)
+    with sync.no_sync():
+        backward(groups)
+    assert not any(g.is_last_microbatch for g in groups)  # the exit kept the deferral
+    backward(groups)
+    assert len(coll.calls) == 6 and {g.grad_state for g in groups} == {GradSyncState.IDLE}
+    sync.finish()
+    assert dispatched(coll, groups)[-3:] == [2, 0, 1] and sync.phase is SYNCED
+    sync.zero()
+    backward(groups)
+    assert len(coll.calls) == 12 and all(g.is_last_microbatch for g in groups)
+
+
 def test_reduce_each_microbatch_owes_a_no_sync_micro_batch_and_pays_it_at_the_next_forward() -> (
     None
 ):
