@@ -135,7 +135,9 @@ class DistributedDataParallelConfig:
     auto_bucket_warmup_steps: int = 3
     """With `bucket_size = "auto"`: the number of steps run on the default buckets before the
     re-plan; the first is not measured (it learns the grad arrival order), the others are, and
-    the re-plan happens at the step boundary after the last (`zero_grad_buffer()`). >= 2."""
+    the re-plan happens at the step boundary after the last (`zero_grad_buffer()`). >= 2. With
+    3 or more, under "no_shard" and "optim", the last reduces its grads after backward ([Note:
+    quiet step] in megabuf/warmup.py)."""
 
     whole_param_owners: bool = False
     """Under a sharded strategy: each param is owned whole by one dp rank instead of split by

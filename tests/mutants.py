@@ -661,6 +661,38 @@ MUTANTS = (
         "        ratios = [steps[s][r] / statistics.median(steps[0]) for r in range(n_rounds)]\n",
         ("tests/test_bench_paired.py",),
     ),
+    Mutant(
+        "auto-quiet-step-never",
+        "the last of >= 3 auto warm-up steps is quiet (reduced after backward), grads unsharded",
+        "megabuf/autobucket.py",
+        "        return due and self.quiet_allowed and not self.replanned\n",
+        "        return False\n",
+        ("tests/test_bucket_planner.py", "tests/test_autobucket.py"),
+    ),
+    Mutant(
+        "quiet-step-dispatches-in-backward",
+        "a deferred (quiet) iteration dispatches nothing in backward, also after a no_sync() exit",
+        "megabuf/grad_sync.py",
+        "        return (require_sync or self.reduce_each) and not self.defer_dispatch\n",
+        "        return require_sync or self.reduce_each\n",
+        ("tests/test_grad_sync.py", "tests/test_autobucket.py"),
+    ),
+    Mutant(
+        "quiet-step-counted-as-overlapped",
+        "the quiet step's ready times are left out of the overlapped steps' medians",
+        "megabuf/warmup.py",
+        "        for s in _steps(events)[skip_steps:]\n        if not s.quiet\n    ]\n",
+        "        for s in _steps(events)[skip_steps:]\n    ]\n",
+        ("tests/test_bucket_planner.py",),
+    ),
+    Mutant(
+        "reduce-at-end-without-min-gain",
+        "reducing after backward is chosen only for a predicted gain of MIN_GAIN of the backward",
+        "megabuf/bucket_planner.py",
+        "    return at_end_s <= overlapped_s - MIN_GAIN * backward_s\n",
+        "    return at_end_s <= overlapped_s\n",
+        ("tests/test_bucket_planner.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")
