@@ -9,11 +9,15 @@ outermost backward. A param's grad hook would do only as a fallback (outputs the
 not return as tensors, a loss computed from `model.module` directly): under reentrant activation
 checkpointing it runs inside the checkpoint's nested backward, whose end is not the end of the
 real one (the sync would then dispatch groups early and a later grad raises, naming the param).
-Nothing is queued when sync is off (`no_sync()`, `require_backward_grad_sync = False`), inside
-`deferred()` (pipeline schedules, which finish the sync themselves after later chunks' work), or
-with `sync_grads_at_backward_end = false`; except that under reduce_each_microbatch a no_sync
+The callback syncs only if a param grad arrived since the last sync: a backward through the
+outputs that reaches no param (`torch.autograd.grad` of the inputs with `create_graph=True`,
+the first half of a gradient penalty) must not reduce the still-empty grads and close the
+iteration before the backward that brings them. Nothing is queued when sync is off
+(`no_sync()`, `require_backward_grad_sync = False`), inside `deferred()` (pipeline schedules,
+which finish the sync themselves after later chunks' work), or with
+`sync_grads_at_backward_end = false`; except that under reduce_each_microbatch a no_sync
 backward still reduces its micro-batch at its end, deferred or not. Every forward clears
-`queued`: a backward that raised never runs its callbacks.
+`queued` and the param-grad flag: a backward that raised never runs its callbacks.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class BackwardEndSync:
         self.require_sync = True  # torch's require_backward_grad_sync
         self.defer_depth = 0  # deferred() nesting
         self.queued = False  # a callback is queued on the running backward
+        self.param_grads = False  # a param grad arrived since the last sync (or clear())
         # also finish backwards run without grad sync (optim_grads with reduce_each_microbatch:
         # `finish` then reduces one micro-batch into the grad shards)
         self.every_backward = False
@@ -67,9 +72,16 @@ class BackwardEndSync:
                 tensor.register_hook(self._on_output_grad)
 
     def on_grad(self) -> None:
-        """A param's grad arrived (fallback trigger, see the Note)."""
+        """A param's grad arrived: this backward has grads to sync (and the fallback trigger,
+        see the Note)."""
+        self.param_grads = True
         if not self.queued and self.wanted():
             self._queue()
+
+    def clear(self) -> None:
+        """A forward or a new iteration: a backward that raised never ran its callback."""
+        self.queued = False
+        self.param_grads = False
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         del grad
@@ -81,6 +93,10 @@ class BackwardEndSync:
         self.queued = True
 
     def _run(self) -> None:
+        """The backward ended. Only a backward that brought param grads syncs: a pass through
+        the outputs that reached no param (`torch.autograd.grad` of the inputs, a gradient
+        penalty's first backward) leaves the iteration open for the one that does."""
         self.queued = False
-        if self.wanted():
+        if self.param_grads and self.wanted():
+            self.param_grads = False
             self._finish()

@@ -126,7 +126,7 @@ class GradSync:
     def before_forward(self, grad_enabled: bool) -> None:
         """A forward starts: a backward that raised never ran its callbacks; a micro-batch
         whose reduction is still owed (its backward's sync was deferred) finishes now."""
-        self.backward_end.queued = False
+        self.backward_end.clear()
         self.in_backward[0] = False
         if self.phase is SyncPhase.MICROBATCH_OWED:
             self.finish_microbatch()
@@ -255,7 +255,7 @@ class GradSync:
             group.is_last_microbatch = self._dispatches_in_backward(self.require_sync)
             group.is_final_microbatch = self.require_sync
         self.grads.clear()
-        self.backward_end.queued = False
+        self.backward_end.clear()
         self.in_backward[0] = False
         self.phase = SyncPhase.ACCUMULATING
         if self.agreement is not None:

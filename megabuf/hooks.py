@@ -83,6 +83,8 @@ def make_grad_hook(
         grad = param.grad
         first = group.mark_written(index)
         if grad is not None and grad is not main_grad:
+            if grad.requires_grad:
+                _refuse_create_graph(group, param)
             factor = group.copy_factor(index, first) if inbound else 1.0
             if factor != 1.0:  # [Note: scale on the way in] in grad_math.py
                 if first:  # detached: an out= product refuses a grad that requires grad
@@ -101,6 +103,19 @@ def make_grad_hook(
         group.register_grad_ready_at(index, param)
 
     return hook
+
+
+def _refuse_create_graph(group: BucketGroup, param: nn.Parameter) -> None:
+    """A grad with a graph of its own (`backward(create_graph=True)`): megabuf reduces grads
+    into `main_grad`, a buffer no graph runs through, so a second-order use of `.grad` could
+    not be right."""
+    raise RuntimeError(
+        f"megabuf: {group.name_of(param)} got a grad that requires grad (rank {group.rank}): "
+        "backward(create_graph=True) is not supported, as the reduced grads in main_grad are "
+        "not differentiable. For a gradient penalty take torch.autograd.grad(..., "
+        "create_graph=True) of the inputs and call backward() without create_graph "
+        "(model.reset_iter_state() drops this iteration's grads)"
+    )
 
 
 def _weak_callable(fn: Callable[[], None]) -> Callable[[], Callable[[], None] | None]:

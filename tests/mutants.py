@@ -662,6 +662,14 @@ MUTANTS = (
         ("tests/test_bench_paired.py",),
     ),
     Mutant(
+        "backward-end-syncs-without-param-grads",
+        "a backward that reaches no param (autograd.grad of the inputs) does not close the sync",
+        "megabuf/backward_sync.py",
+        "        if self.param_grads and self.wanted():\n",
+        "        if self.wanted():\n",
+        ("tests/test_create_graph.py",),
+    ),
+    Mutant(
         "auto-quiet-step-never",
         "the last of >= 3 auto warm-up steps is quiet (reduced after backward), grads unsharded",
         "megabuf/autobucket.py",

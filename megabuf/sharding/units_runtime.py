@@ -266,6 +266,15 @@ class UnitRuntime:
     # ---- backward -----------------------------------------------------------------------------
     def _pre_backward(self, unit: RuntimeUnit) -> None:
         self.entry_guard("backward")
+        if torch.is_grad_enabled():  # the engine runs hooks in grad mode only for create_graph
+            where = repr(unit.name) if unit.name else "the root"
+            raise RuntimeError(
+                f"megabuf: a backward with create_graph=True reached shard unit {where} under "
+                "optim_grads_params: the graph it builds reads the unit's params after "
+                "the unit is released, so a second-order backward (a gradient penalty) cannot "
+                'run here. Use data_parallel_sharding_strategy="optim_grads", and call '
+                "model.reset_iter_state()"
+            )
         if not self._final_queued:
             Variable._execution_engine.queue_callback(self._on_backward_end)  # type: ignore[attr-defined]
             self._final_queued = True
