@@ -354,6 +354,24 @@ def _local_steps(model: Any, opt: Any, averager: PeriodicAverager, steps: range)
     return averaged
 
 
+def local_sgd_between_averagings(root: str) -> dict[str, Any]:
+    """A save one step after an averaging (the replicas differ) raises on every rank, naming the
+    step; the checkpoint saved at the averaging stays and loads."""
+    path = os.path.join(root, "local_sgd_between")
+    model, opt, _, averager = _local_engine()
+    _local_steps(model, opt, averager, range(SAVE_AFTER))  # the last step averaged
+    megabuf.save_checkpoint(path, model, opt)
+    _local_steps(model, opt, averager, range(SAVE_AFTER, SAVE_AFTER + 1))  # a local step
+    error = ""
+    try:
+        megabuf.save_checkpoint(path, model, opt)
+    except ValueError as exc:
+        error = str(exc)
+    fresh, fresh_opt, fresh_hook, _ = _local_engine()
+    megabuf.load_checkpoint(path, fresh, fresh_opt)
+    return {"error": error, "loaded_step": fresh_hook.step}
+
+
 def local_sgd_round_trip(root: str) -> dict[str, Any]:
     path = os.path.join(root, "local_sgd")
     model, opt, hook, averager = _local_engine()

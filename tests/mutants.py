@@ -670,6 +670,14 @@ MUTANTS = (
         ("tests/test_create_graph.py",),
     ),
     Mutant(
+        "local-sgd-saves-between-averagings",
+        "a LocalSGD checkpoint between averagings (replicas differ) is refused on every rank",
+        "megabuf/comm_hooks/local_sgd.py",
+        "        if self.step > last:\n",
+        "        if False:\n",
+        ("tests/test_checkpoint_combos.py", "tests/test_comm_hook_quant_local.py"),
+    ),
+    Mutant(
         "auto-quiet-step-never",
         "the last of >= 3 auto warm-up steps is quiet (reduced after backward), grads unsharded",
         "megabuf/autobucket.py",

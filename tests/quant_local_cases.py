@@ -278,10 +278,14 @@ def averager_case(reduce_in_subgroup: bool = True) -> dict[str, Any]:
         warnings.simplefilter("always")
         _averaged_steps(model, opt, averager, hook, log)
     again = averager.step()  # same step: no second averaging
+    try:  # one local step after the last averaging: the replicas differ
+        state: Any = hook.state_dict()
+    except ValueError as exc:
+        state = str(exc)
     return {
         "log": log,
         "again": again,
-        "state": hook.state_dict(),
+        "state": state,
         "warnings": [str(w.message) for w in caught if "LocalSGD" in str(w.message)],
     }
 
@@ -332,17 +336,17 @@ def checkpoint_case() -> dict[str, Any]:
     net = Net()
     first = LocalSGD(2, 2, subgroup_size=2)
     a = _model(net, first, bucket_size=64)
-    for step in range(3):
+    for step in range(2):  # the global phase (start_step 2): the replicas are equal
         _step(a, step)
     state = first.state_dict()
     second = LocalSGD(2, 2, subgroup_size=2)
     b = _model(net, second, bucket_size=64)
     second.load_state_dict({**state, "per_rank_merged": False})
     loaded_step = second.step
-    _step(a, 3)
-    _step(b, 3)
+    _step(a, 2)
+    _step(b, 2)
     fresh = _model(net, LocalSGD(2, 2, subgroup_size=2), bucket_size=64)
-    _step(fresh, 3)  # a fresh hook at step 0 all-reduces globally
+    _step(fresh, 2)  # a fresh hook at step 0 all-reduces globally
     return {
         "state": state,
         "loaded_step": loaded_step,

@@ -24,6 +24,7 @@ from checkpoint_combo_cases import (
     SCALER,
     faulty_loads,
     fp16_scaler_powersgd,
+    local_sgd_between_averagings,
     local_sgd_round_trip,
     megabuf_round_trip,
     torch_optimizer_refusals,
@@ -62,6 +63,7 @@ def runs(pools: Any, root: Path) -> list[dict[str, Any]]:
     cases |= {f"{st}_{sh}": (megabuf_round_trip, str(root), sh, st) for st, sh in MEGABUF_CELLS}
     cases["fp16"] = (fp16_scaler_powersgd, str(root))
     cases["local_sgd"] = (local_sgd_round_trip, str(root))
+    cases["local_sgd_between"] = (local_sgd_between_averagings, str(root))
     cases["refusals"] = (torch_optimizer_refusals,)
     return pools(4).run(run_each, cases)  # type: ignore[no-any-return]
 
@@ -194,6 +196,18 @@ def test_local_sgd_counters_resume_bitwise(runs: Any) -> None:
         assert res["at_save"] == {"step": 3, "averaged_at": 3}, res["at_save"]
         assert res["loaded"] == res["at_save"], rank
         assert _equal(res["resumed"], res["uninterrupted"]), rank
+
+
+def test_local_sgd_checkpoint_between_averagings_is_refused_on_every_rank(runs: Any) -> None:
+    """One local step after the averaging the replicas differ: the save raises naming the step
+    and the last averaging (a checkpoint would keep rank 0's params only); the checkpoint
+    saved at the averaging stays and loads (hook step 3)."""
+    for rank, res in enumerate(case_result(runs, "local_sgd_between")):
+        assert "at step 4, between parameter averagings (the last at step 3)" in res["error"], (
+            rank,
+            res,
+        )
+        assert "PeriodicAverager.step()" in res["error"] and res["loaded_step"] == 3, (rank, res)
 
 
 def test_torch_optimizer_over_sharded_strategies_is_refused_by_name(runs: Any) -> None:

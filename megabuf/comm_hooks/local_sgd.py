@@ -30,8 +30,10 @@ the same values, bitwise. The training loop:
 - The subgroups are new process groups, created at registration by the subgroup's members
   (`megabuf.process_groups.new_subgroup`), never inside backward.
 - Only params are averaged, as torch's `PeriodicModelAverager` does: the optimizer state
-  (moments) stays each rank's own. Between averagings the replicas differ: save checkpoints
-  right after an averaging step, when every rank holds the same params.
+  (moments) stays each rank's own. Between averagings the replicas differ: a checkpoint is
+  saved right after an averaging step, when every rank holds the same params; one asked for
+  between averagings raises on every rank (a ValueError naming the step), as it would keep
+  dp rank 0's params only.
 - `PeriodicAverager` refuses a model without a `LocalSGD` hook. When 2·period local steps
   have passed without an averaging, the next step warns once (the averager is never called,
   or not after every `optimizer.step()`).
@@ -204,6 +206,17 @@ class LocalSGD:
 
     # ---- checkpoints ([hook state protocol]) -----------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """The counters. Between averagings the replicas differ and a checkpoint keeps dp rank
+        0's params only, which the other ranks would resume with: refused (every rank raises,
+        the checkpoint already at the path stays)."""
+        last = max(self.start_step, self.averaged_at or 0)
+        if self.step > last:
+            raise ValueError(
+                f"megabuf: {self.name}: a checkpoint at step {self.step}, between parameter "
+                f"averagings (the last at step {last}), would keep dp rank 0's params, which "
+                "the other replicas do not hold; save right after PeriodicAverager.step() "
+                f"averaged (every {self.period} steps)"
+            )
         replicated: dict[str, Any] = {"step": self.step}
         if self.averaged_at is not None:
             replicated["averaged_at"] = self.averaged_at
