@@ -68,6 +68,23 @@ def gradient_penalty_case(strategy: str) -> dict[str, Any]:
     }
 
 
+def _raised(run: Any) -> str:
+    """The message of the RuntimeError `run()` raises ("" if none)."""
+    try:
+        run()
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
+
+
+def _plain_reference(world: int) -> nn.Module:
+    """The reference net after a plain backward of step 1's global batch."""
+    ref = _net()
+    for r in range(world):
+        (ref(_batch(r, 1)).pow(2).mean() / world).backward()
+    return ref
+
+
 def create_graph_refused_case() -> dict[str, Any]:
     """backward(create_graph=True) raises naming a param and the rank; after
     reset_iter_state() a plain step's grads equal the reference."""
@@ -75,18 +92,12 @@ def create_graph_refused_case() -> dict[str, Any]:
     model = megabuf.DistributedDataParallel(
         copy.deepcopy(_net()), megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True)
     )
-    error = ""
-    try:
-        model(_batch(rank, 0)).pow(2).mean().backward(create_graph=True)
-    except RuntimeError as exc:
-        error = str(exc)
+    error = _raised(lambda: model(_batch(rank, 0)).pow(2).mean().backward(create_graph=True))
     model.reset_iter_state()
     model.zero_grad_buffer()
     model(_batch(rank, 1)).pow(2).mean().backward()
     model.finish_grad_sync()
-    ref = _net()
-    for r in range(world):
-        (ref(_batch(r, 1)).pow(2).mean() / world).backward()
+    ref = _plain_reference(world)
     got = dict(model.module.named_parameters())
     err = max((got[n].grad - p.grad).abs().max().item() for n, p in ref.named_parameters())  # type: ignore[operator]
     return {"error": error, "after": err}
@@ -103,19 +114,13 @@ def zero3_penalty_refused_case() -> dict[str, Any]:
     model = megabuf.DistributedDataParallel(_net(), cfg)
     plain_sgd = megabuf.OptimizerConfig(optimizer="sgd", lr=0.1, sgd_momentum=0.0)
     opt = megabuf.build_optimizer(model, plain_sgd)
-    error = ""
-    try:
-        _penalized(model, _batch(rank, 0))
-    except RuntimeError as exc:
-        error = str(exc)
+    error = _raised(lambda: _penalized(model, _batch(rank, 0)))
     model.reset_iter_state()
     opt.zero_grad()
     model(_batch(rank, 1)).pow(2).mean().backward()
     model.finish_grad_sync()
     opt.step()
-    ref = _net()
-    for r in range(world):
-        (ref(_batch(r, 1)).pow(2).mean() / world).backward()
+    ref = _plain_reference(world)
     with torch.no_grad():
         for p in ref.parameters():
             p -= 0.1 * p.grad  # type: ignore[operator]
