@@ -91,8 +91,8 @@ bench-gpu:
 	$(GPU_BENCH_PY) $(TORCH_INFO)
 	$(GPU_BENCH_PY) $(BENCH_GPU_CMD)
 
-# Planted bugs the suite must catch (tests/mutants.py); not part of `make test`. ~38 min for
-# the 79 mutants on 2 shared cores (a surviving mutant costs a full-suite run, ~4 min);
+# Planted bugs the suite must catch (tests/mutants.py); not part of `make test`. ~43 min for
+# the 81 mutants on 2 shared cores (a surviving mutant costs a full-suite run, ~4 min);
 # MUTANTS_ARGS=--quick runs only each mutant's relevant test files.
 mutants: $(STAMP)
 	$(VPY) tests/mutants.py $(MUTANTS_ARGS)
