@@ -141,7 +141,8 @@ MUTANTS = (
         "no-sync-at-backward-end",
         "with sync_grads_at_backward_end, backward returns with the grads reduced",
         "megabuf/backward_sync.py",
-        "        if self.wanted():\n            self._finish()\n",
+        "        if self.param_grads and self.wanted():\n            self.param_grads = False\n"
+        "            self._finish()\n",
         "        pass\n",
         ("tests/test_drop_in.py",),
     ),
