@@ -71,7 +71,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -111,12 +111,7 @@ logger = logging.getLogger(__name__)
 def calibrated(plan: Plan, numels: Sequence[int], measurement: Measurement) -> Measurement:
     """`measurement` with its model slowed down until it predicts, for `plan` (the plan the
     warm-up ran), the exposed time measured with it ([Note: calibrated collective model])."""
-
-    def predict(model: CollectiveModel) -> float:
-        current = current_choices(plan, numels, replace(measurement, model=model))
-        return max((c.predicted_exposed_s for c in current), default=0.0)
-
-    model, factor = calibrate(measurement.model, predict, measurement.exposed_s)
+    model, factor = _calibrated_model(plan, numels, measurement, measurement.exposed_s, max)
     return replace(measurement, model=model, slowdown=factor)
 
 
@@ -128,13 +123,23 @@ def at_end(
     step: slowed until the plan that ran, reduced after backward buffer after buffer, takes
     the quiet step's exposed time ([Note: quiet step] in warmup.py)."""
     after = replace(measurement, ready_s=tuple(0.0 for _ in measurement.ready_s))
+    model, _ = _calibrated_model(plan, numels, after, measurement.quiet_exposed_s, sum)
+    return choose_buckets(plan, numels, own_bucket, replace(after, model=model))
+
+
+def _calibrated_model(
+    plan: Plan, numels: Sequence[int], measurement: Measurement, measured_s: float,
+    over_buffers: Callable[[list[float]], float],
+) -> tuple[CollectiveModel, float]:  # fmt: skip
+    """`calibrate` of the measurement's model on `plan`: its buffers' predicted exposed times,
+    combined by `over_buffers` (max: overlapped, sum: one after the other), against
+    `measured_s`."""
 
     def predict(model: CollectiveModel) -> float:
-        current = current_choices(plan, numels, replace(after, model=model))
-        return sum(c.predicted_exposed_s for c in current)
+        current = current_choices(plan, numels, replace(measurement, model=model))
+        return over_buffers([c.predicted_exposed_s for c in current] or [0.0])
 
-    model, _ = calibrate(measurement.model, predict, measurement.quiet_exposed_s)
-    return choose_buckets(plan, numels, own_bucket, replace(after, model=model))
+    return calibrate(measurement.model, predict, measured_s)
 
 
 def current_choices(
