@@ -13,7 +13,23 @@ With `bucket_size = "auto"` the engine starts on the default plan and an `AutoBu
 - Collective model: at the re-plan, a probe of all-reduces of two sizes on the dp group (the
   same communicator, dtype and device as the grads; one untimed round, then the fastest of three)
   fitted by `fit_collective_model` (latency + bytes / bandwidth), then calibrated against the
-  warm-up ([Note: calibrated collective model] below).
+  warm-up ([Note: auto bucket re-plan in a torch-style loop]
+A loop written for torch DDP never calls `zero_grad_buffer()`: it clears grads with a torch
+optimizer's `zero_grad()` (`.grad` set to None, [Note: grads the user changed] in grads.py).
+So the quiet step and the re-plan also start at a grad-enabled forward of the wrapper outside
+`no_sync()` that begins an iteration: the last grad sync handed its grads out (phase SYNCED)
+and, on every dp rank, every exposed `.grad` is None (one all-reduce MAX of a flag per such
+forward, only while the warm-up waits for that start: the flag is the user's state and may
+differ by rank; a rank-local decision would pair a re-plan's collectives with nothing). That
+forward then runs `zero_grad_buffer()` first: with every `.grad` None it changes nothing the
+user sees. Only where grads are exposed ("no_shard"): the sharded strategies step megabuf's
+optimizer, whose `zero_grad()` is `zero_grad_buffer()`. A loop that gives no such start (grads
+zeroed in place, micro-batches whose first forward runs inside `no_sync()`, a
+`zero_grad_buffer()` only inside `no_sync()`) would stay on the warm-up's per-param hooks, its
+timeline growing every step: after OVERDUE_SYNCS grad syncs past the warm-up the default plan
+is kept, the hooks removed, and a warning says how to get the re-plan.
+
+[Note: calibrated collective model] below).
 - Agree: every number above goes through one all-reduce MAX over the dp group, so every rank
   plans from the same (most pessimistic) numbers: a rank-local plan could differ across ranks
   and pair collectives of different sizes (a hang or wrong sums). `plan_buckets` is
@@ -22,7 +38,8 @@ With `bucket_size = "auto"` the engine starts on the default plan and an `AutoBu
   auto bucket plan at dp 1]).
 - Re-plan: once, in `zero_grad_buffer()` after the `auto_bucket_warmup_steps`-th grad sync (every
   rank syncs the same number of times, so every rank re-plans at the same call), or at the first one
-  after that outside `no_sync()` (whose exit would reset the replaced grad sync's flag). Under
+  after that outside `no_sync()` (whose exit would reset the replaced grad sync's flag); in a
+  torch-style loop also at a forward ([Note: auto bucket re-plan in a torch-style loop]). Under
   "optim", "optim_grads" and "optim_grads_params" the buffers are padded and sharded, so the
   re-plan allocates new ones and the optimizer carries its state across in model space ([Note:
   sharded auto bucket re-plan] in sharded_replan.py). Under "optim_grads_params" a shard unit's
@@ -70,6 +87,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -106,6 +124,7 @@ from megabuf.warmup import (
 )
 
 logger = logging.getLogger(__name__)
+OVERDUE_SYNCS = 2  # [Note: auto bucket re-plan in a torch-style loop]
 
 
 def calibrated(plan: Plan, numels: Sequence[int], measurement: Measurement) -> Measurement:
@@ -254,12 +273,42 @@ class AutoBucket:
 
     def on_backward_end(self) -> None:
         """The grad sync starts finishing (start of `finish_grad_sync()`)."""
-        self.timeline.record(-1, BACKWARD_END)
-        self.syncs += 1
+        if not self.replanned:  # a kept plan's grad sync still calls: record nothing more
+            self.timeline.record(-1, BACKWARD_END)
+            self.syncs += 1
 
     def on_synced(self) -> None:
         """Every reduction of the step has landed (the grad sync's wait returned)."""
-        self.timeline.record(-1, SYNCED)
+        if not self.replanned:
+            self.timeline.record(-1, SYNCED)
+
+    @property
+    def wants_iteration_start(self) -> bool:
+        """The warm-up waits for an iteration start: the quiet step's or the re-plan's."""
+        return self.due or self.quiet_next
+
+    @property
+    def overdue(self) -> bool:
+        """No iteration start came in OVERDUE_SYNCS grad syncs past the warm-up ([Note: auto
+        bucket re-plan in a torch-style loop])."""
+        warmup = self.config.auto_bucket_warmup_steps
+        return not self.replanned and self.syncs >= warmup + OVERDUE_SYNCS
+
+    def give_up(self, rank: int) -> None:
+        """Keep the plan that ran for good: hooks removed, nothing measured any more, a warning."""
+        self.close()
+        self.replanned, self.kept = True, True
+        self.timeline = Timeline(self.device)  # drop the warm-up's events
+        self.summary = "kept the default boundaries: no iteration start to re-plan at"
+        warnings.warn(
+            f'megabuf: bucket_size="auto" found no iteration start to re-plan at in '
+            f"{self.syncs} grad syncs (warm-up: {self.config.auto_bucket_warmup_steps}; rank "
+            f"{rank}), so the default buckets stay. It re-plans in model.zero_grad_buffer() or "
+            "model.zero_grad() called outside no_sync(), or at a forward outside no_sync() "
+            "after optimizer.zero_grad() set every .grad to None on every rank. Call "
+            "model.zero_grad() at the start of each iteration, or give an int bucket_size",
+            stacklevel=4,
+        )
 
     @property
     def due(self) -> bool:

@@ -44,7 +44,7 @@ from megabuf.collectives import Collectives
 from megabuf.comm_hooks import build as build_comm_hook
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.devices import params_device
-from megabuf.grad_sync import GradSync
+from megabuf.grad_sync import GradSync, SyncPhase
 from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
 from megabuf.hook_registry import CommHookRegistry
 from megabuf.hooks import ParamGatherHooks, register_grad_hooks, remove_hooks_when_collected
@@ -347,12 +347,30 @@ class Engine:
     def before_forward(self, compiling: bool, sync_buffers: bool) -> None:
         """Runs eagerly even when the model is compiled (`compiling`: it is being traced)."""
         self.residency.check("forward")
+        if self.auto is not None and torch.is_grad_enabled() and not compiling:
+            self._auto_iteration_start(self.auto)
         self.sync.before_forward(torch.is_grad_enabled())
         self.param_side.before_forward(self.module, compiling)
         if sync_buffers and torch.is_grad_enabled() and self.sync.require_sync:
             with torch.no_grad():
                 for tensor in self._module_buffers:
                     self.collectives.broadcast(tensor, 0, self.process_groups.dp)
+
+    def _auto_iteration_start(self, auto: AutoBucket) -> None:
+        """A forward that starts an iteration whose grads every rank cleared runs
+        `zero_grad_buffer()` first, for the warm-up's quiet step or re-plan ([Note: auto bucket
+        re-plan in a torch-style loop] in autobucket.py); collective over dp while it waits."""
+        if auto.overdue:
+            auto.give_up(self.rank)
+            return
+        sync = self.sync
+        starts = sync.require_sync and sync.phase is SyncPhase.SYNCED
+        if not (auto.wants_iteration_start and starts and self.config.sharding.exposes_grads):
+            return
+        pending = torch.tensor([0.0 if sync.grads.cleared() else 1.0], device=self.device)
+        self.collectives.all_reduce_max(pending, auto.group)
+        if pending.item() == 0.0:
+            self.zero_grad_buffer()
 
     def enable_timeline(self) -> Timeline:
         timeline = Timeline(self.device)

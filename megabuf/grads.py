@@ -109,6 +109,10 @@ class ExposedGrads:
             )
         self.exposed = True
 
+    def cleared(self) -> bool:
+        """Every exposed `.grad` is None (a torch optimizer's `zero_grad()`)."""
+        return all(p.grad is None for p in self.linked) and all(p.grad is None for p in self.copied)
+
     def begin_backward(self) -> None:
         """First grad of a backward after expose(): apply the user's changes, see [Note: grads
         the user changed]."""

@@ -18,6 +18,7 @@ from autobucket_cases import (
     zero3_case,
     zero3_offload_refused_case,
 )
+from autobucket_loop_cases import torch_loop_case
 from dist_pool import case_result, run_each
 from matrix_cases import pp_ep_case
 
@@ -55,6 +56,10 @@ CASES: dict[str, tuple[Any, ...]] = {
     "quiet_overlap": (quiet_step_case, 0.050),
     "quiet_end_zero1": (quiet_step_case, 0.001, ZERO1),
     "quiet_none_zero2": (quiet_step_case, 0.001, ZERO2),
+    # [Note: auto bucket re-plan in a torch-style loop]
+    "torch_loop": (torch_loop_case, 1),
+    "torch_loop_micro": (torch_loop_case, 2),
+    "torch_loop_in_place_rank1": (torch_loop_case, 1, 1),
 }
 REPLAN = ("megabuf_opt", "torch_opt_fp32_accum", "zero1_overlap_gather", "zero2_fp32_accum")
 
@@ -303,3 +308,40 @@ def test_no_quiet_step_where_the_grads_are_sharded(results: Any) -> None:
         assert ready[1] > 0 and ready[2] > 0 and res["real"]["quiet"] == (0.0, 0.0), res
         assert not res["at_end"] and "quiet step" not in res["summary"], res
         assert res["max_diff"] == 0.0, res
+
+
+def test_a_torch_style_loop_gets_the_quiet_step_and_the_replan_bitwise(results: Any) -> None:
+    """optimizer.zero_grad() and backward's own sync, never zero_grad_buffer(): the third
+    warm-up step is quiet, the re-plan runs at the next forward, the same on both ranks, and
+    the run equals that plan from the start bitwise."""
+    for rank, res in enumerate(case_result(results, "torch_loop")):
+        assert res["replanned"] and not res["kept"] and res["same_plan"], res
+        assert res["groups"] != res["default_groups"], "the re-plan changed nothing: no test"
+        ready = res["ready_per_step"]
+        assert ready[0] == 0 and ready[1] > 0 and ready[2] == 0 and ready[-1] > 0, (rank, ready)
+        assert res["real"]["steps"] == 1 and min(res["real"]["quiet"]) > 0, (rank, res["real"])
+        assert res["warnings"] == [] and res["hooks_left"] == 0, res
+        assert res["moved"] > 1e-3, "training did not move the params: the test proves nothing"
+        assert res["max_diff"] == 0.0, (rank, res)
+
+
+@pytest.mark.parametrize("name", ["torch_loop_micro", "torch_loop_in_place_rank1"])
+def test_a_loop_with_no_iteration_start_keeps_the_default_plan_and_says_how(
+    results: Any, name: str
+) -> None:
+    """Micro-batches whose first forward runs inside no_sync(), or one rank zeroing grads in
+    place: no forward starts an iteration with every rank's grads cleared, so no rank
+    re-plans (no hang, one plan); after 2 syncs past the warm-up the default plan is kept on
+    every rank with a warning naming the ways, the warm-up's hooks gone, training bitwise that
+    of the default plan."""
+    per_rank = case_result(results, name)
+    for rank, res in enumerate(per_rank):
+        assert res["replanned"] and res["kept"] and res["same_plan"], res
+        assert res["groups"] == res["default_groups"], res
+        assert len(res["warnings"]) == 1, res["warnings"]
+        text = res["warnings"][0]
+        assert f"rank {rank}" in text and "5 grad syncs" in text, text
+        assert "model.zero_grad()" in text and "set every .grad to None" in text, text
+        assert res["hooks_left"] == 0 and res["events_left"] == 0, res
+        assert res["moved"] > 1e-3, "training did not move the params: the test proves nothing"
+        assert res["vs_default"] == 0.0, (rank, res)
