@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from megabuf.bench.options import parse_systems, split_system
 from megabuf.bench.paired import check_options, median_interval, round_order, summarize
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,21 +74,38 @@ def test_misuse_is_refused_naming_the_option(
     check_options(("torch_ddp_gabv", "megabuf_ar_auto"), 1, 3)  # the smallest valid run
 
 
+def test_a_system_may_carry_a_bucket_size_and_misuse_names_it() -> None:
+    sized = ("megabuf_ar_overlap", {"bucket_size": 262144})
+    assert split_system("megabuf_ar_overlap@262144") == sized
+    assert split_system("torch_ddp_gabv") == ("torch_ddp_gabv", {})
+    assert parse_systems("torch_ddp_gabv, megabuf_ar_sync@10") == (
+        "torch_ddp_gabv", "megabuf_ar_sync@10")  # fmt: skip
+    for bad in ("torch_ddp_gabv@100", "megabuf_ar_overlap@", "megabuf_ar_overlap@1e6"):
+        with pytest.raises(ValueError, match="bucket size in elements"):
+            parse_systems(f"torch_ddp_gabv,{bad}")
+    with pytest.raises(ValueError, match="unknown systems"):
+        parse_systems("torch_ddp_gabv,megabuf_nope@10")
+
+
 def test_paired_run_end_to_end(tmp_path: Path) -> None:
     """Two systems on 2 gloo ranks: each checked against the single-process step, the auto plan
     chosen in warm-up (before the rounds), every round timed on both ranks."""
     out = tmp_path / "p.jsonl"
     cmd = [sys.executable, "-m", "megabuf.bench.paired", "--models", "gpt_tiny:2",
-           "--systems", "torch_ddp_gabv,megabuf_ar_auto", "--rounds", "4", "--warmup", "3",
+           "--systems", "torch_ddp_gabv,megabuf_ar_auto,megabuf_ar_overlap@64", "--rounds", "4",
+           "--warmup", "3",
            "--out", str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     head, *rows = (json.loads(line) for line in out.read_text().splitlines())
-    assert head["kind"] == "run" and head["systems"] == ["torch_ddp_gabv", "megabuf_ar_auto"]
+    names = ["torch_ddp_gabv", "megabuf_ar_auto", "megabuf_ar_overlap@64"]
+    assert head["kind"] == "run" and head["systems"] == names
     assert [r["system"] for r in rows] == head["systems"]
-    base, auto = rows
+    base, auto, sized = rows
     assert base["ratio"] == 1.0 and base["rounds"] == auto["rounds"] == 4
+    # a bucket size of its own: 64 elements, so about one bucket group per param
+    assert sized["bucket_groups"] > 2 * auto["bucket_groups"], (sized, auto)
     for row in rows:
         assert row["check_max_abs_error"] <= 1e-5, row
         assert [len(s) for s in row["step_s_per_rank"]] == [4, 4], row

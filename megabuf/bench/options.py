@@ -92,13 +92,28 @@ def parse_models(text: str) -> dict[str, int]:
 
 
 def parse_systems(text: str | None) -> tuple[str, ...]:
+    """Comma list of system names; a megabuf system may carry a bucket size in elements,
+    `megabuf_ar_overlap@262144` (a row of its own: bucket-size sweeps)."""
     if not text:
         return SYSTEM_NAMES
     names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [s for s in names if s not in SYSTEM_NAMES]
+    unknown = [s for s in names if split_system(s)[0] not in SYSTEM_NAMES]
     if unknown:
         raise ValueError(f"megabuf.bench: unknown systems {unknown}; known: {list(SYSTEM_NAMES)}")
     return names
+
+
+def split_system(spec: str) -> tuple[str, dict[str, object]]:
+    """`name@numel` -> (name, {"bucket_size": numel}); a plain name -> (name, {})."""
+    name, at, size = spec.partition("@")
+    if not at:
+        return name, {}
+    if not name.startswith("megabuf_") or not size.isdigit() or int(size) < 1:
+        raise ValueError(
+            f"megabuf.bench: {spec!r}: '@' takes a bucket size in elements (an int >= 1) after a "
+            "megabuf system, e.g. megabuf_ar_overlap@262144"
+        )
+    return name, {"bucket_size": int(size)}
 
 
 def build_parser() -> argparse.ArgumentParser:

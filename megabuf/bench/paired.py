@@ -157,6 +157,8 @@ def _rounds(jobs: Sequence[Job], pgs: megabuf.ProcessGroups, rounds: int) -> lis
             out[i]["exposed_ms"] = (
                 analyze(engine.ddp.timeline.events).to_dict().get("median_exposed_ms")
             )
+        if engine.ddp is not None:
+            out[i]["bucket_groups"] = len(engine.ddp.engine.all_bucket_groups)
         auto = engine.ddp.engine.auto if engine.ddp is not None else None
         if auto is not None and auto.replanned:
             out[i]["auto_plan"] = auto.summary
@@ -232,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = summarize(model, systems, [[s["step_s"] for s in rank] for rank in results])
         for s, row in enumerate(summary):
             errors = [rank[s]["check_max_abs_error"] for rank in results]
-            extra = {key: results[0][s][key] for key in ("phase_ms", "exposed_ms", "auto_plan")
+            keys = ("phase_ms", "exposed_ms", "auto_plan", "bucket_groups")
+            extra = {key: results[0][s][key] for key in keys
                      if key in results[0][s]}  # fmt: skip
             rows.append({**row.__dict__, **extra, "check_max_abs_error": max(errors),
                          "step_s_per_rank": [rank[s]["step_s"] for rank in results]})  # fmt: skip

@@ -45,6 +45,7 @@ from megabuf.bench.memory import (
     persistent_formula_nbytes,
     state_bytes_per_param,
 )
+from megabuf.bench.options import split_system
 from megabuf.bench.reference import (
     Reference,
     bench_model,
@@ -253,8 +254,9 @@ def _megabuf_overrides(job: Job) -> dict[str, Any]:
     """The job's config overrides; bucket_size="auto" re-plans at the last warm-up step's
     zero_grad_buffer(), so every earlier warm-up step is measured and the timed steps run on
     the chosen plan."""
-    overrides = dict(job.megabuf_overrides or {})
-    if MEGABUF_CONFIGS[job.system].get("bucket_size") == "auto":
+    name, sized = split_system(job.system)
+    overrides = {**(job.megabuf_overrides or {}), **sized}
+    if MEGABUF_CONFIGS[name].get("bucket_size") == "auto":
         overrides.setdefault("auto_bucket_warmup_steps", max(2, job.warmup - 1))
     return overrides
 
@@ -286,8 +288,8 @@ def _trace(job: Job, engine: Engine, x: Tensor, y: Tensor) -> dict[str, Any] | N
 
 def build_engine(job: Job, module: torch.nn.Module, pgs: megabuf.ProcessGroups) -> Engine:
     """`job.system` around `module`; raises NotAvailable where it cannot run here."""
-    if job.system in MEGABUF_CONFIGS:
-        return build_megabuf(job.system, module, pgs, _megabuf_overrides(job))
+    if split_system(job.system)[0] in MEGABUF_CONFIGS:  # name@numel: a bucket size of its own
+        return build_megabuf(split_system(job.system)[0], module, pgs, _megabuf_overrides(job))
     if job.system in HOOK_VARIANTS:
         return build_hooked(job.system, module, pgs, job.megabuf_overrides)
     if job.system in MCORE_SYSTEMS:
