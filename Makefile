@@ -92,7 +92,7 @@ bench-gpu:
 	$(GPU_BENCH_PY) $(BENCH_GPU_CMD)
 
 # Planted bugs the suite must catch (tests/mutants.py); not part of `make test`. ~43 min for
-# the 84 mutants on 2 shared cores (a surviving mutant costs a full-suite run, ~4 min);
+# the 85 mutants on 2 shared cores (a surviving mutant costs a full-suite run, ~4 min);
 # MUTANTS_ARGS=--quick runs only each mutant's relevant test files.
 mutants: $(STAMP)
 	$(VPY) tests/mutants.py $(MUTANTS_ARGS)

@@ -273,7 +273,7 @@ class AutoBucket:
 
     def on_backward_end(self) -> None:
         """The grad sync starts finishing (start of `finish_grad_sync()`)."""
-        if not self.replanned:  # a kept plan's grad sync still calls: record nothing more
+        if not self.replanned:  # a kept plan's grad sync still calls
             self.timeline.record(-1, BACKWARD_END)
             self.syncs += 1
 

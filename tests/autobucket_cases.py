@@ -287,14 +287,17 @@ def world_one_case() -> dict[str, Any]:
             opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig(optimizer="sgd", lr=1e-3))
         else:
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        for step in range(3):
+        auto = model.engine.auto
+        events = []
+        for step in range(5):  # re-planned (kept) at step 2: steps 3, 4 on the kept plan
             model.zero_grad_buffer()
             x, y = make_batch("mlp_34m", 2, seed=step)
             loss_fn("mlp_34m")(model(x), y).backward()
             model.finish_grad_sync()
             opt.step()
-        auto = model.engine.auto
+            events.append(len(auto.timeline.events))  # type: ignore[union-attr]
         out["distopt" if distopt else "all_reduce"] = {
+            "events_after_replan": events[2:],  # the kept plan's syncs record nothing more
             "replanned": auto.replanned,  # type: ignore[union-attr]
             "kept": auto.kept,  # type: ignore[union-attr]
             "summary": auto.summary,  # type: ignore[union-attr]

@@ -703,6 +703,14 @@ MUTANTS = (
         ("tests/test_autobucket.py",),
     ),
     Mutant(
+        "auto-kept-plan-keeps-recording",
+        "after the re-plan (kept or not) the warm-up's timeline records nothing more",
+        "megabuf/autobucket.py",
+        "        if not self.replanned:  # a kept plan's grad sync still calls\n",
+        "        if True:\n",
+        ("tests/test_autobucket.py",),
+    ),
+    Mutant(
         "auto-never-gives-up",
         "no iteration start in 2 syncs past the warm-up: the default plan kept, with a warning",
         "megabuf/autobucket.py",
