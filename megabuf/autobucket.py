@@ -13,23 +13,7 @@ With `bucket_size = "auto"` the engine starts on the default plan and an `AutoBu
 - Collective model: at the re-plan, a probe of all-reduces of two sizes on the dp group (the
   same communicator, dtype and device as the grads; one untimed round, then the fastest of three)
   fitted by `fit_collective_model` (latency + bytes / bandwidth), then calibrated against the
-  warm-up ([Note: auto bucket re-plan in a torch-style loop]
-A loop written for torch DDP never calls `zero_grad_buffer()`: it clears grads with a torch
-optimizer's `zero_grad()` (`.grad` set to None, [Note: grads the user changed] in grads.py).
-So the quiet step and the re-plan also start at a grad-enabled forward of the wrapper outside
-`no_sync()` that begins an iteration: the last grad sync handed its grads out (phase SYNCED)
-and, on every dp rank, every exposed `.grad` is None (one all-reduce MAX of a flag per such
-forward, only while the warm-up waits for that start: the flag is the user's state and may
-differ by rank; a rank-local decision would pair a re-plan's collectives with nothing). That
-forward then runs `zero_grad_buffer()` first: with every `.grad` None it changes nothing the
-user sees. Only where grads are exposed ("no_shard"): the sharded strategies step megabuf's
-optimizer, whose `zero_grad()` is `zero_grad_buffer()`. A loop that gives no such start (grads
-zeroed in place, micro-batches whose first forward runs inside `no_sync()`, a
-`zero_grad_buffer()` only inside `no_sync()`) would stay on the warm-up's per-param hooks, its
-timeline growing every step: after OVERDUE_SYNCS grad syncs past the warm-up the default plan
-is kept, the hooks removed, and a warning says how to get the re-plan.
-
-[Note: calibrated collective model] below).
+  warm-up ([Note: calibrated collective model] below).
 - Agree: every number above goes through one all-reduce MAX over the dp group, so every rank
   plans from the same (most pessimistic) numbers: a rank-local plan could differ across ranks
   and pair collectives of different sizes (a hang or wrong sums). `plan_buckets` is
@@ -53,6 +37,22 @@ is kept, the hooks removed, and a warning says how to get the re-plan.
   comm-hook registry, the param side). A comm hook registered by then holds per-bucket state: the
   re-plan raises naming it. Checkpoints do not depend on the bucket plan (model-space optimizer
   state, [Note: checkpoint layout]), so nothing there changes.
+
+[Note: auto bucket re-plan in a torch-style loop]
+A loop written for torch DDP never calls `zero_grad_buffer()`: it clears grads with a torch
+optimizer's `zero_grad()` (`.grad` set to None, [Note: grads the user changed] in grads.py).
+So the quiet step and the re-plan also start at a grad-enabled forward of the wrapper outside
+`no_sync()` that begins an iteration: the last grad sync handed its grads out (phase SYNCED)
+and, on every dp rank, every exposed `.grad` is None (one all-reduce MAX of a flag per such
+forward, only while the warm-up waits for that start: the flag is the user's state and may
+differ by rank; a rank-local decision would pair a re-plan's collectives with nothing). That
+forward then runs `zero_grad_buffer()` first: with every `.grad` None it changes nothing the
+user sees. Only where grads are exposed ("no_shard"): the sharded strategies step megabuf's
+optimizer, whose `zero_grad()` is `zero_grad_buffer()`. A loop that gives no such start (grads
+zeroed in place, micro-batches whose first forward runs inside `no_sync()`, a
+`zero_grad_buffer()` only inside `no_sync()`) would stay on the warm-up's per-param hooks, its
+timeline growing every step: after OVERDUE_SYNCS grad syncs past the warm-up the default plan
+is kept, the hooks removed, and a warning says how to get the re-plan.
 
 [Note: calibrated collective model]
 The probe times collectives on an idle machine, but the buckets' collectives run while backward
