@@ -52,7 +52,10 @@ optimizer, whose `zero_grad()` is `zero_grad_buffer()`. A loop that gives no suc
 zeroed in place, micro-batches whose first forward runs inside `no_sync()`, a
 `zero_grad_buffer()` only inside `no_sync()`) would stay on the warm-up's per-param hooks, its
 timeline growing every step: after OVERDUE_SYNCS grad syncs past the warm-up the default plan
-is kept, the hooks removed, and a warning says how to get the re-plan.
+is kept, the hooks removed, and a warning says how to get the re-plan. While it waits (a few
+steps), a grad-enabled forward through the wrapper is collective, as it already is for a module
+with buffers to broadcast: run a rank-local forward under `torch.no_grad()` or on
+`model.module`.
 
 [Note: calibrated collective model]
 The probe times collectives on an idle machine, but the buckets' collectives run while backward
