@@ -347,8 +347,9 @@ class Engine:
     def before_forward(self, compiling: bool, sync_buffers: bool) -> None:
         """Runs eagerly even when the model is compiled (`compiling`: it is being traced)."""
         self.residency.check("forward")
-        if self.auto is not None and torch.is_grad_enabled() and not compiling:
-            self._auto_iteration_start(self.auto)
+        auto = self.auto  # after its re-plan, nothing more per forward
+        if auto is not None and not auto.replanned and torch.is_grad_enabled() and not compiling:
+            self._auto_iteration_start(auto)
         self.sync.before_forward(torch.is_grad_enabled())
         self.param_side.before_forward(self.module, compiling)
         if sync_buffers and torch.is_grad_enabled() and self.sync.require_sync:
