@@ -14,6 +14,7 @@ dispatch.py.
 
 from __future__ import annotations
 
+import array
 import enum
 from collections.abc import Mapping, Sequence
 
@@ -95,11 +96,11 @@ class BucketGroup(TwoLevelReduction):
         self._expected_arrivals: list[int] | None = None
         n = len(self.params_list)
         self._all_unwritten = b"\x01" * n
-        self._no_arrivals = [0] * n
-        # 1 = main_grad holds stale values (see [Note: grad accumulation into main_grad]);
-        # both are reset in place every iteration, never reallocated
+        self._no_arrivals = array.array("H", bytes(2 * n))  # a count > 65535 raises
+        # 1 = main_grad holds stale values ([Note: grad accumulation into main_grad]); both reset
+        # in place each iteration; flat arrays: a list of 2000 ints took 0.4-2.3 ms to reset
         self._unwritten = bytearray(self._all_unwritten)
-        self._arrivals = list(self._no_arrivals)
+        self._arrivals = array.array("H", self._no_arrivals)
         self.inbound = InboundScale.of(self.buckets, ddp_config.sharding)
         self.is_last_microbatch = True
         self.nonfinite = NonfiniteFlags(  # [Note: NaN check] in nan_check.py
