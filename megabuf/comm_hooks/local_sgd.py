@@ -192,8 +192,14 @@ class LocalSGD:
         pending = coll.all_reduce(bucket.data, sub.group, average=bucket.average)
         return pending if factor == 1.0 else _then_scale(pending, bucket.data, factor)
 
+    @property
+    def last_equal_step(self) -> int:
+        """The last step after which every replica held the same params: the last averaging,
+        or `start_step` (until then grads are reduced over the whole group)."""
+        return max(self.start_step, self.averaged_at or 0)
+
     def _check_averaging(self, step: int) -> None:
-        last = max(self.start_step, self.averaged_at or 0)
+        last = self.last_equal_step
         if step - last >= 2 * self.period and not self._warned:
             self._warned = True
             warnings.warn(
@@ -209,7 +215,7 @@ class LocalSGD:
         """The counters. Between averagings the replicas differ and a checkpoint keeps dp rank
         0's params only, which the other ranks would resume with: refused (every rank raises,
         the checkpoint already at the path stays)."""
-        last = max(self.start_step, self.averaged_at or 0)
+        last = self.last_equal_step
         if self.step > last:
             raise ValueError(
                 f"megabuf: {self.name}: a checkpoint at step {self.step}, between parameter "
