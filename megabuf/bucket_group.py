@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from megabuf.arrivals import CountedArrivals, GradReadiness
 from megabuf.buffer import _ParamAndGradBucket
 from megabuf.collectives import Collectives
 from megabuf.comm_hooks.contract import GradBucket, HookWork, Waitable
@@ -35,7 +36,7 @@ from megabuf.timeline import Timeline  # re-exported: ddp.py and users import it
 from megabuf.two_level import TwoLevelReduction
 
 
-class BucketGroup(TwoLevelReduction):
+class BucketGroup(GradReadiness, TwoLevelReduction):
     """Buckets (possibly of several buffers) reduced together over one group.
 
     Built whole: ranks and sizes (`dp_rank`/`dp_size` in `collective_group`, the global `rank`
@@ -94,6 +95,7 @@ class BucketGroup(TwoLevelReduction):
         self.hook_buckets: list[GradBucket] = []  # one per bucket, built at registration
         # grad arrivals per param per iteration; None until learned ([Note: grad readiness])
         self._expected_arrivals: list[int] | None = None
+        self.counted: CountedArrivals | None = None  # [Note: counted arrivals] in arrivals.py
         n = len(self.params_list)
         self._all_unwritten = b"\x01" * n
         self._no_arrivals = array.array("H", bytes(2 * n))  # a count > 65535 raises
@@ -178,6 +180,8 @@ class BucketGroup(TwoLevelReduction):
 
     def _clear_readiness(self) -> None:
         self._arrivals[:] = self._no_arrivals
+        if self.counted is not None:
+            self.counted.reset()
         self._num_pending = len(self.params_list)
         self.grad_state = GradSyncState.IDLE
 
@@ -230,74 +234,6 @@ class BucketGroup(TwoLevelReduction):
         for same_dtype in by_dtype(grads):
             torch._foreach_zero_(same_dtype)
 
-    # ---- readiness ([Note: grad readiness]) ---------------------------------------------------
-    @property
-    def learned(self) -> bool:
-        return self._expected_arrivals is not None
-
-    @property
-    def all_ready(self) -> bool:
-        return self._expected_arrivals is not None and self._num_pending == 0
-
-    def register_grad_ready_at(self, i: int, param: torch.nn.Parameter) -> None:
-        """The backward hook's entry (it knows `i`, the param's position in `params_list`).
-        O(1), allocation-free in steady state."""
-        if self.grad_state is not GradSyncState.IDLE:
-            self._on_grad_outside_idle(i, param)
-        if not self.ddp_config.overlap_grad_reduce or not self.is_last_microbatch:
-            return  # synchronous reduction, or inside no_sync(): accumulate only
-        self._arrivals[i] += 1
-        expected = self._expected_arrivals
-        if expected is None or self._arrivals[i] != expected[i]:
-            return  # learning iteration, or more arrivals to come
-        self._num_pending -= 1
-        if self._num_pending == 0:
-            if self.timeline is not None:
-                self.timeline.record(self.group_id, "ready")
-            if self.chain is not None:
-                self.chain.on_ready()
-            else:
-                self.start_grad_sync()
-
-    def learn_arrivals(self) -> None:
-        """End of the first overlapped iteration: every param must from now on get as many
-        grads per iteration as it got in this one (at least one) before its group is ready."""
-        if self._expected_arrivals is None and self.ddp_config.overlap_grad_reduce:
-            self._expected_arrivals = [max(1, n) for n in self._arrivals]
-
-    def _on_grad_outside_idle(self, i: int, param: torch.nn.Parameter) -> None:
-        if self.grad_state is GradSyncState.DISPATCHED:
-            raise RuntimeError(
-                f"megabuf: {self.name_of(param)} received a gradient after its bucket group "
-                f"{self.group_id} was dispatched (rank {self.rank}), already having received "
-                f"{self._arrivals[i]} this iteration, as many as learned in the first iteration. "
-                "Two backward passes in one iteration need no_sync() around all but the last; "
-                "a param whose number of gradient contributions per backward varies between "
-                "iterations needs overlap_grad_reduce=False"
-            )
-        # SYNCED: a new backward without zero_grad_buffer(): accumulate on top, as torch does.
-        if self.ddp_config.sharding.shards_optimizer:
-            raise RuntimeError(
-                f"megabuf: backward after finish_grad_sync() without zero_grad_buffer() (rank "
-                f"{self.rank}, {self.name_of(param)}); with use_distributed_optimizer only "
-                "this rank's shard of the buffer is reduced, so grads cannot be accumulated "
-                "across syncs. Use no_sync() for gradient accumulation"
-            )
-        groups = self.chain.groups if self.chain is not None else [self]
-        if any(g.reduction_gain != 1.0 for g in groups):
-            raise RuntimeError(
-                f"megabuf: backward after finish_grad_sync() without zero_grad_buffer() (rank "
-                f"{self.rank}, {self.name_of(param)}): this bucket group's reduction does not "
-                "map already-reduced grads to themselves (expert-parallel params are scaled by "
-                "1/dp_size but summed over expt_dp only), so accumulating across syncs would be "
-                "wrong. Use no_sync() for gradient accumulation"
-            )
-        for group in groups:
-            if group.grad_state is GradSyncState.SYNCED:
-                group._clear_readiness()
-        if self.chain is not None:
-            self.chain.reset()
-
     @property
     def reduction_gain(self) -> float:
         """What one reduction multiplies grads that are equal on every rank by: dense buckets 1
@@ -314,12 +250,16 @@ class BucketGroup(TwoLevelReduction):
         self._expect(GradSyncState.IDLE)
         if self.sharded_grads is not None and self.sharded_grads.released:
             self.sharded_grads.acquire()  # no grad since the release: all zero-filled below
+        if self.counted is not None:
+            self.counted.reconcile()
         self.zero_unwritten_grads()
         if self.ddp_config.check_for_nan_in_grad:
             self.nonfinite.record(self.buckets[0].grad_data.device)
         self._grad_work = SyncWork(self._reduce(self.ddp_config.overlap_grad_reduce))
         self.replicas.arm(self.is_final_microbatch)
         self.grad_state = GradSyncState.DISPATCHED
+        if self.counted is not None:  # a later arrival checks the state
+            self.counted.reset()
         if self.timeline is not None:
             self.timeline.record(self.group_id, "dispatch")
 
@@ -380,6 +320,8 @@ class BucketGroup(TwoLevelReduction):
         self._finish_first_level()
         self.replicas.wait()
         self.grad_state = GradSyncState.SYNCED
+        if self.counted is not None:  # a later arrival checks the state
+            self.counted.reset()
         if self.timeline is not None:
             self.timeline.record(self.group_id, "finish")
 

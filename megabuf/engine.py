@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from megabuf.arrivals import CountedArrivals, countable, weak_bookkeeping
 from megabuf.assembly import Assembly, assemble, rebucket
 from megabuf.autobucket import AutoBucket
 from megabuf.bucket_group import BucketGroup, Timeline
@@ -279,6 +280,26 @@ class Engine:
         if self.config.overlap_param_gather:
             self.gather_hooks.enable()
         remove_hooks_when_collected(self, self._grad_hook_handles, self.gather_hooks)
+        self.sync.on_first_sync = self._count_arrivals
+
+    def _count_arrivals(self) -> None:
+        """After the first sync, the groups that can count their grads without a Python call
+        each get counted hooks instead ([Note: counted arrivals] in arrivals.py)."""
+        cfg, handles = self.config, self._grad_hook_handles
+        small = {p for p, _ in self.sync.grads.small}
+        position = {p: k for k, p in enumerate(self._params)}
+        bookkeeping = weak_bookkeeping(self._on_grad)  # [Note: hooks hold the engine weakly]
+        for group in self.all_bucket_groups:
+            total = group.expected_total
+            if not countable(group, small, cfg.error_on_unused_params) or (
+                cfg.overlap_grad_reduce and not total
+            ):
+                continue
+            counted = CountedArrivals(group, total, bookkeeping, self.sync.in_backward)
+            group.counted = counted
+            for param in group.params_list:
+                handles[position[param]].remove()
+                handles[position[param]] = param.register_post_accumulate_grad_hook(counted.hook)
 
     def _exposed_grads(self, params: Sequence[nn.Parameter]) -> ExposedGrads:
         """[Note: grad contract]: nothing is exposed with the distributed optimizer."""

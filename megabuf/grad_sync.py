@@ -90,6 +90,8 @@ class GradSync:
         # bucket_size="auto" warm-up: told when each grad sync starts ([Note: auto bucket re-plan])
         self.on_backward_end: Callable[[], None] | None = None
         self.on_synced: Callable[[], None] | None = None  # ... and when its reductions landed
+        # once, after the first sync learned the arrivals ([Note: counted arrivals])
+        self.on_first_sync: Callable[[], None] | None = None
         self._before_sync = before_sync
         self._checks = tuple(checks)
         self.agreement = agreement  # [Note: micro-batch agreement]; None: counts may differ
@@ -106,6 +108,8 @@ class GradSync:
         for group in self.groups:
             group.is_last_microbatch = self._dispatches_in_backward(bool(value))
             group.is_final_microbatch = bool(value)  # [Note: two-level reduction]
+            if group.counted is not None:  # the next arrival decides afresh whether to count
+                group.counted.reset()
 
     def _dispatches_in_backward(self, require_sync: bool) -> bool:
         return (require_sync or self.reduce_each) and not self.defer_dispatch
@@ -210,6 +214,9 @@ class GradSync:
         for group in self.groups:
             group.end_step_at_sync()  # [Note: two-level reduction]
         self._reduce_and_wait()
+        if self.on_first_sync is not None:
+            first, self.on_first_sync = self.on_first_sync, None
+            first()
         if self.on_synced is not None:
             self.on_synced()
         for check in self._checks:

@@ -49,6 +49,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from megabuf.arrivals import refuse_create_graph
 from megabuf.bucket_group import BucketGroup
 from megabuf.grads import SMALL_GRAD_NUMEL
 
@@ -84,7 +85,7 @@ def make_grad_hook(
         first = group.mark_written(index)
         if grad is not None and grad is not main_grad:
             if grad.requires_grad:
-                _refuse_create_graph(group, param)
+                refuse_create_graph(group, param)
             factor = group.copy_factor(index, first) if inbound else 1.0
             if factor != 1.0:  # [Note: scale on the way in] in grad_math.py
                 if first:  # detached: an out= product refuses a grad that requires grad
@@ -103,19 +104,6 @@ def make_grad_hook(
         group.register_grad_ready_at(index, param)
 
     return hook
-
-
-def _refuse_create_graph(group: BucketGroup, param: nn.Parameter) -> None:
-    """A grad with a graph of its own (`backward(create_graph=True)`): megabuf reduces grads
-    into `main_grad`, a buffer no graph runs through, so a second-order use of `.grad` could
-    not be right."""
-    raise RuntimeError(
-        f"megabuf: {group.name_of(param)} got a grad that requires grad (rank {group.rank}): "
-        "backward(create_graph=True) is not supported, as the reduced grads in main_grad are "
-        "not differentiable. For a gradient penalty take torch.autograd.grad(..., "
-        "create_graph=True) of the inputs and call backward() without create_graph "
-        "(model.reset_iter_state() drops this iteration's grads)"
-    )
 
 
 def _weak_callable(fn: Callable[[], None]) -> Callable[[], Callable[[], None] | None]:
@@ -144,11 +132,12 @@ def register_grad_hooks(
 
 
 def remove_hooks_when_collected(
-    owner: object, handles: Sequence[RemovableHandle], gather_hooks: ParamGatherHooks
+    owner: object, handles: list[RemovableHandle], gather_hooks: ParamGatherHooks
 ) -> None:
     """Remove the grad hooks `handles` and the forward pre-hooks of `gather_hooks` once `owner`
-    (the engine) is garbage collected: see [Note: hooks hold the engine weakly]."""
-    weakref.finalize(owner, _remove_all, list(handles), weakref.ref(gather_hooks))
+    (the engine) is garbage collected: see [Note: hooks hold the engine weakly]. `handles` is
+    the engine's own list: hooks it swaps in later ([Note: counted arrivals]) go too."""
+    weakref.finalize(owner, _remove_all, handles, weakref.ref(gather_hooks))
 
 
 def _remove_all(

@@ -53,6 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     )),
     ("group", (
         "megabuf.bucket_group", "megabuf.dispatch", "megabuf.grad_math", "megabuf.two_level",
+        "megabuf.arrivals",
     )),
     ("engine", (
         "megabuf.nan_check", "megabuf.microbatches", "megabuf.hooks", "megabuf.grads",
