@@ -7,7 +7,7 @@ thousands of small tensors pays it thousands of times a backward: about 2 % of m
 on 2 CPU ranks (BENCHMARKS.md). For a bucket group whose params are all small and linked
 ([Note: small grads accumulate in place] in grads.py) a hook has nothing to do per grad but
 count: autograd accumulates into `main_grad` itself. So once the group has learned how many
-grads an iteration brings ([Note: grad readiness] in bucket_group.py; under synchronous reduction
+grads an iteration brings ([Note: grad readiness] in dispatch.py; under synchronous reduction
 at its first sync), its params' hooks become one C-level callable, `partial(next, chain)` with
 `chain = itertools.chain.from_iterable(counter)`: an arrival takes one item from a list
 iterator of Nones, which runs no Python code; when the items run out `chain` asks the counter for
@@ -20,14 +20,21 @@ pass silently, so Python runs at:
 - the arrival that completes the learned total: the group is ready (dispatched, or handed to
   its dispatch chain);
 - every arrival after that: one that finds the group DISPATCHED raises, as the per-param hook
-  did; SYNCED (a backward accumulating on top) owes the sync again.
-A reset exhausts the list iterator in O(1) (`__setstate__`), so the next arrival asks again.
+  did (naming the group's first and last param: a counted arrival does not know its own);
+  SYNCED (a backward accumulating on top) owes the sync again.
+So every backward that reaches a group runs Python at the group's first arrival, also one that
+never passed through the wrapper's forward (a loss from `model.module`): the bookkeeping there
+arms the sync at backward's end as a per-param hook would have. A reset exhausts the list
+iterator in O(1) (`__setstate__`), so the next arrival asks again.
 What the per-param hook did with each grad is done for the whole group just before it is
 dispatched (`reconcile`, one pass over its params): a param whose `.grad` is a tensor of its own
 (it was None when its grad arrived: after the user cleared it, or before the backward's
 bookkeeping linked it) is copied into `main_grad` and linked; one that requires grad
 (`backward(create_graph=True)`) is refused by name; one whose `.grad` is None got no grad and is
-zero-filled. Readiness is counted per group, not per param: a backward that brings the learned
+zero-filled (also when the user set it to None after its grad arrived, in the window between
+backward and the sync that only `sync_grads_at_backward_end=False` leaves: as torch would read
+it; a per-param hook had taken that grad into `main_grad` already).
+Readiness is counted per group, not per param: a backward that brings the learned
 total in another mix still finishes every grad before the group's last arrival, one that brings
 more raises at the first extra arrival after the dispatch, one that brings fewer leaves the group
 to the sync at backward's end, as before.

@@ -6,7 +6,7 @@ After `finish_grad_sync()` (without the distributed optimizer), every trainable 
 dp rank has `.grad` equal to the reduced (dp-averaged) gradient: the `main_grad` view itself when
 dtypes match, a copy of it in the param's dtype otherwise. Never None, identical on every rank,
 whether or not the param was used on that rank (unused ones are zero-filled before their bucket
-is reduced, [Note: grad readiness] in bucket_group.py). It stays so until `zero_grad_buffer()`;
+is reduced, [Note: grad readiness] in dispatch.py). It stays so until `zero_grad_buffer()`;
 a forward (evaluation, metrics) in between changes nothing. A backward in between accumulates
 on top, as plain PyTorch would: the copies are dropped by a one-shot hook just before that
 backward's first grad reaches them. With `error_on_unused_params` a param that got no gradient

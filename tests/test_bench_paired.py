@@ -85,6 +85,12 @@ def test_a_system_may_carry_a_bucket_size_and_misuse_names_it() -> None:
             parse_systems(f"torch_ddp_gabv,{bad}")
     with pytest.raises(ValueError, match="unknown systems"):
         parse_systems("torch_ddp_gabv,megabuf_nope@10")
+    assert split_system("megabuf_ar_sync+pyhooks") == ("megabuf_ar_sync", {"python_hooks": True})
+    assert split_system("megabuf_ar_overlap@64+pyhooks") == (
+        "megabuf_ar_overlap", {"bucket_size": 64, "python_hooks": True})  # fmt: skip
+    for bad in ("torch_ddp_gabv+pyhooks", "megabuf_ar_sync+nope"):
+        with pytest.raises(ValueError, match="'\\+' takes 'pyhooks'"):
+            parse_systems(f"torch_ddp_gabv,{bad}")
 
 
 def test_paired_run_end_to_end(tmp_path: Path) -> None:
@@ -92,20 +98,25 @@ def test_paired_run_end_to_end(tmp_path: Path) -> None:
     chosen in warm-up (before the rounds), every round timed on both ranks."""
     out = tmp_path / "p.jsonl"
     cmd = [sys.executable, "-m", "megabuf.bench.paired", "--models", "gpt_tiny:2",
-           "--systems", "torch_ddp_gabv,megabuf_ar_auto,megabuf_ar_overlap@64", "--rounds", "4",
-           "--warmup", "3",
+           "--systems",
+           "torch_ddp_gabv,megabuf_ar_auto,megabuf_ar_overlap@64,megabuf_ar_overlap@64+pyhooks",
+           "--rounds", "4", "--warmup", "3",
            "--out", str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     head, *rows = (json.loads(line) for line in out.read_text().splitlines())
-    names = ["torch_ddp_gabv", "megabuf_ar_auto", "megabuf_ar_overlap@64"]
+    names = ["torch_ddp_gabv", "megabuf_ar_auto", "megabuf_ar_overlap@64",
+             "megabuf_ar_overlap@64+pyhooks"]  # fmt: skip
     assert head["kind"] == "run" and head["systems"] == names
     assert [r["system"] for r in rows] == head["systems"]
-    base, auto, sized = rows
+    base, auto, sized, python_hooks = rows
     assert base["ratio"] == 1.0 and base["rounds"] == auto["rounds"] == 4
     # a bucket size of its own: 64 elements, so about one bucket group per param
     assert sized["bucket_groups"] > 2 * auto["bucket_groups"], (sized, auto)
+    # groups of small params alone (norms, biases) count their arrivals, except under +pyhooks
+    assert sized["counted_groups"] > 0 == python_hooks["counted_groups"], (sized, python_hooks)
+    assert python_hooks["bucket_groups"] == sized["bucket_groups"]
     for row in rows:
         assert row["check_max_abs_error"] <= 1e-5, row
         assert [len(s) for s in row["step_s_per_rank"]] == [4, 4], row

@@ -93,7 +93,7 @@ def parse_models(text: str) -> dict[str, int]:
 
 def parse_systems(text: str | None) -> tuple[str, ...]:
     """Comma list of system names; a megabuf system may carry a bucket size in elements,
-    `megabuf_ar_overlap@262144` (a row of its own: bucket-size sweeps)."""
+    `megabuf_ar_overlap@262144` (a row of its own: bucket-size sweeps), and `+pyhooks`."""
     if not text:
         return SYSTEM_NAMES
     names = tuple(s.strip() for s in text.split(",") if s.strip())
@@ -104,16 +104,26 @@ def parse_systems(text: str | None) -> tuple[str, ...]:
 
 
 def split_system(spec: str) -> tuple[str, dict[str, object]]:
-    """`name@numel` -> (name, {"bucket_size": numel}); a plain name -> (name, {})."""
+    """`name@numel` -> (name, {"bucket_size": numel}); `name+pyhooks` -> (name,
+    {"python_hooks": True}): a Python grad hook per param, no counted arrivals ([Note: counted
+    arrivals] in megabuf/arrivals.py), to measure them in the same rounds; a plain name ->
+    (name, {})."""
+    spec, plus, extra = spec.partition("+")
+    if plus and (extra != "pyhooks" or not spec.startswith("megabuf_")):
+        raise ValueError(
+            f"megabuf.bench: {spec + plus + extra!r}: '+' takes 'pyhooks' after a megabuf system, "
+            "e.g. megabuf_ar_sync+pyhooks"
+        )
+    hooks: dict[str, object] = {"python_hooks": True} if plus else {}
     name, at, size = spec.partition("@")
     if not at:
-        return name, {}
+        return name, hooks
     if not name.startswith("megabuf_") or not size.isdigit() or int(size) < 1:
         raise ValueError(
             f"megabuf.bench: {spec!r}: '@' takes a bucket size in elements (an int >= 1) after a "
             "megabuf system, e.g. megabuf_ar_overlap@262144"
         )
-    return name, {"bucket_size": int(size)}
+    return name, {"bucket_size": int(size), **hooks}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -158,7 +158,9 @@ def _rounds(jobs: Sequence[Job], pgs: megabuf.ProcessGroups, rounds: int) -> lis
                 analyze(engine.ddp.timeline.events).to_dict().get("median_exposed_ms")
             )
         if engine.ddp is not None:
-            out[i]["bucket_groups"] = len(engine.ddp.engine.all_bucket_groups)
+            groups = engine.ddp.engine.all_bucket_groups
+            out[i]["bucket_groups"] = len(groups)
+            out[i]["counted_groups"] = sum(g.counted is not None for g in groups)
         auto = engine.ddp.engine.auto if engine.ddp is not None else None
         if auto is not None and auto.replanned:
             out[i]["auto_plan"] = auto.summary
@@ -234,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = summarize(model, systems, [[s["step_s"] for s in rank] for rank in results])
         for s, row in enumerate(summary):
             errors = [rank[s]["check_max_abs_error"] for rank in results]
-            keys = ("phase_ms", "exposed_ms", "auto_plan", "bucket_groups")
+            keys = ("phase_ms", "exposed_ms", "auto_plan", "bucket_groups", "counted_groups")
             extra = {key: results[0][s][key] for key in keys
                      if key in results[0][s]}  # fmt: skip
             rows.append({**row.__dict__, **extra, "check_max_abs_error": max(errors),

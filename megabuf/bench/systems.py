@@ -250,9 +250,14 @@ MEGABUF_CONFIGS: dict[str, dict[str, Any]] = {
 def build_megabuf(
     name: str, module: nn.Module, pgs: ProcessGroups, overrides: dict[str, Any] | None = None
 ) -> Engine:
-    """megabuf system `name` (see MEGABUF_CONFIGS), with config fields overridden if given."""
+    """megabuf system `name` (see MEGABUF_CONFIGS), with config fields overridden if given;
+    `python_hooks` (not a config field): never count arrivals ([Note: counted arrivals])."""
     values = {**MEGABUF_CONFIGS[name], **(overrides or {})}
-    return _megabuf(module, pgs, DistributedDataParallelConfig(**values))
+    python_hooks = values.pop("python_hooks", False)
+    engine = _megabuf(module, pgs, DistributedDataParallelConfig(**values))
+    if python_hooks and engine.ddp is not None:
+        engine.ddp.engine.sync.on_first_sync = None  # before the first sync: never swapped in
+    return engine
 
 
 BUILDERS: dict[str, Callable[[nn.Module, ProcessGroups], Engine]] = {
