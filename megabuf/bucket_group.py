@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import array
 import enum
+import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -27,7 +28,13 @@ from megabuf.buffer import _ParamAndGradBucket
 from megabuf.collectives import Collectives
 from megabuf.comm_hooks.contract import GradBucket, HookWork, Waitable
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.dispatch import DispatchChain, GradSyncState, ParamSyncState, SyncWork  # re-exported
+from megabuf.dispatch import (  # re-exported
+    DispatchChain,
+    GradSyncState,
+    ParamSyncState,
+    SyncWork,
+    wait_dropped,
+)
 from megabuf.grad_math import InboundScale, NonfiniteFlags, by_dtype, foreach_scale
 from megabuf.sharding.grads import GradBucketState, ShardedGrads
 from megabuf.sharding.params import ShardedParams
@@ -358,6 +365,9 @@ class BucketGroup(GradReadiness, TwoLevelReduction):
         self.param_state = ParamSyncState.DISPATCHED
         if not async_op:
             self.finish_param_sync(skip_next_bucket_dispatch=True)
+            return
+        # [Note: gathers outlive a dropped group]: waited for when the record is dropped
+        weakref.finalize(self._param_work, wait_dropped, pending, self.rank)
 
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
         """Make params valid (dispatching the gather if nobody has), then prefetch the next

@@ -21,11 +21,25 @@ rank waits for a collective another rank never issues. A gradient that arrives a
 was dispatched is an error (a second backward without no_sync(), or more arrivals than learned).
 A group whose params are all small and linked counts, once learned, the sum of its params'
 arrivals without a Python call per grad instead ([Note: counted arrivals] in arrivals.py).
+
+[Note: gathers outlive a dropped group]
+With overlap_param_gather the step leaves every group's param all-gather in flight for the next
+forward to wait on. A model dropped before that forward (a run that ends, a test that builds
+the next model) left them un-waited, and on gloo an un-waited point-to-point gather whose
+record is garbage collected can wedge the pair: the next collective of the process group then
+hung, or not, depending on when each rank's garbage collector happened to free the old model
+(seen in tests/test_drop_in.py once allocation timing changed). So the gather's record waits
+for its collectives when it is dropped without a wait (a finalizer; after a normal wait there
+is nothing left to wait for). Every rank issued them at the step, so the wait returns; it is
+bounded all the same (DROPPED_WAIT_S), since a finalizer must not hang a process, and a
+timeout is reported with the rank.
 """
 
 from __future__ import annotations
 
+import datetime
 import enum
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -82,6 +96,23 @@ class SyncWork:
     def wait(self) -> None:
         for work in self.pending:
             work.wait()
+
+
+DROPPED_WAIT_S = 60.0
+"""How long a dropped gather record waits for its collectives ([Note: gathers outlive a
+dropped group])."""
+
+
+def wait_dropped(pending: Sequence[Any], rank: int) -> None:
+    """A gather record was dropped: wait for its collectives (PendingCollective.wait, bounded);
+    see [Note: gathers outlive a dropped group]."""
+    timeout = datetime.timedelta(seconds=DROPPED_WAIT_S)
+    try:
+        for work in pending:
+            work.wait(timeout)
+    except RuntimeError as exc:  # a finalizer cannot raise: say so and go on
+        print(f"megabuf: rank {rank}: a dropped model's param gather did not finish: {exc}",
+              file=sys.stderr)  # fmt: skip
 
 
 class DispatchChain(Generic[M]):

@@ -280,7 +280,7 @@ class Engine:
         if self.config.overlap_param_gather:
             self.gather_hooks.enable()
         remove_hooks_when_collected(self, self._grad_hook_handles, self.gather_hooks)
-        self.sync.on_first_sync = self._count_arrivals
+        self.sync.on_first_sync = weak_bookkeeping(self._count_arrivals)  # no engine cycle
 
     def _count_arrivals(self) -> None:
         """After the first sync, the groups that can count their grads without a Python call

@@ -90,8 +90,9 @@ class GradSync:
         # bucket_size="auto" warm-up: told when each grad sync starts ([Note: auto bucket re-plan])
         self.on_backward_end: Callable[[], None] | None = None
         self.on_synced: Callable[[], None] | None = None  # ... and when its reductions landed
-        # once, after the first sync learned the arrivals ([Note: counted arrivals])
-        self.on_first_sync: Callable[[], None] | None = None
+        # once, after the first sync learned the arrivals ([Note: counted arrivals]); held
+        # weakly: returns the callback, or None once its owner is gone
+        self.on_first_sync: Callable[[], Callable[[], None] | None] | None = None
         self._before_sync = before_sync
         self._checks = tuple(checks)
         self.agreement = agreement  # [Note: micro-batch agreement]; None: counts may differ
@@ -215,8 +216,9 @@ class GradSync:
             group.end_step_at_sync()  # [Note: two-level reduction]
         self._reduce_and_wait()
         if self.on_first_sync is not None:
-            first, self.on_first_sync = self.on_first_sync, None
-            first()
+            first, self.on_first_sync = self.on_first_sync(), None
+            if first is not None:
+                first()
         if self.on_synced is not None:
             self.on_synced()
         for check in self._checks:

@@ -26,6 +26,8 @@ def test_a_dropped_engine_is_collected_and_its_module_trains_plain(
     for rank, res in enumerate(results):
         assert not res["engine_alive"], f"{strategy}: rank {rank} kept the dropped engine alive"
         assert not res["group_alive"], f"{strategy}: rank {rank} kept a bucket group alive"
+        if gather:  # the gathers the step left in flight were waited for when dropped
+            assert res["in_flight"] > 0 and res["unwaited"] == 0, (strategy, rank, res)
         if strategy == "optim_grads_params":
             continue  # the kept module holds this rank's shards, not whole params
         for got, want in zip(res["grads_after"], res["plain_grads"]):
