@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from megabuf.comm_hooks.contract import Waitable
+from megabuf.comm_records import PendingCollective
 from megabuf.sharding.grads import REDUCING_GROUPS_LIMIT
 
 
@@ -103,13 +104,14 @@ DROPPED_WAIT_S = 60.0
 dropped group])."""
 
 
-def wait_dropped(pending: Sequence[Any], rank: int) -> None:
-    """A gather record was dropped: wait for its collectives (PendingCollective.wait, bounded);
-    see [Note: gathers outlive a dropped group]."""
+def wait_dropped(pending: Sequence[PendingCollective], rank: int) -> None:
+    """A gather record was dropped: wait, bounded, for its collectives that nobody waited for
+    (a wait empties `handles`); see [Note: gathers outlive a dropped group]."""
     timeout = datetime.timedelta(seconds=DROPPED_WAIT_S)
     try:
         for work in pending:
-            work.wait(timeout)
+            if work.handles:
+                work.wait(timeout)
     except RuntimeError as exc:  # a finalizer cannot raise: say so and go on
         print(f"megabuf: rank {rank}: a dropped model's param gather did not finish: {exc}",
               file=sys.stderr)  # fmt: skip

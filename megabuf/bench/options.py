@@ -103,18 +103,23 @@ def parse_systems(text: str | None) -> tuple[str, ...]:
     return names
 
 
+PYHOOKS = "+pyhooks"
+
+
 def split_system(spec: str) -> tuple[str, dict[str, object]]:
     """`name@numel` -> (name, {"bucket_size": numel}); `name+pyhooks` -> (name,
     {"python_hooks": True}): a Python grad hook per param, no counted arrivals ([Note: counted
     arrivals] in megabuf/arrivals.py), to measure them in the same rounds; a plain name ->
     (name, {})."""
-    spec, plus, extra = spec.partition("+")
-    if plus and (extra != "pyhooks" or not spec.startswith("megabuf_")):
-        raise ValueError(
-            f"megabuf.bench: {spec + plus + extra!r}: '+' takes 'pyhooks' after a megabuf system, "
-            "e.g. megabuf_ar_sync+pyhooks"
-        )
-    hooks: dict[str, object] = {"python_hooks": True} if plus else {}
+    python_hooks = spec.endswith(PYHOOKS)  # other '+' names are systems of their own
+    if python_hooks:
+        spec = spec.removesuffix(PYHOOKS)
+        if not spec.startswith("megabuf_"):
+            raise ValueError(
+                f"megabuf.bench: {spec + PYHOOKS!r}: {PYHOOKS!r} follows a megabuf system, e.g. "
+                "megabuf_ar_sync+pyhooks"
+            )
+    hooks: dict[str, object] = {"python_hooks": True} if python_hooks else {}
     name, at, size = spec.partition("@")
     if not at:
         return name, hooks
