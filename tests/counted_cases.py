@@ -74,29 +74,32 @@ def _turns(model: Any) -> list[int | None]:
 
 
 # ---- the loops: model -> per-step snapshots ------------------------------------------------------
-def megabuf_loop(model: Any, rank: int) -> list[dict[str, torch.Tensor]]:
-    """zero_grad_buffer(), forward through the wrapper, backward (synced at its end), SGD."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def _steps(
+    model: Any, opt: Any, n: int, clear: Callable[[], None], out: Callable[[int], torch.Tensor]
+) -> list[dict[str, torch.Tensor]]:
+    """`n` steps of clear(), backward of the loss of `out(step)` and the optimizer step."""
     steps = []
-    for step in range(4):
-        model.zero_grad_buffer()
-        _loss(model(_batch(rank, step), spare=rank == 0)).backward()
+    for step in range(n):
+        clear()
+        _loss(out(step)).backward()
         steps.append(_snapshot(model))
         opt.step()
     return steps
+
+
+def megabuf_loop(model: Any, rank: int) -> list[dict[str, torch.Tensor]]:
+    """zero_grad_buffer(), forward through the wrapper, backward (synced at its end), SGD."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return _steps(
+        model, opt, 4, model.zero_grad_buffer, lambda s: model(_batch(rank, s), rank == 0)
+    )
 
 
 def torch_loop(model: Any, rank: int) -> list[dict[str, torch.Tensor]]:
     """A torch-DDP loop: the optimizer's zero_grad() sets every .grad to None, never
     zero_grad_buffer(); backward then hands the small params tensors of their own."""
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    steps = []
-    for step in range(4):
-        opt.zero_grad()
-        _loss(model(_batch(rank, step), spare=rank == 0)).backward()
-        steps.append(_snapshot(model))
-        opt.step()
-    return steps
+    return _steps(model, opt, 4, opt.zero_grad, lambda s: model(_batch(rank, s), rank == 0))
 
 
 def microbatch_loop(model: Any, rank: int) -> list[dict[str, torch.Tensor]]:
@@ -121,25 +124,17 @@ def module_loop(model: Any, rank: int) -> list[dict[str, torch.Tensor]]:
     """A loss from model.module, not through the wrapper's forward: the first counted arrival's
     bookkeeping arms the sync at backward's end."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    steps = []
-    for step in range(3):
-        model.zero_grad_buffer()
-        _loss(model.module(_batch(rank, step), spare=rank == 0)).backward()
-        steps.append(_snapshot(model))
-        opt.step()
-    return steps
+    return _steps(
+        model, opt, 3, model.zero_grad_buffer, lambda s: model.module(_batch(rank, s), rank == 0)
+    )
 
 
 def twice_loop(model: Any, rank: int) -> list[dict[str, torch.Tensor]]:
     """The last layer gets two grads per iteration from the start (a nested backward)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    steps = []
-    for step in range(3):
-        model.zero_grad_buffer()
-        _loss(model(_batch(rank, step), twice=True)).backward()
-        steps.append(_snapshot(model))
-        opt.step()
-    return steps
+    return _steps(
+        model, opt, 3, model.zero_grad_buffer, lambda s: model(_batch(rank, s), twice=True)
+    )
 
 
 LOOPS: dict[str, Callable[[Any, int], list[dict[str, torch.Tensor]]]] = {
