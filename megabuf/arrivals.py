@@ -51,6 +51,7 @@ from __future__ import annotations
 import array
 import enum
 import functools
+import inspect
 import itertools
 import weakref
 from collections.abc import Callable, Iterator
@@ -332,9 +333,12 @@ def countable(group: GradReadiness, small: set[nn.Parameter], unused_check: bool
     return all(p in small for p in group.params_list)
 
 
-def weak_bookkeeping(fn: Callable[[], None]) -> Callable[[], Callable[[], None] | None]:
-    """`fn` (a bound method of the engine) held weakly: [Note: hooks hold the engine weakly]."""
-    return weakref.WeakMethod(fn)  # type: ignore[arg-type]
+def weak_callable(fn: Callable[[], None]) -> Callable[[], Callable[[], None] | None]:
+    """`fn` held weakly if it is a bound method (of the engine): [Note: hooks hold the engine
+    weakly] in hooks.py. Calling the result gives `fn`, or None once its owner is gone."""
+    if inspect.ismethod(fn):
+        return weakref.WeakMethod(fn)
+    return lambda: fn  # a plain function holds no engine
 
 
 def refuse_create_graph(group: GradReadiness, param: nn.Parameter) -> None:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from megabuf.arrivals import CountedArrivals, countable, weak_bookkeeping
+from megabuf.arrivals import CountedArrivals, countable, weak_callable
 from megabuf.assembly import Assembly, assemble, rebucket
 from megabuf.autobucket import AutoBucket
 from megabuf.bucket_group import BucketGroup, Timeline
@@ -280,7 +280,7 @@ class Engine:
         if self.config.overlap_param_gather:
             self.gather_hooks.enable()
         remove_hooks_when_collected(self, self._grad_hook_handles, self.gather_hooks)
-        self.sync.on_first_sync = weak_bookkeeping(self._count_arrivals)  # no engine cycle
+        self.sync.on_first_sync = weak_callable(self._count_arrivals)  # no engine cycle
 
     def _count_arrivals(self) -> None:
         """After the first sync, the groups that can count their grads without a Python call
@@ -288,7 +288,7 @@ class Engine:
         cfg, handles = self.config, self._grad_hook_handles
         small = {p for p, _ in self.sync.grads.small}
         position = {p: k for k, p in enumerate(self._params)}
-        bookkeeping = weak_bookkeeping(self._on_grad)  # [Note: hooks hold the engine weakly]
+        bookkeeping = weak_callable(self._on_grad)  # [Note: hooks hold the engine weakly]
         for group in self.all_bucket_groups:
             total = group.expected_total
             if not countable(group, small, cfg.error_on_unused_params) or (

@@ -39,7 +39,6 @@ when it is collected, so a module the user kept does not hold the engine's buffe
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -49,7 +48,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from megabuf.arrivals import refuse_create_graph
+from megabuf.arrivals import refuse_create_graph, weak_callable
 from megabuf.bucket_group import BucketGroup
 from megabuf.grads import SMALL_GRAD_NUMEL
 
@@ -68,7 +67,7 @@ def make_grad_hook(
     backward] in grad_sync.py). The hook holds its group and `on_grad` weakly ([Note: hooks
     hold the engine weakly])."""
     group_ref = weakref.ref(group)
-    on_grad_ref = _weak_callable(on_grad)
+    on_grad_ref = weak_callable(on_grad)
     # [Note: scale on the way in]: a linked grad has main_grad's dtype; decided once, here
     inbound = link and group.inbound.factor is not None and main_grad.numel() > SMALL_GRAD_NUMEL
 
@@ -104,12 +103,6 @@ def make_grad_hook(
         group.register_grad_ready_at(index, param)
 
     return hook
-
-
-def _weak_callable(fn: Callable[[], None]) -> Callable[[], Callable[[], None] | None]:
-    if inspect.ismethod(fn):
-        return weakref.WeakMethod(fn)
-    return lambda: fn  # a plain function holds no engine
 
 
 def register_grad_hooks(

@@ -738,7 +738,7 @@ MUTANTS = (
         "counted-arrivals-never-engaged",
         "after the first sync, groups of small params count their arrivals (no Python per grad)",
         "megabuf/engine.py",
-        "        self.sync.on_first_sync = weak_bookkeeping(self._count_arrivals)",
+        "        self.sync.on_first_sync = weak_callable(self._count_arrivals)",
         "        self.sync.on_first_sync = lambda: None",
         ("tests/test_counted_arrivals.py",),
     ),
