@@ -137,10 +137,9 @@ class CountedArrivals:
             if not (self.total and group.counts_arrivals):
                 self._turn = _Turn.PASSING
                 return len(self._nones)
-            if self.total > 1:
-                self._turn = _Turn.LAST
-                return self.total - 1
             self._turn = _Turn.LAST
+            if self.total > 1:
+                return self.total - 1
         if self._turn is _Turn.LAST:
             group.on_all_arrived()
             self._turn = _Turn.AFTER  # also when the dispatch reset the counter
