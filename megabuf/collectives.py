@@ -391,6 +391,14 @@ class Collectives:
             handles = dist.batch_isend_irecv(ops) if ops else []
         return PendingCollective("batch_p2p", list(handles))
 
+    def all_reduce_sparse(self, grad: Tensor, group: Group) -> PendingCollective:
+        """Async in-place sum of a sparse COO `grad` (gloo); what lands is coalesced."""
+        ring = (self.size(group) - 1) * (n := nbytes_of(grad._indices()) + grad._values().nbytes)
+        self._record(group, "all_reduce_sparse", input_nbytes=n, output_nbytes=n, ring_nbytes=ring)
+        with torch.profiler.record_function("megabuf::all_reduce_sparse"):
+            work = dist.all_reduce(grad, group=group, async_op=True)
+        return self._pending("all_reduce_sparse", work, None, None, 1)
+
     def all_reduce_max(self, tensor: Tensor, group: Group) -> None:
         """Synchronous elementwise max across the group (e.g. found-inf flags)."""
         self._record_all_reduce(tensor, dist.get_world_size(group), group)

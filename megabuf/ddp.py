@@ -173,8 +173,7 @@ class DistributedDataParallel(nn.Module):
         self.engine.sync.abandon()
 
     def scale_gradients(self, scaling_factor: float) -> None:
-        for buf in self.engine.buffers:
-            buf.scale_gradients(scaling_factor)
+        self.engine.scale_gradients(scaling_factor)
 
     # ---- params -------------------------------------------------------------------------------
     def broadcast_params(self) -> None:

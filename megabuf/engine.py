@@ -65,6 +65,7 @@ from megabuf.sharded_replan import (
     retire_old_params,
 )
 from megabuf.sharding.ledger import MemoryLedger
+from megabuf.sparse_grads import SparseGrads
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,8 @@ class Engine:
         )  # fmt: skip
         self.param_to_name: dict[nn.Parameter, str] = {p: n for n, p in planned.trainable}
         self._params = [p for _, p in planned.trainable]
+        # [Note: sparse grads outside the buffer]: in no buffer, all-reduced at the sync
+        self.sparse_grads = SparseGrads(planned.sparse, self.collectives, pgs.dp, pgs.dp_size)
         self.plan: Plan = planned.plan
         self.param_side: GatheredParams  # set by _wire (UnitParams under optim_grads_params)
         units = unit_modules(self.module, planned.unit_plan)  # (name, module), root first
@@ -160,7 +163,7 @@ class Engine:
         self.sync = GradSync(
             self.all_bucket_groups, built.chains, cfg, grads,
             before_sync=lambda: structure.check(self.rank), checks=self._sync_checks(),
-            agreement=self._microbatch_agreement(),
+            agreement=self._microbatch_agreement(), outside=self.sparse_grads,
         )  # fmt: skip
         self._install_hooks(self._params, grads)
         self.param_side = GatheredParams(self.all_bucket_groups, self.gather_hooks, cfg)
@@ -272,6 +275,10 @@ class Engine:
             params, self.param_to_bucket_group, set(grads.linked), self._on_grad,
             self.sync.in_backward,
         )  # fmt: skip
+        # after the dense ones: _count_arrivals finds those by position
+        self._grad_hook_handles += self.sparse_grads.install_hooks(
+            self._on_grad, self.sync.in_backward
+        )
         for group in self.all_bucket_groups:  # the hooks hold the views: guard the attribute
             if group.sharded_grads is not None:
                 names = [self.param_to_name[p] for p in group.params_list]
@@ -393,6 +400,12 @@ class Engine:
         self.collectives.all_reduce_max(pending, auto.group)
         if pending.item() == 0.0:
             self.zero_grad_buffer()
+
+    def scale_gradients(self, factor: float) -> None:
+        """Every grad, the buffers' and the sparse ones ([Note: gradient scaling])."""
+        for buf in self.buffers:
+            buf.scale_gradients(factor)
+        self.sparse_grads.scale(factor)
 
     def enable_timeline(self) -> Timeline:
         timeline = Timeline(self.device)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from torch.autograd import Variable
 
@@ -51,6 +51,28 @@ from megabuf.microbatches import MicrobatchAgreement
 from megabuf.timeline import Timeline
 
 BACKWARD_END_GROUP_ID = -1  # group id of the timeline's "backward_end" marker
+
+
+class OutsideGrads(Protocol):
+    """Grads the sync reduces beside the bucket groups: the sparse ones ([Note: sparse grads
+    outside the buffer] in sparse_grads.py)."""
+
+    def start_grad_sync(self) -> None: ...
+    def finish_grad_sync(self) -> None: ...
+    def clear(self) -> None: ...
+
+
+class NoOutsideGrads:
+    """Every grad lives in a buffer."""
+
+    def start_grad_sync(self) -> None:
+        pass
+
+    def finish_grad_sync(self) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
 
 
 class SyncPhase(enum.Enum):
@@ -73,8 +95,10 @@ class GradSync:
         before_sync: Callable[[], None] = lambda: None,
         checks: Sequence[Callable[[], None]] = (),
         agreement: MicrobatchAgreement | None = None,
+        outside: OutsideGrads | None = None,
     ) -> None:
         self.groups = list(groups)  # dense then expert
+        self.outside: OutsideGrads = outside if outside is not None else NoOutsideGrads()
         self.chains = list(chains)
         self.grads = grads
         self.reduce_each = config.sharding.shards_grads and (
@@ -214,7 +238,10 @@ class GradSync:
         self.phase = SyncPhase.ACCUMULATING  # an owed micro-batch reduces with this sync
         for group in self.groups:
             group.end_step_at_sync()  # [Note: two-level reduction]
+        self.start()  # the dense groups first, then the sparse grads: the same order on every rank
+        self.outside.start_grad_sync()
         self._reduce_and_wait()
+        self.outside.finish_grad_sync()
         if self.on_first_sync is not None:
             first, self.on_first_sync = self.on_first_sync(), None
             if first is not None:
@@ -264,6 +291,7 @@ class GradSync:
             group.is_last_microbatch = self._dispatches_in_backward(self.require_sync)
             group.is_final_microbatch = self.require_sync
         self.grads.clear()
+        self.outside.clear()
         self.backward_end.clear()
         self.in_backward[0] = False
         self.phase = SyncPhase.ACCUMULATING
@@ -275,6 +303,7 @@ class GradSync:
         dropped), leave no_sync and start a new iteration."""
         for group in self.groups:
             group.abandon_grad_sync()
+        self.outside.finish_grad_sync()
         self.require_sync = True
         self.zero()  # phase: ACCUMULATING
 

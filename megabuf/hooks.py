@@ -93,16 +93,34 @@ def make_grad_hook(
                     main_grad.add_(grad.detach(), alpha=factor)
                 param.grad = None  # linked at the sync: no unscaled grad added in place
             else:
-                if first or link:
-                    # linked: param.grad is not main_grad only when it was None (zero_grad_buffer
-                    # or set_to_none) or replaced, so it holds the whole accumulated grad
-                    main_grad.copy_(grad)
-                else:
-                    main_grad.add_(grad)
+                try:
+                    if first or link:
+                        # linked: param.grad is not main_grad only when it was None
+                        # (zero_grad_buffer or set_to_none) or replaced: the whole grad
+                        main_grad.copy_(grad)
+                    else:
+                        main_grad.add_(grad)
+                except RuntimeError:
+                    refuse_sparse_grad(group, param, grad)
+                    raise
                 param.grad = main_grad if link else None
         group.register_grad_ready_at(index, param)
 
     return hook
+
+
+def refuse_sparse_grad(group: BucketGroup, param: nn.Parameter, grad: torch.Tensor) -> None:
+    """A sparse grad reached a param planned into a buffer: raise naming it ([Note: sparse grads
+    outside the buffer] in sparse_grads.py). Returns for a dense grad (the caller re-raises)."""
+    if grad.layout is torch.strided:
+        return
+    name = group.param_to_name.get(param, "?")
+    raise RuntimeError(
+        f"megabuf: param {name!r} got a {grad.layout} gradient on rank {group.rank}, but it was "
+        "planned into a dense grad buffer: only the weights of nn.Embedding / "
+        "nn.EmbeddingBag(sparse=True) modules are kept outside the buffers for sparse grads. "
+        "Produce the sparse grad from such a module, or use sparse=False (dense grads)"
+    )
 
 
 def register_grad_hooks(

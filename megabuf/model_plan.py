@@ -3,7 +3,8 @@
 One path for both, so what `megabuf inspect` prints is what `DistributedDataParallel` builds:
 the trainable params in registration order (shared params once), the shard units under
 optim_grads_params ([Note: shard units] in units.py) and the planner's buffers, buckets, groups
-and chains (plan.py)."""
+and chains (plan.py). Params whose grads are sparse stay out of the plan ([Note: sparse grads
+outside the buffer] in sparse_grads.py)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,14 @@ from megabuf.plan import Plan, build_plan
 from megabuf.replicas import embedding_weights, param_specs
 from megabuf.units import UnitPlan, plan_units
 
+# modules whose `sparse=True` makes their weight's grad a sparse COO tensor (as torch DDP)
+SPARSE_GRAD_MODULES = (nn.Embedding, nn.EmbeddingBag)
+
 
 @dataclass(frozen=True)
 class ModelPlan:
-    trainable: tuple[tuple[str, nn.Parameter], ...]  # (name, param), registration order
+    trainable: tuple[tuple[str, nn.Parameter], ...]  # (name, param), registration order; dense
+    sparse: tuple[tuple[str, nn.Parameter], ...]  # trainable, sparse grads: outside the buffers
     unit_plan: UnitPlan | None  # optim_grads_params only
     plan: Plan
 
@@ -37,7 +42,10 @@ def plan_model(
 ) -> ModelPlan:
     """The plan of `module`'s trainable params at `dp_size` (expert params at `expt_dp_size`);
     `bucket_ends`: explicit boundaries per buffer (an auto plan, [Note: auto bucket plan])."""
-    trainable = tuple((n, p) for n, p in module.named_parameters() if p.requires_grad)
+    sparse_ids = {id(p) for p in sparse_grad_params(module, config)}
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    trainable = tuple((n, p) for n, p in named if id(p) not in sparse_ids)
+    sparse = tuple((n, p) for n, p in named if id(p) in sparse_ids)
     unit_plan = None
     if config.sharding.shards_params:
         unit_plan = plan_units(module, config.shard_units, list(trainable))
@@ -48,4 +56,27 @@ def plan_model(
         unit_of_param=unit_plan.unit_ids([n for n, _ in trainable]) if unit_plan else None,
         bucket_ends=bucket_ends,
     )  # fmt: skip
-    return ModelPlan(trainable, unit_plan, plan)
+    return ModelPlan(trainable, sparse, unit_plan, plan)
+
+
+def sparse_grad_params(
+    module: nn.Module, config: DistributedDataParallelConfig
+) -> list[nn.Parameter]:
+    """The trainable params of the `nn.Embedding` / `nn.EmbeddingBag(sparse=True)` modules
+    of `module`; a sharded strategy refuses them, naming the first module ([Note: sparse grads
+    outside the buffer] in sparse_grads.py)."""
+    found: list[nn.Parameter] = []
+    for name, sub in module.named_modules():
+        if not (isinstance(sub, SPARSE_GRAD_MODULES) and sub.sparse):
+            continue
+        if not sub.weight.requires_grad:
+            continue
+        if config.sharding.shards_optimizer:
+            raise ValueError(
+                f"megabuf: module {name or '<root>'!r} ({type(sub).__name__}(sparse=True)) "
+                "produces sparse grads, which the distributed optimizer cannot shard "
+                f"(data_parallel_sharding_strategy={config.sharding.name!r}); use "
+                'data_parallel_sharding_strategy="no_shard" or sparse=False'
+            )
+        found.append(sub.weight)  # type: ignore[arg-type]
+    return found

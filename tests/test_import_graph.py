@@ -60,7 +60,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "megabuf.backward_sync", "megabuf.hook_registry", "megabuf.param_units",
         "megabuf.grad_sync",
         "megabuf.param_sync", "megabuf.assembly", "megabuf.sharded_replan", "megabuf.engine",
-        "megabuf.residency", "megabuf.autobucket", "megabuf.warmup",
+        "megabuf.residency", "megabuf.autobucket", "megabuf.warmup", "megabuf.sparse_grads",
     )),
     ("wrapper", ("megabuf.ddp",)),
     ("above", (

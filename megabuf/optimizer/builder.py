@@ -52,6 +52,15 @@ def build_optimizer(
             "megabuf: build_optimizer got model chunks with different "
             "use_distributed_optimizer settings; build every chunk with the same DDP config"
         )
+    for chunk in chunks:  # [Note: sparse grads outside the buffer] in megabuf/sparse_grads.py
+        if chunk.engine.sparse_grads.named:
+            names = [n for n, _ in chunk.engine.sparse_grads.named]
+            raise ValueError(
+                f"megabuf: build_optimizer steps the grad buffers, and params {names} have "
+                "sparse grads outside them (nn.Embedding / nn.EmbeddingBag(sparse=True)); step "
+                "this model with a torch optimizer that takes sparse grads (SGD, Adagrad, "
+                "SparseAdam for those params), or use sparse=False"
+            )
     params = [p for c in chunks for p in c.engine.param_to_name]
     dtypes = {p.dtype for p in params}
     _check_precision(config, dtypes)
