@@ -41,7 +41,10 @@ def model_space_keys(chunks: Sequence[DistributedDataParallel]) -> dict[nn.Param
     with ep > 1 (those differ between ranks of one checkpoint)."""
     keys: dict[nn.Parameter, str] = {}
     for i, chunk in enumerate(chunks):
-        for param, name in chunk.engine.param_to_name.items():
+        named = [(n, p) for p, n in chunk.engine.param_to_name.items()]
+        # a torch optimizer's checkpoint holds the sparse-grad params too ([Note: sparse grads
+        # outside the buffer] in megabuf/sparse_grads.py)
+        for name, param in named + chunk.engine.sparse_grads.named:
             keys[param] = scope_prefix(chunk, i, len(chunks), is_expert_parallel(param)) + name
     return keys
 
