@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megabuf import torch_compat
+from megabuf import pickling, torch_compat
 from megabuf.bucket_group import Timeline
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
@@ -264,6 +264,23 @@ class DistributedDataParallel(nn.Module):
             )
         with self.summon_full_params(writeback=True):
             return self.module.load_state_dict(state_dict, strict=strict)
+
+    # ---- pickling and copying ([Note: pickling a wrapped model] in pickling.py) ---------------
+    def __getstate__(self) -> dict[str, Any]:
+        """The config and a snapshot of the module's values; no buffers, groups or grads."""
+        return pickling.wrapper_state(self.__dict__, self.engine, self.process_groups,
+                                      self.ddp_config)  # fmt: skip
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuilds the engine on the default groups, eagerly and without a collective."""
+        self.process_groups, self.engine = pickling.restore(self, state)
+        self.buffers = _BufferList(self.engine.dense_buffers, self)  # type: ignore[method-assign,assignment]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DistributedDataParallel:
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(pickling.copied_state(self.__getstate__(), memo))
+        return copied
 
     # ---- communication hooks ([Note: comm hook contract] in comm_hooks/contract.py) -----------
     def register_comm_hook(self, hook: object, *, buffers: str = "all") -> None:

@@ -83,6 +83,7 @@ class Engine:
         *,
         disable_bucketing: bool,
         init_sync: bool,
+        check_replicas: bool = True,
     ) -> None:
         self.module = module
         self.config = config
@@ -94,6 +95,9 @@ class Engine:
         self.memory_ledger = MemoryLedger()  # [Note: sharded grad lifecycle]
         self.residency = Residency(self.rank)  # [Note: offloaded engine]
         self.replan_listeners = ReplanListeners(self.rank)  # [Note: sharded auto bucket re-plan]
+        self.disable_bucketing = disable_bucketing
+        # False: an unpickled copy, built without a collective ([Note: pickling a wrapped model])
+        self._check_replicas = check_replicas
         self._build(disable_bucketing, init_sync)
         if config.comm_hook is not None:
             spec = dict(config.comm_hook)
@@ -115,7 +119,8 @@ class Engine:
         pgs, cfg = self.process_groups, self.config
         named = list(self.module.named_parameters())  # shared params once, under their first name
         check_devices(named)
-        check_replicas_match(named, pgs.dp, self.collectives)
+        if self._check_replicas:
+            check_replicas_match(named, pgs.dp, self.collectives)
         planned = plan_model(  # the same path as `megabuf inspect`
             # laid out over the group a buffer is sharded over: dp, or the shard group
             self.module, cfg, dp_size=self.topology.sharding(False)[1],
