@@ -12,18 +12,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from sparse_cases import SparseNet
+from sparse_cases import batch as sparse_batch
 from torch import nn
 
 import megabuf
-from sparse_cases import SparseNet
-from sparse_cases import _batch as sparse_batch
 
 STEPS = 3
 
 
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
 
 
 def _x(step: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ class SparseNet(nn.Module):
         return self.head(hidden).square().sum() / BATCH  # an empty batch gives 0, not nan
 
 
-def _batch(it: int, micro: int) -> torch.Tensor:
+def batch(it: int, micro: int) -> torch.Tensor:
     """Asymmetric ranks: rank 0 reads rows 0..9, rank 1 rows 8..23, and rank 1's batch of
     iteration 1 is empty (touches no row)."""
     rank = dist.get_rank()
@@ -70,8 +70,8 @@ def _train(wrap: Callable[[nn.Module], nn.Module], loop: str, opt_name: str) -> 
                 opt.zero_grad(set_to_none=True)
         if loop == "no_sync":
             with model.no_sync():  # type: ignore[operator]
-                model(_batch(it, 0)).backward()
-        model(_batch(it, 1)).backward()
+                model(batch(it, 0)).backward()
+        model(batch(it, 1)).backward()
         emb = model.module.emb.weight  # type: ignore[union-attr]
         sparse_layouts.append(emb.grad.is_sparse)
         grads.append([p.grad.to_dense().clone() for p in model.parameters()])
@@ -156,7 +156,7 @@ def only_sparse_params() -> dict[str, Any]:
     ref_model = nn.parallel.DistributedDataParallel(nn.EmbeddingBag(VOCAB, DIM, sparse=True))
     torch.manual_seed(0)
     model = megabuf.DistributedDataParallel(nn.EmbeddingBag(VOCAB, DIM, sparse=True))
-    x = _batch(0, 0)
+    x = batch(0, 0)
     ref_model(x).square().sum().backward()
     model(x).square().sum().backward()
     ref, got = ref_model.module.weight.grad, model.module.weight.grad
@@ -167,7 +167,7 @@ def scaled_and_cleared() -> dict[str, Any]:
     """scale_gradients (finalize_model_grads' token scaling) scales the sparse grads too;
     zero_grad_buffer sets them to None."""
     model = megabuf.DistributedDataParallel(SparseNet())
-    model(_batch(0, 0)).backward()
+    model(batch(0, 0)).backward()
     before = model.module.emb.weight.grad.to_dense().clone()
     model.scale_gradients(0.5)
     scaled = torch.equal(model.module.emb.weight.grad.to_dense(), before * 0.5)
@@ -184,7 +184,7 @@ def checkpoint_round_trip(root: str) -> dict[str, Any]:
     opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
     for it in range(2):
         opt.zero_grad()
-        model(_batch(it, 0)).backward()
+        model(batch(it, 0)).backward()
         opt.step()
     megabuf.save_checkpoint(path, model, opt)
     saved = [p.detach().clone() for p in model.parameters()]
