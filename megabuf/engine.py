@@ -10,6 +10,8 @@ as plain attributes of one object rather than members of the nn.Module:
     dense_buffers, expert_parallel_buffers       the same split by kind (Megatron's names)
     bucket_groups, expert_parallel_bucket_groups, all_bucket_groups (dense then expert)
     param_to_name, param_to_bucket_group
+    sparse_grads                   the params kept outside the buffers, their grads sparse
+                                   ([Note: sparse grads outside the buffer] in sparse_grads.py)
     sync                           the grad sync (grad_sync.py, [Note: step phase])
     param_side                     the param side (param_sync.py, [Note: who waits for param
                                    gathers]); the optimizer calls `before_step()` / `stepped()`
