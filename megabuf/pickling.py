@@ -14,16 +14,20 @@ layer, comm hooks registered with `register_comm_hook` (register them again; a `
 the config is rebuilt, with fresh state), the timeline, the no_sync state or a bucket_size="auto"
 re-plan (the copy warms up again).
 Unpickling (and `copy.deepcopy`) rebuilds the engine eagerly, in `__setstate__`, over
-`ProcessGroups.default()` (split again if the config asks for `num_distributed_optimizer_
-instances` > 1): new buffers, the params moved into them, new hooks. Unlike the constructor it
-is *not* collective, as torch DDP's unpickling is not: it neither checks that every rank holds
-the same model nor broadcasts rank 0's values, so one rank may unpickle alone (a copy for
-evaluation on rank 0) and a deepcopy on one rank cannot hang. The default groups are those the
-original construction already created in this job (cached; a job that never built them
-creates them collectively). So every rank that trains the copy must unpickle the same payload,
-or call `model.broadcast_params()` (collective) before training it. Refused, naming what to do:
-process groups other than the default ones (as torch DDP), optim_grads_params (its params are
-shards between forwards; save `model.state_dict()` instead), and an offloaded engine.
+the default groups (`ProcessGroups.default_local()`: the world as dp, this rank's ep and pp
+groups of one rank made by it alone): new buffers, the params moved into them, new hooks.
+Unlike the constructor it is *not* collective, as torch DDP's unpickling is not: it neither
+checks that every rank holds the same model nor broadcasts rank 0's values, so one rank may
+unpickle alone (a copy for evaluation on rank 0, in this job or a fresh one) and a deepcopy on
+one rank cannot hang. So every rank that trains the copy must unpickle the same payload, or
+call `model.broadcast_params()` (collective) before training it. One exception: a config with
+`num_distributed_optimizer_instances` > 1 splits dp again, collectively (every rank unpickles).
+Eager, not at the copy's first use: a lazy build would turn its first forward into the
+place where the cost and any failure land, and until then the copy would be a wrapper without
+an engine that every other door would have to expect.
+Refused, naming what to do: process groups other than the default ones (as torch DDP),
+optim_grads_params (its params are shards between forwards; save `model.state_dict()` instead),
+and an offloaded engine.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def restore(model: nn.Module, state: dict[str, Any]) -> tuple[ProcessGroups, Eng
     rebuild: RebuildArgs = state.pop(REBUILD_KEY)
     nn.Module.__setstate__(model, state)
     config: DistributedDataParallelConfig = state["ddp_config"]
-    groups = resolve_split(ProcessGroups.default(), config)
+    groups = resolve_split(ProcessGroups.default_local(), config)
     engine = Engine(
         state["_modules"]["module"], config, groups, Collectives(),
         disable_bucketing=rebuild.disable_bucketing, init_sync=False, check_replicas=False,

@@ -168,6 +168,13 @@ class ProcessGroups:
         return cls.build(pp_size=1, ep_size=1)
 
     @classmethod
+    def default_local(cls) -> ProcessGroups:
+        """The same groups as `default()`, made without a collective (this rank's ep and pp
+        groups of one rank are created by it alone), so one rank may build them alone: an
+        unpickled copy ([Note: pickling a wrapped model] in pickling.py)."""
+        return cls.for_dp_group(dist.group.WORLD)  # type: ignore[arg-type]
+
+    @classmethod
     def for_dp_group(cls, group: ProcessGroup) -> ProcessGroups:
         """Plain data parallelism over `group` (torch DDP's `process_group`): no expert or
         pipeline parallelism, so ep and pp hold this rank alone. Only `group`'s ranks call it."""

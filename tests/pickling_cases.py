@@ -17,6 +17,7 @@ from sparse_cases import batch as sparse_batch
 from torch import nn
 
 import megabuf
+from megabuf import process_groups
 
 STEPS = 3
 
@@ -123,7 +124,9 @@ def distributed_optimizer_round_trip() -> dict[str, Any]:
 
 
 def rank_local_unpickle() -> dict[str, Any]:
-    """Only rank 0 unpickles and deep-copies (no collective may run); it evaluates the copies."""
+    """Only rank 0 unpickles and deep-copies (no collective may run); it evaluates the copies.
+    Once more with megabuf's cache of process groups emptied, as in a fresh job that never
+    wrapped a model: building the groups must not be collective either."""
     model = megabuf.DistributedDataParallel(_mlp())
     _train(model, 1)
     payload = pickle.dumps(model)
@@ -134,6 +137,15 @@ def rank_local_unpickle() -> dict[str, Any]:
             want = model(x)
             out["pickle"] = torch.equal(pickle.loads(payload)(x), want)
             out["deepcopy"] = torch.equal(copy.deepcopy(model)(x), want)
+            cache = process_groups._GROUP_CACHE
+            saved = dict(cache)
+            cache.clear()
+            cache["world"] = None
+            try:
+                out["fresh_groups"] = torch.equal(pickle.loads(payload)(x), want)
+            finally:
+                cache.clear()
+                cache.update(saved)
     dist.barrier()
     return out
 
