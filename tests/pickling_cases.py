@@ -141,8 +141,11 @@ def rank_local_unpickle() -> dict[str, Any]:
             saved = dict(cache)
             cache.clear()
             cache["world"] = None
+            counted = dist.distributed_c10d._world.group_count  # names the next shared group
             try:
                 out["fresh_groups"] = torch.equal(pickle.loads(payload)(x), want)
+                # a group made by one rank under a counted name shifts its later groups' names
+                out["group_count_kept"] = dist.distributed_c10d._world.group_count == counted
             finally:
                 cache.clear()
                 cache.update(saved)
