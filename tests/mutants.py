@@ -806,6 +806,22 @@ MUTANTS = (
         "    return at_end_s <= overlapped_s\n",
         ("tests/test_bucket_planner.py",),
     ),
+    Mutant(
+        "sparse-grads-summed-not-averaged",
+        "a sparse grad is divided by dp_size before its all-reduce, as torch DDP",
+        "megabuf/sparse_grads.py",
+        "                grad.div_(self.dp_size)\n",
+        "                pass\n",
+        ("tests/test_sparse_grads.py",),
+    ),
+    Mutant(
+        "pickled-copy-groups-by-counter",
+        "an unpickled copy builds its groups without a collective or a counted group name",
+        "megabuf/pickling.py",
+        "    groups = resolve_split(ProcessGroups.default_local(), config)\n",
+        "    groups = resolve_split(ProcessGroups.default(), config)\n",
+        ("tests/test_pickling.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")
