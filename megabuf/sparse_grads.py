@@ -30,6 +30,7 @@ hook, naming the param.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,6 +38,15 @@ from torch.utils.hooks import RemovableHandle
 
 from megabuf.arrivals import weak_callable
 from megabuf.collectives import Collectives, Group, PendingCollective
+
+
+@dataclass
+class SparseReduction:
+    """One param's sparse all-reduce in flight, and the grad it writes into."""
+
+    param: nn.Parameter
+    grad: torch.Tensor  # sparse COO, the param's shape; dp-averaged once `pending` finished
+    pending: PendingCollective
 
 
 class SparseGrads:
@@ -54,7 +64,7 @@ class SparseGrads:
         self.collectives = collectives
         self.group = group
         self.dp_size = dp_size
-        self._pending: list[tuple[nn.Parameter, torch.Tensor, PendingCollective]] = []
+        self._pending: list[SparseReduction] = []
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -82,14 +92,14 @@ class SparseGrads:
             if self.dp_size > 1:
                 grad.div_(self.dp_size)
             pending = self.collectives.all_reduce_sparse(grad, self.group)
-            self._pending.append((param, grad, pending))
+            self._pending.append(SparseReduction(param, grad, pending))
 
     def finish_grad_sync(self) -> None:
         """Wait for the reductions; each param's `.grad` is its dp-averaged sparse grad."""
         pending, self._pending = self._pending, []
-        for param, grad, work in pending:
-            work.wait()
-            param.grad = grad
+        for reduction in pending:
+            reduction.pending.wait()
+            reduction.param.grad = reduction.grad
 
     def clear(self) -> None:
         """A new iteration: `.grad` None, as `optimizer.zero_grad()` leaves it."""
