@@ -11,13 +11,14 @@ import importlib.util
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
 from conformance import expectations, selection, suite
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# Each test is bounded by the runner (30 s); the selection takes ~20 s here.
+# Each test is bounded by the runner (30 s); the whole selection takes ~50 s here.
 TIER_TIMEOUT_S = 300
 
 
@@ -65,24 +66,36 @@ def test_classify_reads_the_rank_exception() -> None:
     assert suite.classify("t", "error", timed_out).outcome == "timeout"
 
 
+def _run_tier(out: pathlib.Path) -> tuple[int, str, str]:
+    """`python -m tests.conformance --json out` in a session of its own: on the hard timeout the
+    runner and every rank it forked are killed together."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.conformance", "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=TIER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        stderr += f"\n(killed after the tier's {TIER_TIMEOUT_S} s)"
+    return proc.returncode, stdout, stderr
+
+
 def test_torch_ddp_tests_on_megabuf_match_expectations(tmp_path: pathlib.Path) -> None:
     assert importlib.util.find_spec("expecttest"), (
         "torch's test modules import expecttest: install the test extra (pip install -e '.[test]')"
     )
     out = tmp_path / "outcomes.json"
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.conformance", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIER_TIMEOUT_S,
-    )  # fmt: skip
-    log = proc.stderr[-4000:]
-    assert out.exists(), f"the runner wrote no outcomes (rc {proc.returncode}):\n{log}"
+    rc, stdout, stderr = _run_tier(out)
+    assert out.exists(), f"the runner wrote no outcomes (rc {rc}):\n{stderr[-4000:]}"
     outcomes = [suite.Outcome(**o) for o in json.loads(out.read_text())]
     found = expectations.changes(expectations.load(), outcomes)
     assert not found, (
         "torch DDP tests changed outcome on megabuf (python -m tests.conformance --refresh "
         "rewrites tests/conformance/expectations.toml; write the reasons):\n"
         + "\n".join(found)
-        + f"\n\nrunner output:\n{proc.stdout}"
+        + f"\n\nrunner output:\n{stdout}"
     )

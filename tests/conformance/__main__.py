@@ -26,7 +26,7 @@ import dataclasses
 import json
 import sys
 
-from tests.conformance import expectations, selection, suite
+from . import expectations, selection, suite
 
 PER_TEST_TIMEOUT_S = 30  # torch DDP runs each selected test in 0.3-3 s here
 
@@ -58,7 +58,7 @@ def _report(
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     if args.discover:
-        from tests.conformance import discover
+        from . import discover
 
         for test_id in discover.discover(args.timeout):
             print(f'    "{test_id}",')

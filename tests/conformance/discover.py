@@ -16,7 +16,7 @@ import re
 import sys
 from typing import Any
 
-from tests.conformance import suite
+from . import suite
 
 _NAMES_DDP = re.compile(r"DistributedDataParallel|\bDDP\(")
 _CALLS_HELPER = re.compile(r"self\.(_\w+)\(")

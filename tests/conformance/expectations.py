@@ -15,7 +15,7 @@ import pathlib
 import sys
 from dataclasses import dataclass
 
-from tests.conformance.suite import OUTCOMES, Outcome
+from .suite import OUTCOMES, Outcome
 
 if sys.version_info >= (3, 11):
     import tomllib

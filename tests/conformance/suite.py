@@ -204,7 +204,7 @@ def run_selection(
     import torch
 
     torch.set_num_threads(1)  # two ranks on two shared cores
-    from tests.conformance import binding
+    from . import binding
 
     probe_dir = tempfile.mkdtemp(prefix="megabuf-probe-") if impl == "torch-probe" else None
     classes = build_classes(per_test_timeout_s, probe_dir)
