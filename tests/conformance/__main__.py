@@ -60,6 +60,7 @@ def main(argv: list[str]) -> int:
     if args.discover:
         from . import discover
 
+        print("# for SELECTED in tests/conformance/selection.py:")
         for test_id in discover.discover(args.timeout):
             print(f'    "{test_id}",')
         return 0

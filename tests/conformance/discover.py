@@ -60,4 +60,11 @@ def candidates() -> list[str]:
 def discover(per_test_timeout_s: int, log: Any = sys.stderr) -> list[str]:
     """The candidates that run on gloo/CPU at these world sizes and build a DDP (step 3)."""
     outcomes = suite.run_selection(candidates(), "torch-probe", per_test_timeout_s, log)
-    return [o.test_id for o in outcomes if o.outcome != "skip" and o.ddp_built]
+    selected = [o.test_id for o in outcomes if o.outcome != "skip" and o.ddp_built]
+    not_passing = [o.test_id for o in outcomes if o.test_id in selected and o.outcome != "pass"]
+    print(
+        f"{len(selected)} of {len(outcomes)} candidates selected; on torch DDP, not passing: "
+        f"{not_passing or 'none'}",
+        file=log,
+    )
+    return selected

@@ -54,8 +54,11 @@ def prepare_environment(per_test_timeout_s: int) -> None:
     """What torch's test modules read when they are imported; call before importing them."""
     os.environ.setdefault("BACKEND", "gloo")
     os.environ.setdefault("WORLD_SIZE", str(WORLD_SIZE))
-    os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="megabuf-conformance-"))
+    # TEMP_DIR (barrier files) is set per test by torch's TestDistBackend.setUp.
     os.environ["DISTRIBUTED_TESTS_DEFAULT_TIMEOUT"] = str(per_test_timeout_s)
+    # CPU only: with fewer visible GPUs than ranks, torch's driver skips every test
+    # (TestDistBackend._run), and forked ranks must not inherit a CUDA context.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if os.environ["BACKEND"] != "gloo" or os.environ["WORLD_SIZE"] != str(WORLD_SIZE):
         raise RuntimeError(
             f"conformance: the selection is for gloo at world size {WORLD_SIZE}; got "
@@ -164,7 +167,7 @@ def classify(test_id: str, kind: str, error: BaseException | str | None) -> Outc
     text = str(error)
     if "terminated or timed out" in text or text.startswith("Timing out"):
         return Outcome(test_id, "timeout", message=text.splitlines()[0][:300])
-    if text.startswith("Expected exit code"):  # a rank died without a Python exception
+    if "Expected exit code" in text:  # a rank died without a Python exception
         return Outcome(test_id, "crash", message=text.splitlines()[0][:300])
     ranks = _RANK_ERROR.split(text)
     if len(ranks) >= 3:  # [prefix, rank, traceback, rank, traceback, ...]
@@ -206,15 +209,16 @@ def run_selection(
     torch.set_num_threads(1)  # two ranks on two shared cores
     from . import binding
 
-    probe_dir = tempfile.mkdtemp(prefix="megabuf-probe-") if impl == "torch-probe" else None
-    classes = build_classes(per_test_timeout_s, probe_dir)
-    cls = binding.bind(impl)
-    wrong = {name: c for name, c in binding.bound_classes().items() if c is not cls}
-    if wrong:
-        raise RuntimeError(f"conformance: DDP names not bound to {cls}: {wrong}")
-    outcomes = []
-    for test_id in test_ids:
-        outcome = run_one(classes, test_id, probe_dir)
-        print(f"{outcome.outcome:8} {outcome.seconds:6.1f}s {test_id}", file=log, flush=True)
-        outcomes.append(outcome)
+    with tempfile.TemporaryDirectory(prefix="megabuf-probe-") as scratch:
+        probe_dir = scratch if impl == "torch-probe" else None
+        classes = build_classes(per_test_timeout_s, probe_dir)
+        cls = binding.bind(impl)
+        wrong = {name: c for name, c in binding.bound_classes().items() if c is not cls}
+        if wrong:
+            raise RuntimeError(f"conformance: DDP names not bound to {cls}: {wrong}")
+        outcomes = []
+        for test_id in test_ids:
+            outcome = run_one(classes, test_id, probe_dir)
+            print(f"{outcome.outcome:8} {outcome.seconds:6.1f}s {test_id}", file=log, flush=True)
+            outcomes.append(outcome)
     return outcomes
