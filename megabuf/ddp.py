@@ -21,6 +21,7 @@ from megabuf import torch_compat
 from megabuf.bucket_group import Timeline
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
+from megabuf.comm_hooks.torch_adapter import hook_of_call
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.engine import Engine
 from megabuf.process_groups import ProcessGroups, resolve_split
@@ -267,11 +268,14 @@ class DistributedDataParallel(nn.Module):
             return self.module.load_state_dict(state_dict, strict=strict)
 
     # ---- communication hooks ([Note: comm hook contract] in comm_hooks/contract.py) -----------
-    def register_comm_hook(self, hook: object, *, buffers: str = "all") -> None:
-        """Reduce the `buffers` ("dense", "expert" or "all") buckets with `hook` instead of the
-        engine's collective (the built-ins: `megabuf.comm_hooks`). Once per kind, before the
-        first backward; every rank must register the same hook."""
-        self.engine.register_comm_hook(hook, buffers)
+    def register_comm_hook(self, *hook: object, buffers: str = "all", **torch_form: object) -> None:
+        """`register_comm_hook(hook, buffers="all")`: reduce the `buffers` ("dense", "expert" or
+        "all") buckets with `hook` instead of the engine's collective (the built-ins:
+        `megabuf.comm_hooks`). Once per kind, before the first backward; every rank must
+        register the same hook. torch DDP's form `register_comm_hook(state, hook)`, with a torch
+        hook `hook(state, bucket)`, is `from_torch(hook, state)` registered the same way, after
+        torch's checks ([Note: torch hooks on megabuf buckets])."""
+        self.engine.register_comm_hook(hook_of_call(hook, torch_form), buffers)
 
     def comm_hooks(self) -> dict[str, object]:
         """The registered comm hooks: "dense" / "expert" -> hook (a hook registered for "all"
