@@ -30,7 +30,8 @@ def trainable_params(
 ) -> tuple[tuple[str, nn.Parameter], ...]:
     """`module`'s params that require grad, (name, param) in registration order (shared params
     once). None is refused, as torch DDP refuses it: there would be nothing to reduce. Pure, so
-    the engine checks it before its first collective and every rank raises alike."""
+    the engine checks it before its first collective and every rank raises alike (`plan_model`
+    itself plans whatever it is given)."""
     named = list(module.named_parameters())
     trainable = tuple((n, p) for n, p in named if p.requires_grad)
     if not trainable:
@@ -57,7 +58,7 @@ def plan_model(
 ) -> ModelPlan:
     """The plan of `module`'s trainable params at `dp_size` (expert params at `expt_dp_size`);
     `bucket_ends`: explicit boundaries per buffer (an auto plan, [Note: auto bucket plan])."""
-    trainable = trainable_params(module)
+    trainable = tuple((n, p) for n, p in module.named_parameters() if p.requires_grad)
     unit_plan = None
     if config.sharding.shards_params:
         unit_plan = plan_units(module, config.shard_units, list(trainable))

@@ -5,6 +5,9 @@ an untrainable module, and training under torch.distributed.autograd."""
 
 from __future__ import annotations
 
+import inspect
+import re
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,9 +20,12 @@ from torch_conformance_cases import (
     dist_autograd_case,
     registration_checks,
     torch_form_trains_like_torch_ddp,
+    torch_names_case,
     untrainable_refused,
 )
 
+import megabuf
+from megabuf import torch_compat
 from megabuf.model_plan import trainable_params
 from megabuf.optimizer import MuonAdamW, OptimizerConfig, muon_param_groups
 from megabuf.testing.launch import spawn
@@ -33,6 +39,7 @@ def results(pools: Any) -> list[dict[str, Any]]:
         **{f"form_{f}": (torch_form_trains_like_torch_ddp, f) for f in FORMS},
         **{f"checks_{s}": (registration_checks, s) for s in STRATEGIES},
         "untrainable": (untrainable_refused,),
+        "torch_names": (torch_names_case,),
     }
     return pools(2).run(run_each, cases)  # type: ignore[no-any-return]
 
@@ -110,7 +117,7 @@ def test_untrainable_module_is_refused_by_name_before_any_collective(
 
 
 def test_trainable_params_refuses_none_without_a_process_group() -> None:
-    """The check is pure (`megabuf inspect` plans through it too): no process group needed."""
+    """The check is pure (the engine runs it before its first collective): no process group."""
     assert [n for n, _ in trainable_params(nn.Linear(2, 2))] == ["weight", "bias"]
     with pytest.raises(RuntimeError, match="Sequential with no parameter that requires a grad"):
         trainable_params(nn.Sequential(nn.ReLU()))
@@ -197,3 +204,78 @@ def test_training_forward_under_dist_autograd_is_refused_not_silently_local() ->
         assert "plain loss.backward()" in msg and "torch.nn.parallel.DistributedDataParallel" in msg
         assert res["no_grad_forward_runs"], res
         assert torch.equal(res["plain_grad"], want), (rank, res["plain_grad"])
+
+
+# ---- every public name of torch DDP: the porting guide's table ---------------------------------
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "porting-from-torch-ddp.md"
+UNEVEN_INPUTS = {"join", "join_hook", "join_device", "join_process_group"}  # Join's own tests
+
+
+def torch_ddp_public_names() -> set[str]:
+    """What a torch DDP user can reach beyond nn.Module: the class's public names and the
+    constructor's arguments."""
+    cls = torch.nn.parallel.DistributedDataParallel
+    names = {n for n in set(dir(cls)) - set(dir(nn.Module)) if not n.startswith("_")}
+    return names | (set(inspect.signature(cls.__init__).parameters) - {"self"})
+
+
+def guide_table() -> dict[str, tuple[str, str]]:
+    """The guide's "Every public name of torch DDP" table: name -> (status, how)."""
+    text = GUIDE.read_text()
+    section = text.split("## Every public name of torch DDP", 1)[1].split("\n\n| torch attr", 1)[0]
+    rows: dict[str, tuple[str, str]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            for name in re.findall(r"`([^`]+)`", cells[0]):
+                rows[name] = (cells[1], cells[2])
+    return rows
+
+
+def test_porting_guide_lists_every_public_name_of_torch_ddp() -> None:
+    """Every public name of the installed torch's DDP (class names beyond nn.Module's and the
+    constructor's arguments) has a row saying supported / refused / not applicable: a torch
+    upgrade that adds a name fails here until the guide says what megabuf does."""
+    rows = guide_table()
+    missing = sorted(torch_ddp_public_names() - set(rows))
+    assert not missing, f"add rows to {GUIDE.name} for torch DDP's {missing}"
+    assert {status for status, _ in rows.values()} <= {"supported", "refused", "not applicable"}
+
+
+def _refusal(name: str) -> str:
+    """The message megabuf raises for torch name `name`, refused."""
+    if name in torch_compat.REJECTED:
+        with pytest.raises(ValueError) as exc:
+            torch_compat.resolve(nn.Linear(2, 2), None, None, {name: object()})
+        return str(exc.value)
+    method = getattr(megabuf.DistributedDataParallel, name)
+    with pytest.raises(NotImplementedError) as caught:
+        method(object(), torch.ones(1))  # refused before it looks at anything
+    return str(caught.value)
+
+
+def test_guide_rows_say_what_megabuf_does() -> None:
+    """A refused name raises, with the message the guide quotes (its pieces between "..."); a
+    supported one exists: a constructor argument megabuf takes, or a method / attribute of
+    megabuf.DistributedDataParallel."""
+    megabuf_args = set(torch_compat.TORCH_DDP_ARGS) | {"module"}
+    for name, (status, how) in guide_table().items():
+        if status == "refused":
+            message = _refusal(name)
+            assert message.startswith("megabuf: ") and name in message, (name, message)
+            quoted = re.findall(r'"([^"]+)"', how)
+            assert quoted, (name, how)
+            for piece in quoted[0].split("..."):
+                assert piece.strip() in message, (name, piece, message)
+        elif status == "supported" and name not in UNEVEN_INPUTS:
+            assert name in megabuf_args or hasattr(megabuf.DistributedDataParallel, name), name
+
+
+def test_broadcast_buffers_and_will_sync_module_buffers_read_like_torch_ddp(results: Any) -> None:
+    """`model.broadcast_buffers` reads and sets the flag, `will_sync_module_buffers()` follows it
+    and the sync flag, as on torch DDP; with the flag set off a training forward leaves each
+    rank's buffers its own."""
+    for rank, res in enumerate(case_result(results, "torch_names")):
+        assert res["megabuf"] == res["torch"], res
+        assert res["megabuf"] == [True, True, False, True, False, False, 1.0 + rank], res
+        assert res["no_buffers"] is False, res

@@ -194,3 +194,38 @@ def dist_autograd_case() -> dict[str, Any]:
         rpc.shutdown(graceful=True)
         dist.destroy_process_group()
     return out
+
+
+# ---- torch DDP's other public names -------------------------------------------------------------
+class _WithBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(1 + dist.get_rank())  # differs per rank unless broadcast
+        return self.lin(x)
+
+
+def torch_names_case() -> dict[str, Any]:
+    """broadcast_buffers (read and set) and will_sync_module_buffers on megabuf and torch DDP;
+    whether a training forward broadcast the buffer (it then holds rank 0's value)."""
+    out: dict[str, Any] = {}
+    for side, cls in (("torch", torch.nn.parallel.DistributedDataParallel),
+                      ("megabuf", megabuf.DistributedDataParallel)):  # fmt: skip
+        model = cls(_WithBuffer())
+        got = [model.broadcast_buffers, model.will_sync_module_buffers()]
+        with model.no_sync():
+            model(torch.ones(1, 4))  # torch's flag follows the last forward: read after one
+            got.append(model.will_sync_module_buffers())
+        model(torch.ones(1, 4))
+        got.append(model.will_sync_module_buffers())
+        model.broadcast_buffers = False
+        got += [model.broadcast_buffers, model.will_sync_module_buffers()]
+        model.module.seen.zero_()
+        model(torch.ones(1, 4))  # no broadcast: each rank keeps its own count
+        got.append(model.module.seen.item())
+        out[side] = got
+    out["no_buffers"] = megabuf.DistributedDataParallel(nn.Linear(2, 2)).will_sync_module_buffers()
+    return out
