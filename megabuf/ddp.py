@@ -267,11 +267,10 @@ class DistributedDataParallel(nn.Module):
         with self.summon_full_params(writeback=True):
             return self.module.load_state_dict(state_dict, strict=strict)
 
-    # ---- torch DDP's other public names (docs/porting-from-torch-ddp.md, "Every public name") --
+    # ---- torch DDP's names (docs/porting-from-torch-ddp.md, "Every public name of torch DDP") ---
     @property
     def broadcast_buffers(self) -> bool:
-        """torch DDP's flag (the constructor argument): training forwards broadcast dp-rank 0's
-        module buffers. Settable, as in torch."""
+        """torch DDP's flag: training forwards broadcast dp-rank 0's module buffers (settable)."""
         return self._sync_buffers_in_forward
 
     @broadcast_buffers.setter
@@ -279,31 +278,17 @@ class DistributedDataParallel(nn.Module):
         self._sync_buffers_in_forward = bool(value)
 
     def will_sync_module_buffers(self) -> bool:
-        """torch DDP's: whether a training forward now broadcasts the module buffers (the flag
-        is on, grads sync, and the module has buffers)."""
-        has_buffers = next(iter(self.module.buffers()), None) is not None
-        return self._sync_buffers_in_forward and self.require_backward_grad_sync and has_buffers
-
-    def scatter(self, *args: Any, **kwargs: Any) -> Any:
-        """torch DDP's input scatter over several devices: refused, see `torch_compat`."""
-        raise torch_compat.not_scattered("scatter")
-
-    def gather(self, *args: Any, **kwargs: Any) -> Any:
-        """torch DDP's output gather from several devices: refused, see `torch_compat`."""
-        raise torch_compat.not_scattered("gather")
-
-    def to_kwargs(self, *args: Any, **kwargs: Any) -> Any:
-        """torch DDP's input move to one device: refused, see `torch_compat`."""
-        raise torch_compat.not_scattered("to_kwargs")
+        """torch DDP's: the flag is on, grads sync, and the module has buffers."""
+        has = next(iter(self.module.buffers()), None) is not None
+        return self._sync_buffers_in_forward and self.require_backward_grad_sync and has
 
     # ---- communication hooks ([Note: comm hook contract] in comm_hooks/contract.py) -----------
     def register_comm_hook(self, *hook: object, buffers: str = "all", **torch_form: object) -> None:
         """`register_comm_hook(hook, buffers="all")`: reduce the `buffers` ("dense", "expert" or
         "all") buckets with `hook` instead of the engine's collective (the built-ins:
         `megabuf.comm_hooks`). Once per kind, before the first backward; every rank must
-        register the same hook. torch DDP's form `register_comm_hook(state, hook)`, with a torch
-        hook `hook(state, bucket)`, is `from_torch(hook, state)` registered the same way, after
-        torch's checks ([Note: torch hooks on megabuf buckets])."""
+        register the same hook. torch's `register_comm_hook(state, hook)` registers
+        `from_torch(hook, state)` ([Note: torch hooks on megabuf buckets])."""
         self.engine.register_comm_hook(hook_of_call(hook, torch_form), buffers)
 
     def comm_hooks(self) -> dict[str, object]:

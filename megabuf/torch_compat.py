@@ -98,17 +98,6 @@ def resolve(
     )
 
 
-def not_scattered(name: str) -> NotImplementedError:
-    """The error for torch DDP's `scatter`, `gather` and `to_kwargs`: the plumbing of a module
-    spread over several devices (device_ids), which megabuf does not run."""
-    return NotImplementedError(
-        f"megabuf: DistributedDataParallel.{name}() is torch DDP's plumbing for moving inputs "
-        "and outputs between device_ids; megabuf runs the module on the one device of its params "
-        "and never scatters inputs or gathers outputs: move inputs to that device yourself "
-        "(x.to(device)) and call the model"
-    )
-
-
 def _looks_like_device_ids(value: Any) -> bool:
     items = value if isinstance(value, (list, tuple)) else [value]
     return all(isinstance(v, (int, str, torch.device)) for v in items)

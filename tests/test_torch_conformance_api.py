@@ -242,33 +242,26 @@ def test_porting_guide_lists_every_public_name_of_torch_ddp() -> None:
     assert {status for status, _ in rows.values()} <= {"supported", "refused", "not applicable"}
 
 
-def _refusal(name: str) -> str:
-    """The message megabuf raises for torch name `name`, refused."""
-    if name in torch_compat.REJECTED:
-        with pytest.raises(ValueError) as exc:
-            torch_compat.resolve(nn.Linear(2, 2), None, None, {name: object()})
-        return str(exc.value)
-    method = getattr(megabuf.DistributedDataParallel, name)
-    with pytest.raises(NotImplementedError) as caught:
-        method(object(), torch.ones(1))  # refused before it looks at anything
-    return str(caught.value)
-
-
 def test_guide_rows_say_what_megabuf_does() -> None:
-    """A refused name raises, with the message the guide quotes (its pieces between "..."); a
-    supported one exists: a constructor argument megabuf takes, or a method / attribute of
-    megabuf.DistributedDataParallel."""
+    """A refused name (a constructor argument) raises a ValueError with the message the guide
+    quotes (its pieces between "..."); a supported one is a constructor argument megabuf takes
+    or a name of megabuf.DistributedDataParallel; a name not applicable is none of these."""
     megabuf_args = set(torch_compat.TORCH_DDP_ARGS) | {"module"}
     for name, (status, how) in guide_table().items():
+        has = name in megabuf_args or hasattr(megabuf.DistributedDataParallel, name)
         if status == "refused":
-            message = _refusal(name)
+            with pytest.raises(ValueError) as exc:
+                torch_compat.resolve(nn.Linear(2, 2), None, None, {name: object()})
+            message = str(exc.value)
             assert message.startswith("megabuf: ") and name in message, (name, message)
             quoted = re.findall(r'"([^"]+)"', how)
             assert quoted, (name, how)
             for piece in quoted[0].split("..."):
                 assert piece.strip() in message, (name, piece, message)
         elif status == "supported" and name not in UNEVEN_INPUTS:
-            assert name in megabuf_args or hasattr(megabuf.DistributedDataParallel, name), name
+            assert has, name
+        elif status == "not applicable":
+            assert not has, name
 
 
 def test_broadcast_buffers_and_will_sync_module_buffers_read_like_torch_ddp(results: Any) -> None:
