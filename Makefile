@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv test test-gpu demo lint bench bench-curves bench-gpu mutants clean
+.PHONY: venv test test-gpu demo lint bench bench-curves bench-gpu mutants conformance clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -57,6 +57,14 @@ test-gpu:
 	$(if $(GPU_DIRECT),,$(MAKE) $(GPU_STAMP))
 	$(GPU_TEST_PY) $(TORCH_INFO)
 	$(GPU_TEST_PY) -m pytest $(GPU_TEST_ARGS)
+
+# torch's own DDP tests from the installed wheel, megabuf bound in place of torch DDP
+# (tests/conformance/; `make test` runs them through tests/test_torch_conformance.py): prints each
+# test's outcome against tests/conformance/expectations.toml and fails on a change.
+# CONFORMANCE_ARGS=--refresh rewrites that file (reasons kept); --ddp torch runs torch DDP.
+CONFORMANCE_ARGS ?=
+conformance: $(STAMP)
+	$(VPY) -m tests.conformance $(CONFORMANCE_ARGS)
 
 demo: $(STAMP)
 	$(VPY) examples/train_gpt.py --steps 20 --check

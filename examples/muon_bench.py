@@ -54,6 +54,8 @@ def _torch_system(args: Any) -> tuple[nn.Module, Any, int, dict[str, float]]:
     net = build_model(args.model)
     model = nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=True)
     embeds = {id(m.weight) for m in net.modules() if isinstance(m, nn.Embedding)}
+    if isinstance(getattr(net, "lm_head", None), nn.Linear):  # the output head: AdamW, as megabuf
+        embeds.add(id(net.lm_head.weight))
     params = list(net.parameters())
     muon = [p for p in params if p.dim() == 2 and id(p) not in embeds]
     adam = [p for p in params if not (p.dim() == 2 and id(p) not in embeds)]

@@ -21,6 +21,7 @@ from megabuf import pickling, torch_compat
 from megabuf.bucket_group import Timeline
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
+from megabuf.comm_hooks.torch_adapter import hook_of_call
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.engine import Engine
 from megabuf.process_groups import ProcessGroups, resolve_split
@@ -265,6 +266,21 @@ class DistributedDataParallel(nn.Module):
         with self.summon_full_params(writeback=True):
             return self.module.load_state_dict(state_dict, strict=strict)
 
+    # ---- torch DDP's names (docs/porting-from-torch-ddp.md, "Every public name of torch DDP") ---
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch DDP's flag: training forwards broadcast dp-rank 0's module buffers (settable)."""
+        return self._sync_buffers_in_forward
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self._sync_buffers_in_forward = bool(value)
+
+    def will_sync_module_buffers(self) -> bool:
+        """torch DDP's: the flag is on, grads sync, and the module has buffers."""
+        has = next(iter(self.module.buffers()), None) is not None
+        return self._sync_buffers_in_forward and self.require_backward_grad_sync and has
+
     # ---- pickling and copying ([Note: pickling a wrapped model] in pickling.py) ---------------
     def __getstate__(self) -> dict[str, Any]:
         """The config and a snapshot of the module's values; no buffers, groups or grads."""
@@ -283,11 +299,13 @@ class DistributedDataParallel(nn.Module):
         return copied
 
     # ---- communication hooks ([Note: comm hook contract] in comm_hooks/contract.py) -----------
-    def register_comm_hook(self, hook: object, *, buffers: str = "all") -> None:
-        """Reduce the `buffers` ("dense", "expert" or "all") buckets with `hook` instead of the
-        engine's collective (the built-ins: `megabuf.comm_hooks`). Once per kind, before the
-        first backward; every rank must register the same hook."""
-        self.engine.register_comm_hook(hook, buffers)
+    def register_comm_hook(self, *hook: object, buffers: str = "all", **torch_form: object) -> None:
+        """`register_comm_hook(hook, buffers="all")`: reduce the `buffers` ("dense", "expert" or
+        "all") buckets with `hook` instead of the engine's collective (the built-ins:
+        `megabuf.comm_hooks`). Once per kind, before the first backward; every rank must
+        register the same hook. torch's `register_comm_hook(state, hook)` registers
+        `from_torch(hook, state)` ([Note: torch hooks on megabuf buckets])."""
+        self.engine.register_comm_hook(hook_of_call(hook, torch_form), buffers)
 
     def comm_hooks(self) -> dict[str, object]:
         """The registered comm hooks: "dense" / "expert" -> hook (a hook registered for "all"

@@ -47,12 +47,13 @@ from megabuf.collectives import Collectives
 from megabuf.comm_hooks import build as build_comm_hook
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.devices import params_device
+from megabuf.dist_autograd import refuse_dist_autograd
 from megabuf.grad_sync import GradSync, SyncPhase
 from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
 from megabuf.hook_registry import CommHookRegistry
 from megabuf.hooks import ParamGatherHooks, register_grad_hooks, remove_hooks_when_collected
 from megabuf.microbatches import AgreementGroups, MicrobatchAgreement
-from megabuf.model_plan import plan_model
+from megabuf.model_plan import plan_model, trainable_params
 from megabuf.nan_check import raise_on_nonfinite_grads
 from megabuf.param_sync import GatheredParams, UnitParams
 from megabuf.param_units import ParamUnits, unit_modules
@@ -120,6 +121,7 @@ class Engine:
     def _build(self, disable_bucketing: bool, init_sync: bool) -> None:
         pgs, cfg = self.process_groups, self.config
         named = list(self.module.named_parameters())  # shared params once, under their first name
+        trainable_params(self.module, self.rank)  # refused before the first collective
         check_devices(named)
         if self._check_replicas:
             check_replicas_match(named, pgs.dp, self.collectives)
@@ -382,6 +384,8 @@ class Engine:
     def before_forward(self, compiling: bool, sync_buffers: bool) -> None:
         """Runs eagerly even when the model is compiled (`compiling`: it is being traced)."""
         self.residency.check("forward")
+        if torch.is_grad_enabled():
+            refuse_dist_autograd(self.rank)  # [Note: distributed autograd]
         auto = self.auto  # after its re-plan, nothing more per forward
         if auto is not None and not auto.replanned and torch.is_grad_enabled() and not compiling:
             self._auto_iteration_start(auto)

@@ -30,6 +30,27 @@ class ModelPlan:
     plan: Plan
 
 
+def trainable_params(
+    module: nn.Module, rank: int | None = None
+) -> tuple[tuple[str, nn.Parameter], ...]:
+    """`module`'s params that require grad, (name, param) in registration order (shared params
+    once). None is refused, as torch DDP refuses it: there would be nothing to reduce. Pure, so
+    the engine checks it before its first collective and every rank raises alike (`plan_model`
+    itself plans whatever it is given)."""
+    named = list(module.named_parameters())
+    trainable = tuple((n, p) for n, p in named if p.requires_grad)
+    if not trainable:
+        where = "" if rank is None else f" (rank {rank})"
+        what = f"all {len(named)} of its params are frozen" if named else "it has no params"
+        raise RuntimeError(
+            f"megabuf: DistributedDataParallel got a {type(module).__name__} with no parameter "
+            f"that requires a gradient{where}: {what}, so there is nothing to reduce. Wrap a "
+            "module with trainable params (set requires_grad=True on those to train before "
+            "wrapping), or run an untrained module without DistributedDataParallel"
+        )
+    return trainable
+
+
 def plan_model(
     module: nn.Module,
     config: DistributedDataParallelConfig,

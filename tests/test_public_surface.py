@@ -75,6 +75,10 @@ DDP_ATTRIBUTES = {"module", "ddp_config", "process_groups", "engine"}  # set in 
 DDP_MEMBER_BUDGET = 25
 MAX_FILE_LINES, MAX_DDP_LINES = 450, 350
 
+# torch DDP's names a porting script reads or sets (issue 40; docs/porting-from-torch-ddp.md)
+DDP_DOORS |= {"broadcast_buffers", "will_sync_module_buffers"}
+DDP_MEMBER_BUDGET += 2
+
 
 def test_the_wrapper_has_one_door_per_act_within_the_budget() -> None:
     import ast

@@ -350,7 +350,9 @@ def check_modes(hook: object, mode: Mode, what: str) -> None:
         raise CommHookModeError(
             f"megabuf: comm hook {hook_name(hook)} must declare `modes`, a set drawn from "
             f"{sorted(MODES)}; got {modes!r} ({what})"
-        )
+            + ("; a torch DDP hook hook(state, bucket) is registered as torch does, "
+               "register_comm_hook(state, hook)" if modes is None and callable(hook) else "")
+        )  # fmt: skip
     if mode not in modes:
         why = getattr(hook, "mode_notes", {}).get(mode)  # optional: why a mode is unsupported
         raise CommHookModeError(

@@ -45,11 +45,20 @@ hands it a `TorchGradBucket` over megabuf's bucket:
   (`CommHookModeError`) and names the megabuf hook that does the same in reduce-scatter mode.
 - The hook's collectives go to torch.distributed directly, not through `bucket.collectives`: the
   byte counter does not see them.
+- Registration: `model.register_comm_hook(state, hook)` (torch's call form) is `from_torch(hook,
+  state)` registered for all buffers (`hook_of_call`). Both refuse at registration what torch
+  DDP refuses there (`check_torch_hook`): a hook that is not callable, one that cannot be called
+  as `hook(state, bucket)`, and one whose annotations say it is something else (`bucket` not
+  `dist.GradBucket`, a return other than `torch.futures.Future[torch.Tensor]`; unannotated or
+  `Any` is fine, and string annotations are resolved first). torch DDP's refusal of
+  `bf16_compress_hook` off CUDA/NCCL is not mirrored: gloo reduces bf16 on the CPU. A second
+  registration is refused by the registry, as any hook's.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable, Generator
 from typing import Any
@@ -152,8 +161,7 @@ class TorchHook:
         copy_buffer: bool | None = None,
         allow_prescale: bool = False,
     ) -> None:
-        if not callable(torch_hook):
-            raise TypeError(f"megabuf: from_torch needs a callable hook, got {torch_hook!r}")
+        check_torch_hook(torch_hook, "from_torch")
         self.torch_hook = torch_hook
         self.state = state
         base = _unwrap(torch_hook)
@@ -274,6 +282,86 @@ def from_torch(
     bucket instead of the bucket itself (default: only for `batched_powerSGD_hook`, which resizes
     it). `allow_prescale`: see [Note: torch hooks on megabuf buckets]."""
     return TorchHook(torch_hook, state, copy_buffer=copy_buffer, allow_prescale=allow_prescale)
+
+
+_FUTURE_OF_TENSOR = torch.futures.Future[torch.Tensor]
+_UNCHECKED = (inspect.Parameter.empty, Any)  # no annotation, or one that claims nothing
+
+
+def check_torch_hook(hook: object, user: str) -> None:
+    """torch DDP's registration checks on a torch hook, so a wrong one fails at registration
+    (naming what is wrong) rather than in the first backward: callable, callable as
+    `hook(state, bucket)`, and where annotated, `bucket` as `dist.GradBucket` and the return as
+    `torch.futures.Future[torch.Tensor]`. `user` names the caller in the errors."""
+    if not callable(hook):
+        raise TypeError(
+            f"megabuf: {user}: the communication hook must be callable as hook(state, bucket), "
+            f"got {hook!r} ({type(hook).__name__})"
+        )
+    sig = _signature(hook)
+    if sig is None:  # a builtin without a signature: nothing more to check
+        return
+    name = getattr(_unwrap(hook), "__qualname__", type(hook).__name__)
+    try:
+        sig.bind(None, None)
+    except TypeError as exc:
+        raise TypeError(
+            f"megabuf: {user}: torch hook {name}{sig} cannot be called as hook(state, bucket) "
+            f"({exc}); a torch DDP hook takes the state and a dist.GradBucket"
+        ) from None
+    params = list(sig.parameters.values())
+    bucket = sig.parameters.get("bucket", params[1] if len(params) > 1 else None)
+    wanted = bucket.annotation if bucket is not None else _UNCHECKED[0]
+    if wanted not in _UNCHECKED and wanted is not dist.GradBucket:
+        raise ValueError(
+            f"megabuf: {user}: torch hook {name}'s bucket annotation should be dist.GradBucket, "
+            f"got {wanted!r}; megabuf hands it torch's GradBucket interface (annotate it "
+            "dist.GradBucket or leave it unannotated)"
+        )
+    returns = sig.return_annotation
+    if returns not in _UNCHECKED and returns != _FUTURE_OF_TENSOR:
+        raise ValueError(
+            f"megabuf: {user}: torch hook {name}'s return annotation should be "
+            f"torch.futures.Future[torch.Tensor], got {returns!r}; a torch hook returns a Future "
+            "holding the reduced bucket (annotate it so or leave it unannotated)"
+        )
+
+
+def _signature(hook: object) -> inspect.Signature | None:
+    """The hook's signature with string annotations (`from __future__ import annotations`)
+    resolved where they can be; None when it has none."""
+    try:
+        return inspect.signature(hook, eval_str=True)  # type: ignore[arg-type]
+    except (ValueError, TypeError):
+        return None
+    except Exception:  # an annotation that does not evaluate: check the rest without it
+        return inspect.signature(hook)  # type: ignore[arg-type]
+
+
+def _torch_form(state: object, hook: object) -> tuple[object, object]:
+    return state, hook
+
+
+def _megabuf_form(hook: object) -> object:
+    return hook
+
+
+def hook_of_call(args: tuple[object, ...], kwargs: dict[str, object]) -> object:
+    """The hook `register_comm_hook(*args, **kwargs)` registers: megabuf's form `(hook)` as it
+    is, torch's form `(state, hook)` (positional or keyword) as `from_torch(hook, state)`."""
+    try:
+        if len(args) + len(kwargs) != 2:
+            return _megabuf_form(*args, **kwargs)
+        state, hook = _torch_form(*args, **kwargs)
+    except TypeError:
+        given = [*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())]
+        raise TypeError(
+            f"megabuf: register_comm_hook({', '.join(given)}): call it as "
+            "register_comm_hook(hook, buffers=...) with a megabuf hook, or as torch DDP does, "
+            "register_comm_hook(state, hook) with a torch hook hook(state, bucket)"
+        ) from None
+    check_torch_hook(hook, "register_comm_hook(state, hook)")
+    return from_torch(hook, state)  # type: ignore[arg-type]  # checked callable
 
 
 def _unwrap(hook: Any) -> Any:

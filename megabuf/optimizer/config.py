@@ -17,6 +17,7 @@ from megabuf.config_fields import dataclass_from_dict, dataclass_from_toml, docu
 from megabuf.optimizer.implementation import IMPLEMENTATIONS
 
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "muon")
+MUON_ADJUST_LR_FNS = (None, "original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
 
 
 @document_fields
@@ -70,7 +71,7 @@ class OptimizerConfig:
 
     muon_adjust_lr_fn: str | None = None
     """optimizer="muon": torch.optim.Muon's `adjust_lr_fn` (None, "original" or
-    "match_rms_adamw")."""
+    "match_rms_adamw"; another value raises, as torch.optim.Muon does)."""
 
     clip_grad: float = 0.0
     """Clip by the global grad norm (over dense and expert params of all ranks) to this value;
@@ -128,6 +129,11 @@ class OptimizerConfig:
             raise ValueError(
                 f"megabuf: OptimizerConfig.implementation={self.implementation!r} does not apply "
                 "to optimizer='muon' (torch.optim.Muon has one kernel); leave it at 'auto'"
+            )
+        if self.muon_adjust_lr_fn not in MUON_ADJUST_LR_FNS:
+            raise ValueError(
+                f"megabuf: OptimizerConfig.muon_adjust_lr_fn={self.muon_adjust_lr_fn!r} is not one "
+                f"of {MUON_ADJUST_LR_FNS} (torch.optim.Muon's adjust_lr_fn)"
             )
         if self.fp16 and self.bf16:
             raise ValueError("megabuf: OptimizerConfig.fp16 and bf16 are both True; pick one")

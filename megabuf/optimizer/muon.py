@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from megabuf.collectives import Collectives
 from megabuf.ddp import DistributedDataParallel
+from megabuf.optimizer.config import MUON_ADJUST_LR_FNS
 
 MUON_KEY = "use_muon"
 MUON_EPS = 1e-7  # Newton-Schulz stabiliser (torch.optim.Muon's `eps`)
@@ -68,6 +69,13 @@ class MuonAdamW(torch.optim.Optimizer):
     def _link(self) -> None:
         """(Re)build the two inner optimizers over this optimizer's own group dicts and state."""
         muon = [g for g in self.param_groups if g[MUON_KEY]]
+        for gi, group in enumerate(self.param_groups):
+            if group[MUON_KEY] and group["adjust_lr_fn"] not in MUON_ADJUST_LR_FNS:
+                raise ValueError(
+                    f"megabuf: MuonAdamW param group {gi}: adjust_lr_fn={group['adjust_lr_fn']!r} "
+                    f"is not one of {MUON_ADJUST_LR_FNS} (torch.optim.Muon's; an unknown one "
+                    "would silently leave the learning rate unadjusted)"
+                )
         adam = [g for g in self.param_groups if not g[MUON_KEY]]
         self._muon = torch.optim.Muon(muon) if muon else None
         self._adamw = torch.optim.AdamW(adam, foreach=self._foreach) if adam else None
@@ -98,19 +106,39 @@ def is_matrix_optimizer(optimizer_cls: type[torch.optim.Optimizer]) -> bool:
 def muon_param_groups(
     chunks: Sequence[DistributedDataParallel], muon_lr: float | None = None
 ) -> list[dict[str, Any]]:
-    """The usual recipe as two torch param groups: Muon for 2-D weights except embeddings and
-    the output head (weights of `nn.Embedding` modules, and params tied to them), AdamW for
-    the rest (biases, norms, embeddings)."""
-    embeddings = {
+    """The usual recipe as two torch param groups: Muon for the 2-D weights of hidden layers,
+    AdamW for the rest: biases, norms, embeddings (weights of `nn.Embedding` modules, and params
+    tied to them) and the output head, as the Muon recipe prescribes (`_output_head`: an untied
+    `nn.Linear` head shaped like an embedding, vocab x dim; in a model without embeddings, the
+    last trainable `nn.Linear` with no trainable 2-D param registered after it)."""
+    to_adam = {
         id(m.weight) for c in chunks for m in c.module.modules() if isinstance(m, nn.Embedding)
     }
+    to_adam |= {id(p) for c in chunks[-1:] for p in _output_head(c.module)}
     muon: list[nn.Parameter] = []
     adam: list[nn.Parameter] = []
     for chunk in chunks:
         for param in chunk.engine.param_to_name:
-            (muon if param.dim() == 2 and id(param) not in embeddings else adam).append(param)
+            (muon if param.dim() == 2 and id(param) not in to_adam else adam).append(param)
     extra = {} if muon_lr is None else {"lr": muon_lr}
     return [{"params": muon, MUON_KEY: True, **extra}, {"params": adam, MUON_KEY: False}]
+
+
+def _output_head(module: nn.Module) -> list[nn.Parameter]:
+    """The output head's weight, found without running the model: with `nn.Embedding`s, every
+    trainable `nn.Linear` weight shaped like one of their weights (a language model's untied
+    vocab x dim projection); without, the last trainable `nn.Linear`'s weight if no trainable
+    2-D param is registered after it (a classifier's head)."""
+    linears = [m.weight for m in module.modules() if isinstance(m, nn.Linear)]
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    embeddings = [m.weight.shape for m in module.modules() if isinstance(m, nn.Embedding)]
+    if embeddings:
+        return [p for p in trainable if any(p is w for w in linears) and p.shape in embeddings]
+    heads = [p for p in trainable if any(p is w for w in linears)]
+    if not heads:
+        return []
+    position = next(i for i, p in enumerate(trainable) if p is heads[-1])
+    return [] if any(p.dim() == 2 for p in trainable[position + 1 :]) else [heads[-1]]
 
 
 def check_matrix_groups(
