@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 
 from megabuf import torch_compat
 from megabuf.bucket_group import Timeline
@@ -23,10 +24,11 @@ from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.engine import Engine
+from megabuf.join import JoinConfigSlot, UnevenInputs, refuse_unsupported
 from megabuf.process_groups import ProcessGroups, resolve_split
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Megatron-style data parallelism for any module: grads accumulate into contiguous
     buffers (`param.main_grad` views) and are reduced bucket group by bucket group.
 
@@ -55,6 +57,8 @@ class DistributedDataParallel(nn.Module):
             [Note: torch DDP arguments] in torch_compat.py and docs/porting-from-torch-ddp.md.
     """
 
+    _join_config = JoinConfigSlot()  # torch's Join sets it; [Note: uneven inputs] in join.py
+
     def __init__(
         self,
         module: nn.Module,
@@ -81,13 +85,18 @@ class DistributedDataParallel(nn.Module):
         # Megatron's attribute name. It would shadow nn.Module.buffers(), so the list is also
         # callable: `model.buffers` is the dense grad buffers, `model.buffers()` the module's.
         self.buffers = _BufferList(self.engine.dense_buffers, self)  # type: ignore[method-assign,assignment]
+        self._uneven = UnevenInputs(self.engine, options.sync_buffers_in_forward)
+        Joinable.__init__(self)  # a disabled join config, until a Join sets one
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward. A training forward (grad enabled, grad sync on) first
         broadcasts dp-rank 0's module buffers (`broadcast_buffers`, torch's default; collective),
         and its outputs arm the end-of-backward grad sync."""
-        self.engine.before_forward(torch.compiler.is_compiling(), self._sync_buffers_in_forward)
+        src = self._uneven.iteration_start(self) if torch.is_grad_enabled() else 0  # Join
+        self.engine.before_forward(
+            torch.compiler.is_compiling(), self._sync_buffers_in_forward, buffer_src=src
+        )
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
             self.engine.residency.watch(output)  # first: it raises before anything is queued
@@ -278,6 +287,37 @@ class DistributedDataParallel(nn.Module):
         appears under both; a kind without a hook or without buffers is absent).
         `save_checkpoint` saves the state of those with `state_dict()`."""
         return self.engine.hooks.comm_hooks()
+
+
+    # ---- uneven inputs: torch's Joinable ([Note: uneven inputs] in join.py) ----------------
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """torch DDP's context manager for uneven inputs, `Join([self], ...)` (with a megabuf
+        optimizer: `Join([model, optimizer])`): ranks out of data shadow the others'
+        collectives, with zero grads. Every rank must enter it."""
+        refuse_unsupported(self.engine, "join()")
+        return Join(
+            [self], enable, throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )  # fmt: skip
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        """torch's Joinable (kwarg `divide_by_initial_world_size`); every rank builds the Join."""
+        return self._uneven.join_hook(kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        """torch's Joinable: the device of the Join's own all-reduces (the params')."""
+        return self.engine.device
+
+    @property
+    def join_process_group(self) -> Any:
+        """torch's Joinable: the dp group."""
+        return self.process_groups.dp
 
 
 def as_model_chunks(

@@ -62,7 +62,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "megabuf.param_sync", "megabuf.assembly", "megabuf.sharded_replan", "megabuf.engine",
         "megabuf.residency", "megabuf.autobucket", "megabuf.warmup",
     )),
-    ("wrapper", ("megabuf.ddp",)),
+    ("wrapper", ("megabuf.ddp", "megabuf.join")),
     ("above", (
         "megabuf.finalize", "megabuf.reproducible", "megabuf.optimizer", "megabuf.optimizer.*",
         "megabuf.checkpoint", "megabuf.checkpoint.*", "megabuf.pipeline", "megabuf.pipeline.*",

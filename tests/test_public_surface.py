@@ -70,9 +70,11 @@ DDP_DOORS = {
     "no_sync", "publish_params", "register_comm_hook", "require_backward_grad_sync",
     "reset_iter_state", "reshard_params", "scale_gradients", "start_grad_sync",
     "start_param_sync", "summon_full_params", "timeline", "zero_grad_buffer",
+    # torch's Joinable contract (issue 40), doors into megabuf/join.py
+    "join", "join_hook", "join_device", "join_process_group",
 }  # fmt: skip
 DDP_ATTRIBUTES = {"module", "ddp_config", "process_groups", "engine"}  # set in __init__
-DDP_MEMBER_BUDGET = 25
+DDP_MEMBER_BUDGET = 29  # 25, plus the four names torch's Join needs
 MAX_FILE_LINES, MAX_DDP_LINES = 450, 350
 
 
