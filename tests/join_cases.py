@@ -49,8 +49,10 @@ def _torch_loop(model: Any, counts: tuple[int, int], join: Any, accum: int = 1) 
             opt.zero_grad(set_to_none=True)
 
 
-def vs_torch_ddp(counts: tuple[int, int], divide: bool, cfg: dict[str, Any],
-                 accum: int = 1) -> dict[str, Any]:  # fmt: skip
+def vs_torch_ddp(
+    counts: tuple[int, int], divide: bool, cfg: dict[str, Any], accum: int = 1,
+    args: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The same loop on torch DDP and on megabuf, each inside `model.join(divide...)`: every
     rank ends with bitwise torch's params and BatchNorm buffers."""
 
@@ -61,10 +63,10 @@ def vs_torch_ddp(counts: tuple[int, int], divide: bool, cfg: dict[str, Any],
     for name in ("torch", "megabuf"):
         net = _net(norm=True)
         if name == "torch":
-            model: Any = nn.parallel.DistributedDataParallel(net)
+            model: Any = nn.parallel.DistributedDataParallel(net, **(args or {}))
         else:
             model = megabuf.DistributedDataParallel(
-                net, megabuf.DistributedDataParallelConfig(**cfg)
+                net, megabuf.DistributedDataParallelConfig(**cfg), **(args or {})
             )
         _torch_loop(model, counts, join, accum)
         out[name] = _state(net)
@@ -100,23 +102,27 @@ def _reference(
     return [p.detach().clone() for p in net.parameters()]
 
 
-def distopt_vs_reference(counts: tuple[int, int], divide: bool, cfg: dict[str, Any],
-                         clip: float) -> dict[str, Any]:  # fmt: skip
-    """ZeRO-1 (use_distributed_optimizer) with megabuf's optimizer in Join([model, opt]): the
+def megabuf_opt_vs_reference(
+    counts: tuple[int, int], divide: bool, cfg: dict[str, Any], clip: float,
+    loss_scale: float | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """A megabuf optimizer in Join([model, opt]); with use_distributed_optimizer (ZeRO-1) the
     joined rank shadows the reduce-scatter, its shard's step (zero contribution, clip norm)
-    and the param all-gather; every rank's params match the single-process reference."""
+    and the param all-gather; with a loss scale the found-inf all-reduce. Every rank's params
+    match the single-process reference."""
     net = _net(norm=False)
-    model = megabuf.DistributedDataParallel(
-        net, megabuf.DistributedDataParallelConfig(use_distributed_optimizer=True, **cfg)
-    )
+    model = megabuf.DistributedDataParallel(net, megabuf.DistributedDataParallelConfig(**cfg))
     opt = megabuf.build_optimizer(
-        model, megabuf.OptimizerConfig(optimizer="sgd", lr=0.1, sgd_momentum=0.9, clip_grad=clip)
+        model,
+        megabuf.OptimizerConfig(
+            optimizer="sgd", lr=0.1, sgd_momentum=0.9, clip_grad=clip, loss_scale=loss_scale
+        ),
     )
     with Join([model, opt], divide_by_initial_world_size=divide):
         for k in range(counts[dist.get_rank()]):
             opt.zero_grad()
             x, y = _batch(k, dist.get_rank())
-            nn.functional.mse_loss(model(x), y).backward()
+            opt.scale_loss(nn.functional.mse_loss(model(x), y)).backward()
             opt.step()
     model.publish_params()
     ref = _reference(counts, divide, clip, max(counts))
@@ -198,6 +204,10 @@ def refusal(kind: str) -> str:
         model = megabuf.DistributedDataParallel(_net(norm=False))
         model.register_comm_hook(build_hook({"name": "reduce"}))
         make = model.join
+    elif kind == "two_models":
+        first = megabuf.DistributedDataParallel(_net(norm=False))
+        second = megabuf.DistributedDataParallel(_net(norm=False))
+        make = lambda: Join([first, second])  # noqa: E731
     else:
         cfg = megabuf.DistributedDataParallelConfig(use_distributed_optimizer=True)
         model = megabuf.DistributedDataParallel(_net(norm=False), cfg)
@@ -209,5 +219,24 @@ def refusal(kind: str) -> str:
     try:
         make()
     except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def first_forward_missing() -> str:
+    """overlap_param_gather, a rank with no batch at all: it cannot know the forward read order
+    the step's gathers follow; every rank raises at the first exchange (no hang)."""
+    cfg = megabuf.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_param_gather=True, overlap_grad_reduce=True
+    )
+    model = megabuf.DistributedDataParallel(_net(norm=False), cfg)
+    opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig(lr=0.1))
+    try:
+        with Join([model, opt]):
+            for k in range((0, 2)[dist.get_rank()]):
+                x, y = _batch(k, dist.get_rank())
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+    except RuntimeError as exc:
         return str(exc)
     return "no error"
