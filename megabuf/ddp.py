@@ -288,7 +288,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         `save_checkpoint` saves the state of those with `state_dict()`."""
         return self.engine.hooks.comm_hooks()
 
-
     # ---- uneven inputs: torch's Joinable ([Note: uneven inputs] in join.py) ----------------
     def join(
         self,
