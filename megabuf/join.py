@@ -17,7 +17,7 @@ in the same order, so every collective pairs:
     broadcast_buffers from `source`           the same broadcast (receiving)
     backward: the grad sync, in chain order   zero_grad_buffer(); finish_grad_sync(): every
                                               grad zero-filled, reduced in chain order
-    optimizer step (megabuf's)                the same step() on the reduced grads
+    optimizer step (megabuf's): hyperparams   the same step() on the reduced grads
 
 The exchange is one synchronous SUM all-reduce over dp of a float32 vector of dp_size + 2:
 a 1 at each active rank's dp rank, the number of active ranks whose backward will sync (no_sync
@@ -36,7 +36,10 @@ shadow the step's param gathers (below). Every rank learns from it the active ra
 A joined rank runs the real `step()`, so under the distributed optimizer its shards step with
 the reduced grads (the zero contribution included), and the grad scaler's found-inf
 all-reduce, the grad norm's all-reduce (clip_grad) and the param all-gathers are issued where
-the active ranks issue them: every rank's params stay equal. Under overlap_param_gather the
+the active ranks issue them: every rank's params stay equal. Each megabuf step inside the
+Join first takes the param groups' hyperparameters from the highest active rank (one
+broadcast_object, on every rank), since a scheduler steps only where there is data; torch's
+ZeroRedundancyOptimizer steps a joined rank's shard at its stale lr. Under overlap_param_gather the
 step dispatches gathers in the forward read order each rank learned in its first training
 forward; a rank that joined before one cannot know it, and the exchange refuses that on every
 rank. overlap_grad_reduce needs nothing: the shadow dispatches in chain order, the order every
@@ -96,6 +99,7 @@ class UnevenInputs:
         self.hook: ModelJoinHook | None = None  # of the Join being built or running
         self.optimizer: weakref.ref[Any] | None = None  # the last megabuf optimizer over it
         self.shadowed_sync = False  # joined rank: this loop pass shadowed a grad sync
+        self.source = 0  # the highest active dp rank at the last exchange
 
     # ---- torch's Join builds the hooks, then sets every joinable's config --------------------
     def join_hook(self, kwargs: dict[str, Any]) -> ModelJoinHook:
@@ -145,6 +149,7 @@ class UnevenInputs:
             work.wait()
         self.check(seen)
         self.rescale(seen)
+        self.source = seen.source
         return seen.source
 
     def rescale(self, seen: Exchange) -> None:
@@ -232,6 +237,7 @@ class ModelJoinHook(JoinHook):
             engine.param_side.publish()  # gathers of the last shadowed step (not collective)
             seen = exchange(engine, active=False, syncing=False)
             uneven.check(seen)
+            uneven.source = seen.source
             uneven.shadowed_sync = seen.syncing > 0
             if not uneven.shadowed_sync:
                 return
@@ -269,6 +275,21 @@ class OptimizerJoinHook(JoinHook):
     def main_hook(self) -> None:
         if all(m.shadowed_sync for m in self.models):
             self.optimizer.step()
+
+
+def sync_hyperparameters(optimizer: Any, chunks: list[Any]) -> None:
+    """At the start of a megabuf optimizer's step inside an enabled Join, on every rank: the
+    param groups' hyperparameters (lr, ...) of the highest active rank, so a scheduler that
+    steps only where there is data still drives a joined rank's shards. Collective over dp."""
+    if not optimizer._join_config.enable:
+        return
+    uneven: UnevenInputs = chunks[0]._uneven
+    engine = uneven.engine
+    groups = optimizer.param_groups
+    mine = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+    theirs = engine.collectives.broadcast_object(mine, uneven.source, engine.process_groups.dp)
+    for group, values in zip(groups, theirs, strict=True):
+        group.update(values)
 
 
 def optimizer_join_hook(optimizer: Any, chunks: list[Any]) -> OptimizerJoinHook:

@@ -78,13 +78,18 @@ def vs_torch_ddp(
     }
 
 
+def _halving(step: int) -> float:
+    return 0.5**step
+
+
 def _reference(
-    counts: tuple[int, int], divide: bool, clip: float, steps: int
+    counts: tuple[int, int], divide: bool, clip: float, steps: int, schedule: bool
 ) -> list[torch.Tensor]:
     """One process: each iteration the active ranks' grads summed, divided by 2 or by the
     number active, clipped to `clip`, one SGD step."""
     net = _net(norm=False)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _halving) if schedule else None
     for k in range(steps):
         active = [r for r in range(2) if k < counts[r]]
         total = [torch.zeros_like(p) for p in net.parameters()]
@@ -99,12 +104,14 @@ def _reference(
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
+        if sched is not None:
+            sched.step()
     return [p.detach().clone() for p in net.parameters()]
 
 
 def megabuf_opt_vs_reference(
     counts: tuple[int, int], divide: bool, cfg: dict[str, Any], clip: float,
-    loss_scale: float | None = None,
+    loss_scale: float | None = None, schedule: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """A megabuf optimizer in Join([model, opt]); with use_distributed_optimizer (ZeRO-1) the
     joined rank shadows the reduce-scatter, its shard's step (zero contribution, clip norm)
@@ -118,14 +125,17 @@ def megabuf_opt_vs_reference(
             optimizer="sgd", lr=0.1, sgd_momentum=0.9, clip_grad=clip, loss_scale=loss_scale
         ),
     )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _halving) if schedule else None
     with Join([model, opt], divide_by_initial_world_size=divide):
         for k in range(counts[dist.get_rank()]):
             opt.zero_grad()
             x, y = _batch(k, dist.get_rank())
             opt.scale_loss(nn.functional.mse_loss(model(x), y)).backward()
             opt.step()
+            if sched is not None:
+                sched.step()
     model.publish_params()
-    ref = _reference(counts, divide, clip, max(counts))
+    ref = _reference(counts, divide, clip, max(counts), schedule)
     diffs = [(p - q).abs().max().item() for p, q in zip(net.parameters(), ref, strict=True)]
     return {"max_diff": max(diffs), "params": [p.detach().clone() for p in net.parameters()]}
 

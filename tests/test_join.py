@@ -35,6 +35,7 @@ VS_TORCH = {
 VS_REFERENCE = {
     "distopt-1v4-initial": ((1, 4), True, DISTOPT, 0.0),
     "distopt-4v1-active": ((4, 1), False, DISTOPT, 0.0),
+    "distopt-1v4-scheduler": ((1, 4), True, DISTOPT, 0.0, None, True),
     "distopt-4v1-active-clip": ((4, 1), False, DISTOPT, 0.05),  # clipping hides the divisor
     "distopt-overlap-2v4-active-clip": (
         (2, 4), False, {**DISTOPT, **OVERLAP, "overlap_param_gather": True}, 0.05,

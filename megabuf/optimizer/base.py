@@ -41,7 +41,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 from megabuf.bucket_group import GradSyncState
 from megabuf.ddp import DistributedDataParallel
 from megabuf.devices import params_device
-from megabuf.join import attach_optimizer, optimizer_join_hook
+from megabuf.join import attach_optimizer, optimizer_join_hook, sync_hyperparameters
 from megabuf.optimizer.clip import NormPart, clip_grads_, count_zeros, global_grad_norm
 from megabuf.optimizer.exact_norm import exact_grad_norm
 from megabuf.optimizer.grad_scaler import GradScaler
@@ -213,6 +213,7 @@ class MegabufOptimizer(torch.optim.Optimizer, Joinable):
         self._check_resident("optimizer step()")
         with torch.profiler.record_function("megabuf::optimizer_step"):
             self._check_grads_synced()
+            sync_hyperparameters(self, self.model_chunks)  # [Note: uneven inputs]
             self._before_step()
             self._versions.reload_edited()
             lazy = self._upcast_window_numel() is not None
