@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from moe_cases import groups
 from torch import nn
 from torch.distributed.algorithms.join import Join
 
@@ -213,6 +214,15 @@ def refusal(kind: str) -> str:
     elif kind == "comm_hook":
         model = megabuf.DistributedDataParallel(_net(norm=False))
         model.register_comm_hook(build_hook({"name": "reduce"}))
+        make = model.join
+    elif kind in ("error_on_unused_params", "auto_bucket", "pipeline"):
+        cfg = megabuf.DistributedDataParallelConfig(
+            error_on_unused_params=kind == "error_on_unused_params",
+            bucket_size="auto" if kind == "auto_bucket" else None,
+            overlap_grad_reduce=kind == "auto_bucket",
+        )
+        pgs = groups(pp_size=2) if kind == "pipeline" else None
+        model = megabuf.DistributedDataParallel(_net(norm=False), cfg, process_groups=pgs)
         make = model.join
     elif kind == "two_models":
         first = megabuf.DistributedDataParallel(_net(norm=False))

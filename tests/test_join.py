@@ -49,6 +49,9 @@ REFUSALS = {
     "optimizer_left_out": "use Join([model, optimizer])",
     "optimizer_first": "list the model first",
     "two_models": "must be the first joinable",
+    "error_on_unused_params": "error_on_unused_params=True",
+    "auto_bucket": 'bucket_size="auto" before its re-plan',
+    "pipeline": "pipeline or expert parallelism",
 }
 
 
@@ -94,8 +97,9 @@ def test_megabuf_optimizer_join_matches_the_single_process_reference(
 @pytest.mark.parametrize("name", list(REFUSALS))
 def test_unsupported_joins_are_refused_by_name_on_every_rank(results: Any, name: str) -> None:
     """Sharded grads or params, a comm hook, a megabuf optimizer left out of the Join or listed
-    before its model, two megabuf models: a ValueError naming the cause when the Join is built
-    (every rank, before any collective), never a hang."""
+    before its model, two megabuf models, error_on_unused_params, bucket_size="auto" before its
+    re-plan, pipeline stages: a ValueError naming the cause when the Join is built (every rank,
+    before any collective), never a hang."""
     for message in case_result(results, f"refuse-{name}"):
         assert message.startswith("megabuf:") and REFUSALS[name] in message, message
 
