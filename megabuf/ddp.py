@@ -91,8 +91,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward. A training forward (grad enabled, grad sync on) first
-        broadcasts dp-rank 0's module buffers (`broadcast_buffers`, torch's default; collective),
-        and its outputs arm the end-of-backward grad sync."""
+        broadcasts dp-rank 0's module buffers (`broadcast_buffers`, torch's default; collective;
+        inside a Join the highest active rank's), and its outputs arm the end-of-backward sync."""
         src = self._uneven.iteration_start(self) if torch.is_grad_enabled() else 0  # Join
         self.engine.before_forward(
             torch.compiler.is_compiling(), self._sync_buffers_in_forward, buffer_src=src

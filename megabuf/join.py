@@ -47,8 +47,8 @@ active rank's backward keeps ([Note: dispatch order] in dispatch.py).
 Once every rank joined, the model's post hook agrees on the highest-ranked last joiner and
 broadcasts its params and (with broadcast_buffers) its buffers, as torch does; a param written
 only where it differed (a joined rank whose optimizer was not megabuf's is stale), so fp32 main
-params equal to the model's are not reloaded. The model then leaves join mode (torch keeps the
-notify all-reduce in every later forward).
+params equal to the model's are not reloaded. The model and its optimizer then leave join
+mode (torch keeps the notify all-reduce in every later forward).
 Refused by name when the Join is built (in `join()` / `join_hook()`, and again at every
 exchange, on every rank): sharded grads or params (optim_grads, optim_grads_params: forward
 and backward gather and reduce units the joined rank has no forward to drive), a registered
@@ -143,6 +143,7 @@ class UnevenInputs:
         if not self.config.enable:
             return 0
         engine = self.engine
+        engine.residency.check("forward")  # before anything is issued
         work = engine.collectives.notify_join(model)
         seen = exchange(engine, active=True, syncing=engine.sync.require_sync)
         if work is not None:
@@ -275,6 +276,10 @@ class OptimizerJoinHook(JoinHook):
     def main_hook(self) -> None:
         if all(m.shadowed_sync for m in self.models):
             self.optimizer.step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        del is_last_joiner  # the model's hook synced the params
+        self.optimizer._join_config = self.models[0]._disabled  # its steps leave join mode
 
 
 def sync_hyperparameters(optimizer: Any, chunks: list[Any]) -> None:

@@ -136,9 +136,13 @@ def megabuf_opt_vs_reference(
             if sched is not None:
                 sched.step()
     model.publish_params()
+    left = model._join_config.enable or opt._join_config.enable
     ref = _reference(counts, divide, clip, max(counts), schedule)
     diffs = [(p - q).abs().max().item() for p, q in zip(net.parameters(), ref, strict=True)]
-    return {"max_diff": max(diffs), "params": [p.detach().clone() for p in net.parameters()]}
+    return {
+        "max_diff": max(diffs), "params": [p.detach().clone() for p in net.parameters()],
+        "join_mode_left": not left,
+    }  # fmt: skip
 
 
 def throws(counts: tuple[int, int]) -> dict[str, Any]:

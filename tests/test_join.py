@@ -90,6 +90,7 @@ def test_megabuf_optimizer_join_matches_the_single_process_reference(
     per_rank = case_result(results, f"ref-{name}")
     for res in per_rank:
         assert res["max_diff"] < 1e-6, res["max_diff"]
+        assert res["join_mode_left"]
     mine, theirs = (res["params"] for res in per_rank)
     assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
 
