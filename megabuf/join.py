@@ -43,7 +43,9 @@ ZeroRedundancyOptimizer steps a joined rank's shard at its stale lr. Under overl
 step dispatches gathers in the forward read order each rank learned in its first training
 forward; a rank that joined before one cannot know it, and the exchange refuses that on every
 rank. overlap_grad_reduce needs nothing: the shadow dispatches in chain order, the order every
-active rank's backward keeps ([Note: dispatch order] in dispatch.py).
+active rank's backward keeps ([Note: dispatch order] in dispatch.py); but a rank whose first
+grad sync is a shadow learns one arrival per param ([Note: grad readiness]), which a param used
+twice per backward then contradicts after the Join.
 Once every rank joined, the model's post hook agrees on the highest-ranked last joiner and
 broadcasts its params and (with broadcast_buffers) its buffers, as torch does; a param written
 only where it differed (a joined rank whose optimizer was not megabuf's is stale), so fp32 main
