@@ -52,14 +52,16 @@ only where it differed (a joined rank whose optimizer was not megabuf's is stale
 params equal to the model's are not reloaded. The model and its optimizer then leave join
 mode (torch keeps the notify all-reduce in every later forward).
 Refused by name when the Join is built (in `join()` / `join_hook()`, and again at every
-exchange, on every rank): sharded grads or params (optim_grads, optim_grads_params: forward
-and backward gather and reduce units the joined rank has no forward to drive), a registered
+exchange, on every rank): sharded grads or params (optim_grads_params gathers units inside
+forward and backward, which a joined rank does not run; optim_grads' grad shards and
+per-micro-batch agreement are not shadowed), a registered
 comm hook (a hook may keep per-rank state, such as PowerSGD's error feedback, that a zero
 contribution does not leave alone), pipeline or expert parallelism and hybrid splits (their
 collectives run over other groups), bucket_size="auto" before its re-plan (collective warm-up),
 error_on_unused_params (every param of a joined rank is unused); a megabuf model that is not
 the Join's first joinable, or with several megabuf models; an optimizer before its model, or a
-megabuf optimizer stepping the model left out of the Join.
+megabuf optimizer stepping the model left out of the Join. As in torch, the loop inside the
+Join runs one training forward per backward, and one megabuf step per synced backward.
 """
 
 from __future__ import annotations
@@ -201,9 +203,9 @@ def refuse_unsupported(engine: Engine, where: str) -> None:
     reasons = []
     if cfg.sharding.shards_grads:
         reasons.append(
-            f"data_parallel_sharding_strategy={cfg.sharding.name!r} (forward and backward "
-            "gather and reduce shards a joined rank has no forward to drive; use 'optim' or "
-            "'no_shard')"
+            f"data_parallel_sharding_strategy={cfg.sharding.name!r} (its grad shards and unit "
+            "gathers are driven by forward and backward, which a joined rank does not run; use "
+            "'optim' or 'no_shard')"
         )
     if engine.hooks.comm_hooks():
         reasons.append(
