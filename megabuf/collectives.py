@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.algorithms.join import Join
 from torch.distributed.distributed_c10d import _coalescing_manager
 
 from megabuf.comm_records import (
@@ -403,6 +404,11 @@ class Collectives:
         """Synchronous elementwise max across the group (e.g. found-inf flags)."""
         self._record_all_reduce(tensor, dist.get_world_size(group), group)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+    def notify_join(self, joinable: Any) -> Any:
+        """torch's Join protocol: "this rank has not joined" (an async all-reduce, not counted;
+        raises under throw_on_early_termination): [Note: uneven inputs] in join.py."""
+        return Join.notify_join_context(joinable)
 
     def barrier(self, group: Group) -> None:
         """Synchronous: return once every rank of the group has called it (checkpoint I/O)."""

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 
 from megabuf import pickling, torch_compat
 from megabuf.bucket_group import Timeline
@@ -24,10 +25,11 @@ from megabuf.collectives import Collectives
 from megabuf.comm_hooks.torch_adapter import hook_of_call
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.engine import Engine
+from megabuf.join import JoinConfigSlot, UnevenInputs, refuse_unsupported
 from megabuf.process_groups import ProcessGroups, resolve_split
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Megatron-style data parallelism for any module: grads accumulate into contiguous
     buffers (`param.main_grad` views) and are reduced bucket group by bucket group.
 
@@ -56,6 +58,8 @@ class DistributedDataParallel(nn.Module):
             [Note: torch DDP arguments] in torch_compat.py and docs/porting-from-torch-ddp.md.
     """
 
+    _join_config = JoinConfigSlot()  # torch's Join sets it; [Note: uneven inputs] in join.py
+
     def __init__(
         self,
         module: nn.Module,
@@ -73,7 +77,6 @@ class DistributedDataParallel(nn.Module):
         self.process_groups = resolve_split(  # a hybrid split the config asks for
             options.process_groups or ProcessGroups.default(), self.ddp_config
         )
-        self._sync_buffers_in_forward = options.sync_buffers_in_forward
         self.engine = Engine(
             module, self.ddp_config, self.process_groups,
             collectives if collectives is not None else Collectives(),
@@ -82,13 +85,18 @@ class DistributedDataParallel(nn.Module):
         # Megatron's attribute name. It would shadow nn.Module.buffers(), so the list is also
         # callable: `model.buffers` is the dense grad buffers, `model.buffers()` the module's.
         self.buffers = _BufferList(self.engine.dense_buffers, self)  # type: ignore[method-assign,assignment]
+        self._uneven = UnevenInputs(self.engine, options.sync_buffers_in_forward)
+        Joinable.__init__(self)  # a disabled join config, until a Join sets one
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward. A training forward (grad enabled, grad sync on) first
-        broadcasts dp-rank 0's module buffers (`broadcast_buffers`, torch's default; collective),
-        and its outputs arm the end-of-backward grad sync."""
-        self.engine.before_forward(torch.compiler.is_compiling(), self._sync_buffers_in_forward)
+        broadcasts dp-rank 0's module buffers (`broadcast_buffers`, torch's default; collective;
+        inside a Join the highest active rank's), and its outputs arm the end-of-backward sync."""
+        src = self._uneven.iteration_start(self) if torch.is_grad_enabled() else 0  # Join
+        self.engine.before_forward(
+            torch.compiler.is_compiling(), self._uneven.sync_buffers, buffer_src=src
+        )
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
             self.engine.residency.watch(output)  # first: it raises before anything is queued
@@ -270,16 +278,16 @@ class DistributedDataParallel(nn.Module):
     @property
     def broadcast_buffers(self) -> bool:
         """torch DDP's flag: training forwards broadcast dp-rank 0's module buffers (settable)."""
-        return self._sync_buffers_in_forward
+        return self._uneven.sync_buffers
 
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
-        self._sync_buffers_in_forward = bool(value)
+        self._uneven.sync_buffers = bool(value)
 
     def will_sync_module_buffers(self) -> bool:
         """torch DDP's: the flag is on, grads sync, and the module has buffers."""
         has = next(iter(self.module.buffers()), None) is not None
-        return self._sync_buffers_in_forward and self.require_backward_grad_sync and has
+        return self._uneven.sync_buffers and self.require_backward_grad_sync and has
 
     # ---- pickling and copying ([Note: pickling a wrapped model] in pickling.py) ---------------
     def __getstate__(self) -> dict[str, Any]:
@@ -289,8 +297,10 @@ class DistributedDataParallel(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuilds the engine on the default groups, eagerly and without a collective."""
-        self.process_groups, self.engine = pickling.restore(self, state)
+        self.process_groups, self.engine, sync_buffers = pickling.restore(self, state)
         self.buffers = _BufferList(self.engine.dense_buffers, self)  # type: ignore[method-assign,assignment]
+        self._uneven = UnevenInputs(self.engine, sync_buffers)
+        Joinable.__init__(self)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DistributedDataParallel:
         copied = type(self).__new__(type(self))
@@ -312,6 +322,36 @@ class DistributedDataParallel(nn.Module):
         appears under both; a kind without a hook or without buffers is absent).
         `save_checkpoint` saves the state of those with `state_dict()`."""
         return self.engine.hooks.comm_hooks()
+
+    # ---- uneven inputs: torch's Joinable ([Note: uneven inputs] in join.py) ----------------
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """torch DDP's context manager for uneven inputs, `Join([self], ...)` (with a megabuf
+        optimizer: `Join([model, optimizer])`): ranks out of data shadow the others'
+        collectives, with zero grads. Every rank must enter it."""
+        refuse_unsupported(self.engine, "join()")
+        return Join(
+            [self], enable, throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )  # fmt: skip
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        """torch's Joinable (kwarg `divide_by_initial_world_size`); every rank builds the Join."""
+        return self._uneven.join_hook(kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        """torch's Joinable: the device of the Join's own all-reduces (the params')."""
+        return self.engine.device
+
+    @property
+    def join_process_group(self) -> Any:
+        """torch's Joinable: the dp group."""
+        return self.process_groups.dp
 
 
 def as_model_chunks(

@@ -381,8 +381,9 @@ class Engine:
         self.sync.skip_until_backward_ends()
 
     @torch.compiler.disable
-    def before_forward(self, compiling: bool, sync_buffers: bool) -> None:
-        """Runs eagerly even when the model is compiled (`compiling`: it is being traced)."""
+    def before_forward(self, compiling: bool, sync_buffers: bool, buffer_src: int = 0) -> None:
+        """Runs eagerly even when the model is compiled (`compiling`: it is being traced);
+        module buffers come from dp rank `buffer_src` ([Note: uneven inputs] in join.py)."""
         self.residency.check("forward")
         if torch.is_grad_enabled():
             refuse_dist_autograd(self.rank)  # [Note: distributed autograd]
@@ -392,9 +393,13 @@ class Engine:
         self.sync.before_forward(torch.is_grad_enabled())
         self.param_side.before_forward(self.module, compiling)
         if sync_buffers and torch.is_grad_enabled() and self.sync.require_sync:
-            with torch.no_grad():
-                for tensor in self._module_buffers:
-                    self.collectives.broadcast(tensor, 0, self.process_groups.dp)
+            self.broadcast_module_buffers(buffer_src)
+
+    def broadcast_module_buffers(self, src_dp_rank: int) -> None:
+        """dp rank `src_dp_rank`'s module buffers to every dp rank (broadcast_buffers)."""
+        with torch.no_grad():
+            for tensor in self._module_buffers:
+                self.collectives.broadcast(tensor, src_dp_rank, self.process_groups.dp)
 
     def _auto_iteration_start(self, auto: AutoBucket) -> None:
         """A forward that starts an iteration whose grads every rank cleared runs

@@ -46,6 +46,7 @@ from torch.autograd import Variable
 from megabuf.backward_sync import BackwardEndSync
 from megabuf.bucket_group import BucketGroup, DispatchChain, GradSyncState
 from megabuf.config import DistributedDataParallelConfig
+from megabuf.grad_math import foreach_scale
 from megabuf.grads import ExposedGrads
 from megabuf.microbatches import MicrobatchAgreement
 from megabuf.timeline import Timeline
@@ -120,6 +121,7 @@ class GradSync:
         self._before_sync = before_sync
         self._checks = tuple(checks)
         self.agreement = agreement  # [Note: micro-batch agreement]; None: counts may differ
+        self._rescale = 1.0  # the next sync's reduced grads times this ([Note: uneven inputs])
 
     # ---- no_sync ------------------------------------------------------------------------------
     @property
@@ -242,6 +244,10 @@ class GradSync:
         self.outside.start_grad_sync()
         self._reduce_and_wait()
         self.outside.finish_grad_sync()
+        if self._rescale != 1.0:
+            grads = [b.grad_data for group in self.groups for b in group.buckets]
+            foreach_scale(grads, [self._rescale] * len(grads))
+            self._rescale = 1.0
         if self.on_first_sync is not None:
             first, self.on_first_sync = self.on_first_sync(), None
             if first is not None:
@@ -252,6 +258,12 @@ class GradSync:
             check()
         self.grads.expose()
         self.phase = SyncPhase.SYNCED
+
+    def rescale_next_sync(self, factor: float) -> None:
+        """The next `finish()` multiplies the reduced grads by `factor` before the checks and
+        before anyone reads them: under Join with divide_by_initial_world_size=False, dp_size
+        over the ranks still training ([Note: uneven inputs] in join.py)."""
+        self._rescale = factor
 
     def _agree(self, act: Callable[[MicrobatchAgreement], None]) -> None:
         """Run an agreement of [Note: micro-batch agreement]; when it raises (on every rank of

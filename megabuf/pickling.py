@@ -45,7 +45,7 @@ from megabuf.engine import Engine
 from megabuf.process_groups import ProcessGroups, resolve_split
 
 REBUILD_KEY = "_megabuf_rebuild"
-DROPPED = ("engine", "process_groups", "buffers")  # rebuilt by `restore`
+DROPPED = ("engine", "process_groups", "buffers", "_uneven")  # rebuilt on restore
 MEGABUF_PARAM_ATTRS = ("main_grad",)  # and every `_megabuf_*`: views into buffers, bookkeeping
 
 
@@ -54,6 +54,7 @@ class RebuildArgs:
     """What the constructor was given beyond the pickled attributes."""
 
     disable_bucketing: bool
+    sync_buffers: bool  # broadcast_buffers, as last set
 
 
 def wrapper_state(
@@ -70,14 +71,14 @@ def wrapper_state(
     modules = dict(state["_modules"])
     modules["module"] = module_snapshot(modules["module"])
     out["_modules"] = modules
-    out[REBUILD_KEY] = RebuildArgs(engine.disable_bucketing)
+    out[REBUILD_KEY] = RebuildArgs(engine.disable_bucketing, state["_uneven"].sync_buffers)
     return out
 
 
-def restore(model: nn.Module, state: dict[str, Any]) -> tuple[ProcessGroups, Engine]:
+def restore(model: nn.Module, state: dict[str, Any]) -> tuple[ProcessGroups, Engine, bool]:
     """Set `model`'s attributes from `state` and build its engine over the default groups
-    (not collective: no replica check, no broadcast). Returns (process groups, engine) for the
-    wrapper to hold."""
+    (not collective: no replica check, no broadcast). Returns (process groups, engine,
+    broadcast_buffers) for the wrapper to hold."""
     state = dict(state)
     rebuild: RebuildArgs = state.pop(REBUILD_KEY)
     nn.Module.__setstate__(model, state)
@@ -87,7 +88,7 @@ def restore(model: nn.Module, state: dict[str, Any]) -> tuple[ProcessGroups, Eng
         state["_modules"]["module"], config, groups, Collectives(),
         disable_bucketing=rebuild.disable_bucketing, init_sync=False, check_replicas=False,
     )  # fmt: skip
-    return groups, engine
+    return groups, engine, rebuild.sync_buffers
 
 
 def copied_state(state: dict[str, Any], memo: dict[int, Any]) -> dict[str, Any]:

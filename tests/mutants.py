@@ -822,6 +822,30 @@ MUTANTS = (
         "    groups = resolve_split(ProcessGroups.default(), config)\n",
         ("tests/test_pickling.py",),
     ),
+    Mutant(
+        "join-divides-by-initial-size",
+        "under Join with divide_by_initial_world_size=False grads average over the active ranks",
+        "megabuf/grad_sync.py",
+        "        if self._rescale != 1.0:\n",
+        "        if False:\n",
+        ("tests/test_join.py",),
+    ),
+    Mutant(
+        "join-buffers-from-dp-rank-0",
+        "under Join module buffers come from the highest active rank, not a joined rank 0",
+        "megabuf/join.py",
+        "        return self.active[-1]\n",
+        "        return 0\n",
+        ("tests/test_join.py",),
+    ),
+    Mutant(
+        "join-no-final-sync",
+        "when every rank joined, every rank gets the last joiner's params",
+        "megabuf/join.py",
+        "                if not torch.equal(theirs, param):\n",
+        "                if False:\n",
+        ("tests/test_join.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")

@@ -64,7 +64,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "megabuf.residency", "megabuf.autobucket", "megabuf.warmup", "megabuf.sparse_grads",
         "megabuf.pickling",
     )),
-    ("wrapper", ("megabuf.ddp",)),
+    ("wrapper", ("megabuf.ddp", "megabuf.join")),
     ("above", (
         "megabuf.finalize", "megabuf.reproducible", "megabuf.optimizer", "megabuf.optimizer.*",
         "megabuf.checkpoint", "megabuf.checkpoint.*", "megabuf.pipeline", "megabuf.pipeline.*",

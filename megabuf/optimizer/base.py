@@ -36,10 +36,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from megabuf.bucket_group import GradSyncState
 from megabuf.ddp import DistributedDataParallel
 from megabuf.devices import params_device
+from megabuf.join import attach_optimizer, optimizer_join_hook, sync_hyperparameters
 from megabuf.optimizer.clip import NormPart, clip_grads_, count_zeros, global_grad_norm
 from megabuf.optimizer.exact_norm import exact_grad_norm
 from megabuf.optimizer.grad_scaler import GradScaler
@@ -76,7 +78,7 @@ _UNSYNCED = {
 }
 
 
-class MegabufOptimizer(torch.optim.Optimizer):
+class MegabufOptimizer(torch.optim.Optimizer, Joinable):
     """Base class; subclasses decide which main params a rank owns and how params are published.
 
     It is a `torch.optim.Optimizer` for `isinstance` checks, so `torch.optim.lr_scheduler.*`
@@ -129,6 +131,8 @@ class MegabufOptimizer(torch.optim.Optimizer):
         self.defaults: dict[str, Any] = (
             dict(self.domains[0].optimizer.defaults) if self.domains else {}
         )
+        Joinable.__init__(self)  # [Note: uneven inputs] in megabuf/join.py
+        attach_optimizer(self.model_chunks, self)
 
     def _model_wide_kinds(self) -> tuple[DomainKind, ...]:
         """Kinds present on *any* rank. Every rank must join every norm reduction, even a
@@ -209,6 +213,7 @@ class MegabufOptimizer(torch.optim.Optimizer):
         self._check_resident("optimizer step()")
         with torch.profiler.record_function("megabuf::optimizer_step"):
             self._check_grads_synced()
+            sync_hyperparameters(self, self.model_chunks)  # [Note: uneven inputs]
             self._before_step()
             self._versions.reload_edited()
             lazy = self._upcast_window_numel() is not None
@@ -383,6 +388,19 @@ class MegabufOptimizer(torch.optim.Optimizer):
         (`model.load_state_dict`, `p.mul_(...)` under no_grad); call it after writes through
         `param.data`. See [Note: main params follow the model params]."""
         self._versions.reload()
+
+    # ---- uneven inputs: torch's Joinable ([Note: uneven inputs] in megabuf/join.py) ---------
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """In `Join([model, optimizer])` after its model: a joined rank runs `step()` too."""
+        return optimizer_join_hook(self, self.model_chunks)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_groups.dp
 
     # ---- state and memory ---------------------------------------------------------------------
     def parts(self) -> OptimizerParts:
