@@ -406,8 +406,7 @@ class Collectives:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
     def notify_join(self, joinable: Any) -> Any:
-        """torch's Join protocol: "this rank has not joined" (an async all-reduce, not counted;
-        raises under throw_on_early_termination): [Note: uneven inputs] in join.py."""
+        """torch's Join: "not joined yet" (async all-reduce, uncounted): [Note: uneven inputs]."""
         return Join.notify_join_context(joinable)
 
     def barrier(self, group: Group) -> None:
@@ -433,22 +432,15 @@ class Collectives:
         rank receives the source's bytes only, where `all_gather_object` pads to the largest)."""
         src = self.global_rank(group, src_group_rank)
         sent = len(pickle.dumps(obj)) if dist.get_rank() == src else 0
-        self._record(
-            group, "broadcast_object", input_nbytes=sent, output_nbytes=0, ring_nbytes=sent
-        )
+        self._record(group, "broadcast_object", input_nbytes=sent, output_nbytes=0,
+                     ring_nbytes=sent)  # fmt: skip
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=group)
         return box[0]
 
     @staticmethod
-    def _pending(
-        op: str,
-        work: Any,
-        output: Tensor | None,
-        scratch: Tensor | None,
-        divide: int,
-        scale: float = 1.0,
-    ) -> PendingCollective:
+    def _pending(op: str, work: Any, output: Tensor | None, scratch: Tensor | None, divide: int,
+                 scale: float = 1.0) -> PendingCollective:  # fmt: skip
         handles = [work] if work is not None else []
         pending = PendingCollective(op, handles, output, scratch, divide, scale)
         if work is None:  # synchronous call: finish the epilogue now
