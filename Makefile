@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv test test-gpu demo lint bench bench-curves bench-gpu mutants conformance clean
+.PHONY: venv test test-exit test-gpu demo lint bench bench-curves bench-gpu mutants conformance clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -17,6 +17,13 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q
+
+# How training jobs end (issue 48): short nanoGPT-shaped runs on 2 forked gloo ranks, every
+# strategy x how the script ends x checkpoint mode, repeated with the CPU loaded; each must exit 0
+# with no `terminate called` on stderr (tests/exit_runs.py; `make test` runs the matrix once).
+EXIT_ARGS ?= --repeat 3 --load 2
+test-exit: $(STAMP)
+	$(VPY) tests/exit_runs.py $(EXIT_ARGS)
 
 # The GPU tier (tests marked `gpu`: NCCL at world size 1 and 2, gloo ranks sharing a GPU, race
 # windows, checkpoints across devices); every case skips with its reason without CUDA.

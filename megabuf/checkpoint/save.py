@@ -8,14 +8,27 @@ process group, so it never shares a communicator with training's collectives); e
 are hashed in that thread once written. The save is committed (records gathered, metadata.json
 written, directory swapped into place) by `handle.wait()`, which every rank must call; the next
 `save_checkpoint` or `load_checkpoint` in the process calls it first, and so does
-`megabuf.checkpoint.wait_for_pending_save()`. Call it before training ends: until then `<path>`
-still holds the previous checkpoint ([Note: checkpoint crash safety]). A synchronous save
+`megabuf.checkpoint.wait_for_pending_save()`, and at exit ([Note: a save in flight at exit]).
+Until then `<path>` still holds the previous checkpoint ([Note: checkpoint crash safety]). A synchronous save
 returns a handle already done.
+
+[Note: a save in flight at exit]
+A script that ends without waiting for its last asynchronous save (nanoGPT's loop saves, trains
+on and ends) would lose it: DCP's thread finishes writing into `<path>.tmp/`, but nothing
+commits it. So `finish_at_exit` runs at exit (`atexit`: after the interpreter joined DCP's
+thread, before teardown, the interpreter whole): while torch.distributed is still initialised it
+commits every save in flight (collective, as `handle.wait()`: every rank ends its script the
+same way); after `destroy_process_group()` it can only say on stderr that the save was not
+committed and `<path>` keeps the previous checkpoint. Either way the side gloo group is released
+then, not in teardown.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -62,8 +75,21 @@ class SaveHandle:
     """A save in flight; `wait()` (collective) finishes and commits it. See
     [Note: asynchronous checkpoint saves]."""
 
-    def __init__(self, finish: Callable[[], None] | None) -> None:
+    def __init__(
+        self,
+        finish: Callable[[], None] | None,
+        path: Path | None = None,
+        written: Callable[[], object] | None = None,
+    ) -> None:
         self._finish = finish
+        self.path = path  # where the save commits
+        self._written = written  # waits for this rank's writing, commits nothing
+
+    def written(self) -> None:
+        """Wait for this rank's files (DCP's thread done), without committing (not collective)."""
+        if self._written is not None:
+            with contextlib.suppress(Exception):  # the write's error is the commit's to raise
+                self._written()
 
     @property
     def done(self) -> bool:
@@ -81,6 +107,29 @@ _PENDING: weakref.WeakKeyDictionary[DistributedDataParallel, SaveHandle] = (
     weakref.WeakKeyDictionary()
 )
 _GROUPS: dict[int, Any] = {}
+
+
+def finish_at_exit() -> None:
+    """Run by `atexit`: [Note: a save in flight at exit]."""
+    if dist.is_initialized():
+        try:
+            wait_for_pending_save()
+        except Exception as exc:  # atexit: say it and let the process end
+            print(f"megabuf: the asynchronous checkpoint save in flight at exit failed: {exc}",
+                  file=sys.stderr)  # fmt: skip
+    for chunk in list(_PENDING):
+        handle = _PENDING.pop(chunk, None)
+        if handle is not None and not handle.done:
+            handle.written()
+            print(f"megabuf: the asynchronous checkpoint save to {handle.path} was written but "
+                  "not committed: torch.distributed was shut down before handle.wait() (or "
+                  "megabuf.checkpoint.wait_for_pending_save()); that path keeps the previous "
+                  "checkpoint. Wait for the save before destroy_process_group()",
+                  file=sys.stderr)  # fmt: skip
+    _GROUPS.clear()
+
+
+atexit.register(finish_at_exit)
 
 
 def wait_for_pending_save() -> None:
@@ -165,8 +214,9 @@ def save_checkpoint(
         written = saving if isinstance(saving, Future) else saving.upload_completion
         hashed = _hash_when_written(written, tmp, rank)
         handle = SaveHandle(
-            lambda: _commit(chunks, final, tmp, everyone, hooks, own + hashed.result())
-        )
+            lambda: _commit(chunks, final, tmp, everyone, hooks, own + hashed.result()),
+            final, hashed.result,
+        )  # fmt: skip
         _PENDING[chunks[0]] = handle
         return handle
 
