@@ -32,6 +32,7 @@ from megabuf.comm_records import (
     sum_chunks,
 )
 from megabuf.strategy import STRATEGIES, CollectiveStrategy, choose_strategy
+from megabuf.worker_refs import HELD
 
 Group = ProcessGroup | None
 
@@ -118,6 +119,7 @@ class Collectives:
         has_avg = self.strategy(group, tensor.device).has_avg
         op, divide = self._avg_plan(tensor, size, average, has_avg)
         with torch.profiler.record_function("megabuf::all_reduce"):
+            HELD.hold(tensor)  # [Note: a backend thread's last reference]
             work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         return self._pending("all_reduce", work, tensor, None, divide)
 
@@ -144,10 +146,12 @@ class Collectives:
                     scratch = torch.empty_like(input)
                 self._record_reduce_scatter(input, scratch, ring, group)
                 _, divide = self._avg_plan(input, size, average, native_avg=False)  # local sum
+                HELD.hold(scratch, input)
                 work = dist.all_to_all_single(scratch, input, group=group, async_op=async_op)
                 return self._pending("reduce_scatter", work, output, scratch, divide, scale)
             self._record_reduce_scatter(input, output, ring, group)
             op, divide = self._avg_plan(input, size, average, strategy.has_avg)
+            HELD.hold(output, input)
             work = dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
         return self._pending("reduce_scatter", work, output, None, divide, scale)
 
@@ -159,14 +163,10 @@ class Collectives:
             ring_nbytes=2 * (size - 1) * nbytes // size,
         )  # fmt: skip
 
-    def _record_reduce_scatter(
-        self, input: Tensor, landing: Tensor, ring_nbytes: int, group: Group
-    ) -> None:
-        self._record(
-            group,
-            "reduce_scatter", input_nbytes=nbytes_of(input), output_nbytes=nbytes_of(landing),
-            ring_nbytes=ring_nbytes,
-        )  # fmt: skip
+    def _record_reduce_scatter(self, input: Tensor, landing: Tensor, ring: int, group: Group
+                               ) -> None:  # fmt: skip
+        self._record(group, "reduce_scatter", input_nbytes=nbytes_of(input),
+                     output_nbytes=nbytes_of(landing), ring_nbytes=ring)  # fmt: skip
 
     def all_gather(
         self, output: Tensor, input: Tensor, group: Group, *, async_op: bool = True, tag: int = 0
@@ -185,6 +185,7 @@ class Collectives:
                     "all_gather", input_nbytes=nbytes_of(input), output_nbytes=nbytes_of(output),
                     ring_nbytes=ring,
                 )  # fmt: skip
+                HELD.hold(output, input)
                 work = dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
                 return self._pending("all_gather", work, None, None, 1)
         return self._p2p_all_gather([(output, input)], group, async_op=async_op, tag=tag)
@@ -310,18 +311,14 @@ class Collectives:
         else:
             self._record(group, "broadcast", input_nbytes=0, output_nbytes=nbytes, ring_nbytes=0)
         with torch.profiler.record_function("megabuf::broadcast"):
+            HELD.hold(tensor)
             dist.broadcast(tensor, src=src, group=group)
 
     def all_to_all(
-        self,
-        output: Tensor,
-        input: Tensor,
-        group: Group,
-        *,
-        output_split_sizes: list[int] | None = None,
-        input_split_sizes: list[int] | None = None,
+        self, output: Tensor, input: Tensor, group: Group, *,
+        output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None,
         async_op: bool = True,
-    ) -> PendingCollective:
+    ) -> PendingCollective:  # fmt: skip
         """Rows `input_split_sizes[r]` of `input` go to group rank r; `output` receives
         `output_split_sizes[r]` rows from each rank r, in rank order (equal splits if None)."""
         size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -340,6 +337,7 @@ class Collectives:
             ring_nbytes=(input.shape[0] - kept) * row_nbytes,
         )  # fmt: skip
         with torch.profiler.record_function("megabuf::all_to_all"):
+            HELD.hold(output, input)
             work = dist.all_to_all_single(
                 output, input, output_split_sizes, input_split_sizes, group=group,
                 async_op=async_op,
@@ -397,12 +395,14 @@ class Collectives:
         ring = (self.size(group) - 1) * (n := nbytes_of(grad._indices()) + grad._values().nbytes)
         self._record(group, "all_reduce_sparse", input_nbytes=n, output_nbytes=n, ring_nbytes=ring)
         with torch.profiler.record_function("megabuf::all_reduce_sparse"):
+            HELD.hold(grad)
             work = dist.all_reduce(grad, group=group, async_op=True)
         return self._pending("all_reduce_sparse", work, None, None, 1)
 
     def all_reduce_max(self, tensor: Tensor, group: Group) -> None:
         """Synchronous elementwise max across the group (e.g. found-inf flags)."""
         self._record_all_reduce(tensor, dist.get_world_size(group), group)
+        HELD.hold(tensor)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
     def notify_join(self, joinable: Any) -> Any:

@@ -121,7 +121,8 @@ class Engine:
     def _build(self, disable_bucketing: bool, init_sync: bool) -> None:
         pgs, cfg = self.process_groups, self.config
         named = list(self.module.named_parameters())  # shared params once, under their first name
-        trainable_params(self.module, self.rank)  # refused before the first collective
+        if self.topology.pp_size == 1:  # a pipeline's model chunk may hold no params
+            trainable_params(self.module, self.rank)  # refused before the first collective
         check_devices(named)
         if self._check_replicas:
             check_replicas_match(named, pgs.dp, self.collectives)

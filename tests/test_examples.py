@@ -67,5 +67,6 @@ def test_example_trains_and_passes_its_check(name: str) -> None:
     )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, (name, proc.returncode, output[-4000:])
+    assert "terminate called" not in output, (name, output[-4000:])  # an abort at exit (issue 48)
     for line in lines:
         assert re.search(line, output), (name, line, output[-4000:])

@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "megabuf.collectives", "megabuf.comm_records", "megabuf.devices",
         "megabuf.process_groups", "megabuf.replicas", "megabuf.torch_compat",
         "megabuf.pipeline.p2p", "megabuf.model_plan", "megabuf.distributed_init",
-        "megabuf.dist_autograd",
+        "megabuf.dist_autograd", "megabuf.worker_refs",
     )),
     ("hook_lib", ("megabuf.comm_hooks", "megabuf.comm_hooks.*")),
     ("storage", (
