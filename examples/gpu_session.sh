@@ -59,5 +59,9 @@ tail -40 "$LOGS/bench.log"
     echo "tier: exit $tier_rc in ${tier_s} s (limit $TIER_LIMIT_S s; 124 = cut by the limit)"
     echo "bench: exit $bench_rc in ${bench_s} s (limit $BENCH_LIMIT_S s; 124 = cut by the limit)"
     grep -E "passed|failed" "$LOGS/tier.log" | tail -1
+    # a process that aborted at exit (issue 48) fails the session even where its parent went on
+    aborts=$(cat "$LOGS/tier.log" "$LOGS/bench.log" | grep -c "terminate called")
+    echo "aborts at exit ('terminate called' in the logs): $aborts"
 } | tee "$LOGS/summary.txt"
-[ "$tier_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+[ "$tier_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && ! grep -q "terminate called" "$LOGS/tier.log" \
+    "$LOGS/bench.log"
