@@ -10,7 +10,8 @@ and then dropped is therefore often freed *by that thread*, which must take the 
 Python object. While the interpreter tears down, CPython ends a thread that asks for the GIL
 with `pthread_exit`, and that forced unwind through a C++ worker loop is `std::terminate`:
 "terminate called without an active exception", exit status -6 after training finished, as
-issue 48 reported (intermittent there; not reproduced here in about 200 runs). So every tensor
+issue 48 reported (intermittent: here once in 71 loaded torchrun jobs before this, a rank-0
+eval with torch.profiler on and synchronous checkpoints). So every tensor
 handed to a native collective is held here, from just before the call until its use count is
 back to what it was (the thread let go); the main thread then drops it like any Python object
 (tests/test_worker_refs.py: of 50 fresh tensors all-reduced, at least 47 are freed on the main
