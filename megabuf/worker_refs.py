@@ -18,13 +18,16 @@ back to what it was (the thread let go); the main thread then drops it like any 
 thread, all 50 in most runs; 9 to 41 without this). At exit (`atexit`, the interpreter whole,
 after the handlers registered later waited for what was in flight) `release_at_exit` waits for
 the threads, bounded, and keeps whatever is still held referenced for the rest of the process.
-Process-wide by nature (it is about the process's exit), so one module-level holder.
+Process-wide by nature (it is about the process's exit), so one module-level holder; what the
+threads let go of is dropped at the next collective or garbage collection. CPU tensors only
+(gloo): NCCL's watchdog frees its works on its own schedule and is not covered (no GPU here).
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import time
 
 from torch import Tensor
@@ -46,9 +49,9 @@ class HeldTensors:
         self.held: list[tuple[Tensor, int]] = []
 
     def hold(self, *tensors: Tensor | None) -> None:
-        """Call just before handing `tensors` to torch.distributed."""
+        """Call just before handing `tensors` to torch.distributed (CPU tensors: gloo's)."""
         self.prune()
-        self.held.extend((t, use_count(t)) for t in tensors if t is not None)
+        self.held.extend((t, use_count(t)) for t in tensors if t is not None and t.is_cpu)
         if len(self.held) > LIMIT:
             del self.held[: len(self.held) - LIMIT]
 
@@ -71,3 +74,6 @@ class HeldTensors:
 
 HELD = HeldTensors()
 atexit.register(HELD.release_at_exit)
+# what the threads let go of is dropped at the next collective or the next garbage collection,
+# so a dropped model's tensors do not outlive it for long (t_bench_repeat's leftover check)
+gc.callbacks.append(lambda phase, _info: HELD.prune() if phase == "stop" else None)
