@@ -9,8 +9,8 @@ are hashed in that thread once written. The save is committed (records gathered,
 written, directory swapped into place) by `handle.wait()`, which every rank must call; the next
 `save_checkpoint` or `load_checkpoint` in the process calls it first, and so does
 `megabuf.checkpoint.wait_for_pending_save()`, and at exit ([Note: a save in flight at exit]).
-Until then `<path>` still holds the previous checkpoint ([Note: checkpoint crash safety]). A synchronous save
-returns a handle already done.
+Until then `<path>` still holds the previous checkpoint ([Note: checkpoint crash safety]). A
+synchronous save returns a handle already done.
 
 [Note: a save in flight at exit]
 A script that ends without waiting for its last asynchronous save (nanoGPT's loop saves, trains
