@@ -135,6 +135,21 @@ class UnevenInputs:
                 )
         self.config = config
 
+    def shadowing(self, seen: Exchange) -> bool:
+        """A joined rank's loop pass: take the exchange's buffer source; whether it shadows a
+        grad sync."""
+        self.source, self.shadowed_sync = seen.source, seen.syncing > 0
+        return self.shadowed_sync
+
+    def leave(self) -> None:
+        """The Join ended: back to the disabled config (no per-forward exchange)."""
+        self.config, self.hook, self.shadowed_sync = self._disabled, None, False
+
+    @property
+    def disabled_config(self) -> Any:
+        """torch's disabled join config, which the model had before any Join."""
+        return self._disabled
+
     def attach_optimizer(self, optimizer: Any) -> None:
         """A megabuf optimizer now steps this model (the newest one counts)."""
         self.optimizer = weakref.ref(optimizer)
@@ -242,9 +257,7 @@ class ModelJoinHook(JoinHook):
             engine.param_side.publish()  # gathers of the last shadowed step (not collective)
             seen = exchange(engine, active=False, syncing=False)
             uneven.check(seen)
-            uneven.source = seen.source
-            uneven.shadowed_sync = seen.syncing > 0
-            if not uneven.shadowed_sync:
+            if not uneven.shadowing(seen):
                 return
             if uneven.sync_buffers:
                 engine.broadcast_module_buffers(seen.source)
@@ -266,7 +279,7 @@ class ModelJoinHook(JoinHook):
                     param.copy_(theirs)  # moves its version: main params reload it
             if uneven.sync_buffers:
                 engine.broadcast_module_buffers(source)
-        uneven.config, uneven.hook, uneven.shadowed_sync = uneven._disabled, None, False
+        uneven.leave()
 
 
 class OptimizerJoinHook(JoinHook):
@@ -283,7 +296,7 @@ class OptimizerJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         del is_last_joiner  # the model's hook synced the params
-        self.optimizer._join_config = self.models[0]._disabled  # its steps leave join mode
+        self.optimizer._join_config = self.models[0].disabled_config  # steps leave join mode
 
 
 def sync_hyperparameters(optimizer: Any, chunks: list[Any]) -> None:
