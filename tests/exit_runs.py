@@ -113,6 +113,8 @@ def _status(code: int) -> str:
 
 # ---- rank side (in a forked child) --------------------------------------------------------------
 def _train(run: Run, ckpt_dir: str) -> None:
+    import gc
+
     import torch
     import torch.distributed as dist
 
@@ -159,22 +161,20 @@ def _train(run: Run, ckpt_dir: str) -> None:
             (gpt_loss(model(x[lo:hi]), y[lo:hi]) / 2).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    _end(run.end, model, opt, dist)
+    if run.end == "drop_then_destroy":  # the script's own references go (a pending save's stay)
+        del model, opt
+        gc.collect()
+        model = opt = None
+    _end(run.end, model)
 
 
-def _end(end: str, model: object, opt: object, dist: object) -> None:
-    import gc
+def _end(end: str, model: object) -> None:
+    import torch.distributed as dist
 
     if end == "publish_destroy":
         model.publish_params()  # type: ignore[attr-defined]
-        dist.destroy_process_group()  # type: ignore[attr-defined]
-    elif end == "destroy_in_flight":
-        dist.destroy_process_group()  # type: ignore[attr-defined]
-    elif end == "drop_then_destroy":
-        del model, opt
-        gc.collect()
-        dist.destroy_process_group()  # type: ignore[attr-defined]
-    # "no_destroy": the script just ends
+    if end != "no_destroy":  # "no_destroy": the script just ends
+        dist.destroy_process_group()
 
 
 def _rank_main(run: Run, rank: int, port: int, ckpt_dir: str, log: str) -> None:
