@@ -17,11 +17,11 @@ from megabuf.bucket_group import BucketGroup, DispatchChain
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.param_units import unit_of
 from megabuf.plan import GroupPlan, Plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.sharding.grads import ShardedGrads, bucket_padding_ranges
 from megabuf.sharding.ledger import MemoryLedger
+from megabuf.sharding.param_units import unit_of
 from megabuf.sharding.params import ShardedParams
 
 

@@ -19,7 +19,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from megabuf.config_fields import dataclass_from_dict, dataclass_from_toml, document_fields
-from megabuf.sharding_strategy import (
+from megabuf.sharding.strategies import (
     SHARDING_STRATEGIES,
     STRATEGIES,
     ShardingStrategy,
@@ -69,8 +69,8 @@ class DistributedDataParallelConfig:
     shard_units: tuple[str, ...] = ()
     """optim_grads_params only: the modules whose params are gathered and released together,
     as class names ("Block") or dotted module paths ("layers.0"); a Python caller may also pass
-    classes. Empty: the documented default policy (megabuf/units.py); a unit set that makes the
-    whole model one unit warns (its peak is a full param copy)."""
+    classes. Empty: the documented default policy (megabuf/sharding/units.py); a unit set that
+    makes the whole model one unit warns (its peak is a full param copy)."""
 
     reshard_after_forward: bool = True
     """optim_grads_params only: release each unit's gathered params after its forward (gather
@@ -374,7 +374,7 @@ class DistributedDataParallelConfig:
     @property
     def sharding(self) -> ShardingStrategy:
         """`data_parallel_sharding_strategy` as an object, which the engine asks instead of
-        reading the flags ([Note: sharding strategy objects] in megabuf/sharding_strategy.py)."""
+        reading the flags ([Note: sharding strategy objects] in megabuf/sharding/strategies.py)."""
         return sharding_strategy(str(self.data_parallel_sharding_strategy))
 
     @classmethod

@@ -55,8 +55,7 @@ from megabuf.hooks import ParamGatherHooks, register_grad_hooks, remove_hooks_wh
 from megabuf.microbatches import AgreementGroups, MicrobatchAgreement
 from megabuf.model_plan import plan_model, trainable_params
 from megabuf.nan_check import raise_on_nonfinite_grads
-from megabuf.param_sync import GatheredParams, UnitParams
-from megabuf.param_units import ParamUnits, unit_modules
+from megabuf.param_sync import GatheredParams
 from megabuf.plan import Plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.replicas import ParamStructure, check_devices, check_replicas_match, is_expert_parallel
@@ -68,6 +67,8 @@ from megabuf.sharded_replan import (
     retire_old_params,
 )
 from megabuf.sharding.ledger import MemoryLedger
+from megabuf.sharding.param_units import ParamUnits, unit_modules
+from megabuf.sharding.unit_params import UnitParams
 from megabuf.sparse_grads import SparseGrads
 
 logger = logging.getLogger(__name__)

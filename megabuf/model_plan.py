@@ -16,7 +16,7 @@ from torch import nn
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.plan import Plan, build_plan
 from megabuf.replicas import embedding_weights, param_specs
-from megabuf.units import UnitPlan, plan_units
+from megabuf.sharding.units import UnitPlan, plan_units
 
 # modules whose `sparse=True` makes their weight's grad a sparse COO tensor (as torch DDP)
 SPARSE_GRAD_MODULES = (nn.Embedding, nn.EmbeddingBag)

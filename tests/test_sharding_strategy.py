@@ -1,5 +1,5 @@
 """The sharding strategy objects ([Note: sharding strategy objects] in
-megabuf/sharding_strategy.py), pure: each answers the table of the Note, the config resolves its
+megabuf/sharding/strategies.py), pure: each answers the table of the Note, the config resolves its
 flags to exactly one object, and no engine module reads the flags itself."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.sharding_strategy import (
+from megabuf.sharding.strategies import (
     SHARDING_STRATEGIES,
     STRATEGIES,
     ShardingStrategy,
@@ -82,7 +82,7 @@ def test_an_unknown_name_is_refused_naming_the_choices() -> None:
 
 
 FLAGS = {"use_distributed_optimizer", "data_parallel_sharding_strategy"}
-ALLOWED = {"megabuf/config.py", "megabuf/sharding_strategy.py"}
+ALLOWED = {"megabuf/config.py", "megabuf/sharding/strategies.py"}
 
 
 def test_no_engine_module_reads_the_strategy_flags() -> None:

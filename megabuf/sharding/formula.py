@@ -37,7 +37,7 @@ import torch
 
 from megabuf.layout import shard_pieces
 from megabuf.plan import BufferPlan, Plan
-from megabuf.sharding_strategy import sharding_strategy
+from megabuf.sharding.strategies import sharding_strategy
 
 FP32_NBYTES = 4
 DEVICE_CATEGORIES = ("params", "grads", "main_params", "optimizer_state", "comm_scratch")

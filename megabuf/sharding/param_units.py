@@ -1,6 +1,6 @@
 """`ParamUnits`: what `DistributedDataParallel` holds under optim_grads_params (ZeRO-3).
 
-It ties the planned shard units (megabuf/units.py) to the bucket groups' `ShardedParams`,
+It ties the planned shard units (megabuf/sharding/units.py) to the bucket groups' `ShardedParams`,
 installs the unit runtime's hooks ([Note: who gathers when] in sharding/units_runtime.py), and
 does what needs every unit's params at once outside forward: `summon_full_params`, `state_dict`
 (unit by unit) and `load_state_dict`. Frozen params are not in the buffers and stay replicated:
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from megabuf.config import DistributedDataParallelConfig
     from megabuf.plan import Plan
     from megabuf.sharding.ledger import MemoryLedger
-    from megabuf.units import UnitPlan
+    from megabuf.sharding.units import UnitPlan
 
 
 def unit_of(planned: GroupPlan) -> int:
