@@ -337,8 +337,9 @@ def _format_units(info: Inspection, show_params: bool) -> list[str]:
     if not info.units:
         return []
     cfg = info.config
+    reshard = cfg.sharding.reshards_after_forward
     lines = [
-        f"shard units ({len(info.units)}; reshard_after_forward={cfg.reshard_after_forward}, "
+        f"shard units ({len(info.units)}; reshard_after_forward={reshard}, "
         f"prefetch_units={cfg.prefetch_units}), gathered and released together:"
     ]
     for u in info.units:
