@@ -124,16 +124,28 @@ class FakeKit:
     def refused(self) -> str:
         return "refused"
 
+    def plan_units(self) -> str:
+        return "plan_units"
 
-BUILT = {  # name: (param_storage, param_side, exposed_grads, agreement default, each)
-    "no_shard": (None, "gathered", "exposed", None, None),
-    "optim": (None, "gathered", "refused", None, None),
-    "optim_grads": (None, "gathered", "refused", None, "each"),
+    def distributed(self) -> str:
+        return "distributed"
+
+    def replicated(self) -> str:
+        return "replicated"
+
+
+BUILT = {  # name: (param_storage, param_side, exposed_grads, unit_plan, optimizer,
+    #              agreement by default, agreement reducing each micro-batch)
+    "no_shard": (None, "gathered", "exposed", None, "replicated", None, None),
+    "optim": (None, "gathered", "refused", None, "distributed", None, None),
+    "optim_grads": (None, "gathered", "refused", None, "distributed", None, "each"),
     "optim_grads_params": (
-        "sharded_params", "units(reshard_after_forward=True)", "refused", "zero3", "each",
+        "sharded_params", "units(reshard_after_forward=True)", "refused", "plan_units",
+        "distributed", "zero3", "each",
     ),
     "optim_grads_params/no_reshard": (
-        "sharded_params", "units(reshard_after_forward=False)", "refused", "zero3", "each",
+        "sharded_params", "units(reshard_after_forward=False)", "refused", "plan_units",
+        "distributed", "zero3", "each",
     ),
 }  # fmt: skip
 EACH = "sharded_grad_accumulation='reduce_each_microbatch'"
@@ -149,8 +161,8 @@ def _strategy(key: str) -> ShardingStrategy:
 def test_each_strategy_builds_its_parts_from_the_kit(key: str) -> None:
     s, kit = _strategy(key), FakeKit()
     got = (
-        s.param_storage(kit), s.param_side(kit), s.exposed_grads(kit),
-        s.agreement_mode("accumulate_unsharded"), s.agreement_mode("reduce_each_microbatch"),
+        s.param_storage(kit), s.param_side(kit), s.exposed_grads(kit), s.unit_plan(kit),
+        s.optimizer(kit), s.agreement_mode("accumulate_unsharded"), s.agreement_mode("reduce_each_microbatch"),
     )  # fmt: skip
     want = tuple({"each": EACH, "zero3": ZERO3}.get(w, w) if w else w for w in BUILT[key])
     assert got == want

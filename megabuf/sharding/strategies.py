@@ -41,6 +41,9 @@ WHICH one (and how they compose):
     `exposed_grads(kit)`        `ExposedGradsKit` (sharding/parts.py)   `.grad` handed out, or
                                                                         none and foreign
                                                                         optimizers refused
+    `unit_plan(kit)`            `UnitPlanKit` (model_plan.py)           none, or the shard units
+    `optimizer(kit)`            `OptimizerKit` (optimizer/builder.py)   the distributed or a
+                                                                        replicated optimizer
     `agreement_mode(...)`       none: a pure answer                     whether (and why) ranks
                                                                         agree on micro-batches
 
@@ -92,6 +95,24 @@ class ExposedGradsKit(Protocol[Part]):
 
     def refused(self) -> Part:
         """Nothing exposed; an optimizer that reads `.grad` is refused (it would see none)."""
+        ...
+
+
+class UnitPlanKit(Protocol[Part]):
+    """Plans the shard units of a model ([Note: shard units] in sharding/units.py)."""
+
+    def plan_units(self) -> Part: ...
+
+
+class OptimizerKit(Protocol[Part]):
+    """The optimizer classes `build_optimizer` may choose (optimizer/builder.py)."""
+
+    def distributed(self) -> Part:
+        """Steps this rank's shard of the main params (`DistributedOptimizer`)."""
+        ...
+
+    def replicated(self) -> Part:
+        """Steps every param on every rank (`FP32Optimizer` / `MixedPrecisionOptimizer`)."""
         ...
 
 
@@ -157,6 +178,14 @@ class ShardingStrategy:
         """What the grad sync hands out as `.grad`."""
         return kit.exposed()
 
+    def unit_plan(self, kit: UnitPlanKit[Part]) -> Part | None:
+        """The shard units params are gathered and released by: none."""
+        return None
+
+    def optimizer(self, kit: OptimizerKit[Part]) -> Part:
+        """What steps the params: every rank steps every param."""
+        return kit.replicated()
+
     def agreement_mode(self, accumulation: str) -> str | None:
         """Why the ranks agree on every micro-batch ([Note: micro-batch agreement] in
         microbatches.py): the mode that communicates each micro-batch, for the error messages;
@@ -215,6 +244,9 @@ class Optim(ShardingStrategy):
         """None: each rank holds only its shard of the reduced grads."""
         return kit.refused()
 
+    def optimizer(self, kit: OptimizerKit[Part]) -> Part:
+        return kit.distributed()
+
 
 class OptimGrads(Optim):
     """ZeRO-2: as "optim", and a bucket's full grad exists only while it accumulates and
@@ -248,6 +280,9 @@ class OptimGradsParams(OptimGrads):
 
     def param_storage(self, kit: ParamStorageKit[Part]) -> Part | None:
         return kit.sharded_params()
+
+    def unit_plan(self, kit: UnitPlanKit[Part]) -> Part | None:
+        return kit.plan_units()
 
     def param_side(self, kit: ParamSideKit[Part]) -> Part:
         return kit.units(reshard_after_forward=self.reshards_after_forward)
