@@ -162,7 +162,8 @@ def test_each_strategy_builds_its_parts_from_the_kit(key: str) -> None:
     s, kit = _strategy(key), FakeKit()
     got = (
         s.param_storage(kit), s.param_side(kit), s.exposed_grads(kit), s.unit_plan(kit),
-        s.optimizer(kit), s.agreement_mode("accumulate_unsharded"), s.agreement_mode("reduce_each_microbatch"),
+        s.optimizer(kit), s.agreement_mode("accumulate_unsharded"),
+        s.agreement_mode("reduce_each_microbatch"),
     )  # fmt: skip
     want = tuple({"each": EACH, "zero3": ZERO3}.get(w, w) if w else w for w in BUILT[key])
     assert got == want
