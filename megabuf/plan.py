@@ -275,9 +275,21 @@ def _unit_of_spec(
                 f"param: got {len(unit_of_param)} for {len(specs)} params"
                 + (f", bad entries for {bad}" if bad else "")
             )
-    if not config.sharding.shards_params:
-        return None
-    return tuple(unit_of_param) if unit_of_param is not None else (0,) * len(specs)
+    # [Note: strategies build their parts] in megabuf/sharding/strategies.py
+    return config.sharding.unit_plan(_UnitOfSpec(len(specs), unit_of_param))
+
+
+@dataclass(frozen=True)
+class _UnitOfSpec:
+    """The `UnitPlanKit` of the planner: each spec's unit, unit 0 (the root) unless given."""
+
+    n_specs: int
+    unit_of_param: Sequence[int] | None
+
+    def plan_units(self) -> tuple[int, ...]:
+        if self.unit_of_param is None:
+            return (0,) * self.n_specs
+        return tuple(self.unit_of_param)
 
 
 def _check_args(

@@ -195,8 +195,9 @@ def test_no_reshard_is_a_strategy_off_the_chain_selected_by_the_fsdp2_knob() -> 
         cfg(data_parallel_sharding_strategy="optim_grads", reshard_after_forward=False)
 
 
-def test_unsharded_params_bound_per_strategy() -> None:
-    """The memory formula's bound of gathered params: none unsharded; the root plus (1 +
+def test_transient_bounds_per_strategy() -> None:
+    """The memory formula's bound of full grad buckets (sharded grads only) and of gathered
+    params: none unsharded; the root plus (1 +
     prefetch) of the largest other group, at most all, resharding; every group otherwise."""
     got = {k: _strategy(k).unsharded_params_bound(10, [4, 7, 5], 1) for k in BUILT}
     assert got == {
@@ -204,6 +205,8 @@ def test_unsharded_params_bound_per_strategy() -> None:
         "optim_grads_params": 10 + 14, "optim_grads_params/no_reshard": 10 + 16,
     }  # fmt: skip
     assert _strategy("optim_grads_params").unsharded_params_bound(10, [4, 7, 5], 5) == 26
+    grads = {k: _strategy(k).grad_buckets_bound(64) for k in BUILT}
+    assert grads == {k: None if k in ("no_shard", "optim") else 64 for k in BUILT}
 
 
 def test_options_name_what_each_strategy_reads_and_refuses() -> None:

@@ -201,9 +201,10 @@ def transient_bounds(
         else sharding_strategy(strategy, reshard_after_forward=reshard_after_forward)
     )
     out: dict[str, int] = {}
-    if rules.shards_grads:
-        out["grad_buckets"] = sum(group_nbytes(plan, g.group_id, grads=True) for g in plan.groups)
-        out["grad_scratch"] = out["grad_buckets"]  # gloo: one landing zone per bucket reducing
+    grads = sum(group_nbytes(plan, g.group_id, grads=True) for g in plan.groups)
+    if (bound := rules.grad_buckets_bound(grads)) is not None:
+        out["grad_buckets"] = bound
+        out["grad_scratch"] = bound  # gloo: one landing zone per bucket reducing
     sizes = {g.group_id: group_nbytes(plan, g.group_id, grads=False) for g in plan.groups}
     root = [g.group_id for g in plan.groups if g.unit == 0]
     others = [size for gid, size in sizes.items() if gid not in root]

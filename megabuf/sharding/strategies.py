@@ -17,13 +17,14 @@ What a strategy answers:
 
 and the memory formula's per-category rules ([Note: memory formula] in sharding/formula.py):
 what is divided by dp (`param_nbytes`, `grad_nbytes`, `textbook`), whether gloo's reduce-scatter
-landing zone persists (`keeps_scratch`), the bound of the gathered params
-(`unsharded_params_bound`); and which config options it reads (`options`) or refuses
-(`refuses`). Each strategy of the linear chain shards everything the one before it does, plus
-one more thing, so they are subclasses in that order; a strategy off the chain is a subclass
-that overrides what differs (`OptimGradsParamsNoReshard`). A new strategy is a new class with
-its answers and its builders ([Note: strategies build their parts]), registered in
-`STRATEGIES` (or, as a variant a knob selects, resolved by `sharding_strategy`).
+landing zone persists (`keeps_scratch`), the bounds of the transient full grad buckets and
+gathered params (`grad_buckets_bound`, `unsharded_params_bound`); and which config options it
+reads (`options`) or refuses (`refuses`). Each strategy of the linear chain shards everything
+the one before it does, plus one more thing, so they are subclasses in that order; a strategy
+off the chain is a subclass that overrides what differs (`OptimGradsParamsNoReshard`). A new
+strategy is a new class with its answers and its builders ([Note: strategies build their
+parts]), registered in `STRATEGIES` (or, as a variant a knob selects, resolved by
+`sharding_strategy`).
 
 [Note: strategies build their parts]
 What differs between strategies is built by the strategy, not branched on at each site. The
@@ -217,6 +218,11 @@ class ShardingStrategy:
             + (optim / d if self.shards_optimizer else optim)
         )
 
+    def grad_buckets_bound(self, total_nbytes: int) -> int | None:
+        """The high-water mark of full grad buckets, `total_nbytes` for all of them: none (the
+        grad buffer is persistent)."""
+        return None
+
     def unsharded_params_bound(
         self, root_nbytes: int, other_nbytes: list[int], prefetch_units: int
     ) -> int | None:
@@ -255,6 +261,11 @@ class OptimGrads(Optim):
     name = "optim_grads"
     shards_grads = True
     options = Optim.options | {"sharded_grad_accumulation"}
+
+    def grad_buckets_bound(self, total_nbytes: int) -> int | None:
+        """Every group's full grad bucket may be alive at once (no overlap: all accumulate
+        until the end of backward)."""
+        return total_nbytes
 
     def agreement_mode(self, accumulation: str) -> str | None:
         if accumulation == "reduce_each_microbatch":  # a reduce-scatter per micro-batch
