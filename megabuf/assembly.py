@@ -17,11 +17,11 @@ from megabuf.bucket_group import BucketGroup, DispatchChain
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.param_units import unit_of
 from megabuf.plan import GroupPlan, Plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.sharding.grads import ShardedGrads, bucket_padding_ranges
 from megabuf.sharding.ledger import MemoryLedger
+from megabuf.sharding.param_units import unit_of
 from megabuf.sharding.params import ShardedParams
 
 
@@ -153,10 +153,28 @@ def _sharded_grads(
 def _sharded_params(
     ctx: _Context, buffers: list[_ParamAndGradBuffer], planned: GroupPlan
 ) -> ShardedParams | None:
-    """optim_grads_params: the group's full params and shards ([Note: sharded param
-    lifecycle] in megabuf/sharding/params.py)."""
-    if not ctx.config.sharding.shards_params:
-        return None
+    """The strategy's param storage for the group ([Note: strategies build their parts])."""
+    return ctx.config.sharding.param_storage(_GroupParts(ctx, buffers, planned))
+
+
+@dataclass(frozen=True)
+class _GroupParts:
+    """The per-bucket-group kit of [Note: strategies build their parts]: how each part a
+    strategy may choose for one group is built."""
+
+    ctx: _Context
+    buffers: list[_ParamAndGradBuffer]
+    planned: GroupPlan
+
+    def sharded_params(self) -> ShardedParams:
+        """optim_grads_params: the group's full params and shards ([Note: sharded param
+        lifecycle] in megabuf/sharding/params.py)."""
+        return _new_sharded_params(self.ctx, self.buffers, self.planned)
+
+
+def _new_sharded_params(
+    ctx: _Context, buffers: list[_ParamAndGradBuffer], planned: GroupPlan
+) -> ShardedParams:
     dp_rank, dp_size = ctx.pgs.topology.sharding(planned.expert)
     buckets = [buffers[b].buckets[k] for b, k in planned.members]
     return ShardedParams(

@@ -5,8 +5,9 @@ batched `batch_p2p` are always async), returns a `PendingCollective` (finish it 
 counts in `Collectives.stats` the bytes of the tensors it hands to torch.distributed (see
 `CommStats`), and runs the same code at world size 1.
 Tests may subclass `Collectives` to intercept or fake any call.
-How each operation is realised on a (backend, device type) is chosen in megabuf/strategy.py
-([Note: collective strategies], [Note: one collective per bucket group]).
+How each operation is realised on a (backend, device type) is chosen in
+megabuf/collective_backends.py ([Note: collective strategies], [Note: one collective per bucket
+group]).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.algorithms.join import Join
 from torch.distributed.distributed_c10d import _coalescing_manager
 
+from megabuf.collective_backends import BACKEND_STRATEGIES, CollectiveStrategy, choose_strategy
 from megabuf.comm_records import (
     CommStats,
     P2PMessage,
@@ -31,7 +33,6 @@ from megabuf.comm_records import (
     nbytes_of,
     sum_chunks,
 )
-from megabuf.strategy import STRATEGIES, CollectiveStrategy, choose_strategy
 from megabuf.worker_refs import HELD
 
 Group = ProcessGroup | None
@@ -49,7 +50,7 @@ class Collectives:
     def __init__(
         self, strategies: Mapping[tuple[str, str], CollectiveStrategy] | None = None
     ) -> None:
-        self.strategies = dict(STRATEGIES if strategies is None else strategies)
+        self.strategies = dict(BACKEND_STRATEGIES if strategies is None else strategies)
         self.stats = CommStats()
         # [Note: wire accounting by group]: the same counts, per named process group
         self.group_stats: dict[str, CommStats] = {}

@@ -19,7 +19,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from megabuf.config_fields import dataclass_from_dict, dataclass_from_toml, document_fields
-from megabuf.sharding_strategy import (
+from megabuf.sharding.strategies import (
     SHARDING_STRATEGIES,
     STRATEGIES,
     ShardingStrategy,
@@ -69,13 +69,15 @@ class DistributedDataParallelConfig:
     shard_units: tuple[str, ...] = ()
     """optim_grads_params only: the modules whose params are gathered and released together,
     as class names ("Block") or dotted module paths ("layers.0"); a Python caller may also pass
-    classes. Empty: the documented default policy (megabuf/units.py); a unit set that makes the
-    whole model one unit warns (its peak is a full param copy)."""
+    classes. Empty: the documented default policy (megabuf/sharding/units.py); a unit set that
+    makes the whole model one unit warns (its peak is a full param copy)."""
 
     reshard_after_forward: bool = True
     """optim_grads_params only: release each unit's gathered params after its forward (gather
     again for backward). False keeps them until the unit's backward (6 instead of 8 wire bytes
-    per param, more memory). The root unit never reshards after forward."""
+    per param, more memory). The root unit never reshards after forward. FSDP2's spelling:
+    False selects the strategy `OptimGradsParamsNoReshard` (`config.sharding`,
+    megabuf/sharding/strategies.py), which every engine part asks instead of this field."""
 
     prefetch_units: int = 1
     """optim_grads_params only: how many units ahead (in the recorded runtime order) to start
@@ -227,7 +229,7 @@ class DistributedDataParallelConfig:
         r = self.num_distributed_optimizer_instances
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             raise ValueError(f"megabuf: {field} must be an int >= 1, got {r!r}")
-        if r > 1 and not self.sharding.shards_optimizer:
+        if r > 1 and "num_distributed_optimizer_instances" not in self.sharding.options:
             raise ValueError(
                 f"megabuf: {field}={r} needs a strategy that shards the optimizer (hybrid "
                 f"sharding replicates a sharded optimizer), got data_parallel_sharding_strategy="
@@ -313,37 +315,31 @@ class DistributedDataParallelConfig:
                 f"{self.sharded_grad_accumulation!r} is not one of {list(GRAD_ACCUMULATION_MODES)}"
             )
 
-        def names(attribute: str) -> tuple[str, ...]:
-            return tuple(n for n, s in STRATEGIES.items() if getattr(s, attribute))
+        def names(option: str) -> tuple[str, ...]:  # the strategies that read `option`
+            return tuple(n for n, s in STRATEGIES.items() if option in s.options)
 
-        zero3, zero23 = names("shards_params"), names("shards_grads")
         applies = {
-            "shard_units": (bool(self.shard_units), zero3),
-            "reshard_after_forward": (self.reshard_after_forward is not True, zero3),
-            "prefetch_units": (prefetch != 1, zero3),
-            "verify_param_access": (bool(self.verify_param_access), zero3),
-            "sharded_grad_accumulation": (
-                self.sharded_grad_accumulation != "accumulate_unsharded", zero23
-            ),
-            "cpu_offload": (bool(self.cpu_offload), names("shards_optimizer")),
-            "whole_param_owners": (bool(self.whole_param_owners), names("shards_optimizer")),
-            "whole_param_max_nbytes": (self.whole_param_max_nbytes is not None,
-                                       names("shards_optimizer")),
-        }  # fmt: skip
-        for name, (is_set, strategies) in applies.items():
-            if is_set and strategy not in strategies:
+            "shard_units": bool(self.shard_units),
+            "reshard_after_forward": self.reshard_after_forward is not True,
+            "prefetch_units": prefetch != 1,
+            "verify_param_access": bool(self.verify_param_access),
+            "sharded_grad_accumulation": (self.sharded_grad_accumulation != "accumulate_unsharded"),
+            "cpu_offload": bool(self.cpu_offload),
+            "whole_param_owners": bool(self.whole_param_owners),
+            "whole_param_max_nbytes": self.whole_param_max_nbytes is not None,
+        }
+        for name, is_set in applies.items():
+            if is_set and name not in STRATEGIES[strategy].options:
                 raise ValueError(
                     f"megabuf: DistributedDataParallelConfig.{name}={getattr(self, name)!r} only "
-                    f"applies to data_parallel_sharding_strategy {' / '.join(strategies)}, not "
+                    f"applies to data_parallel_sharding_strategy {' / '.join(names(name))}, not "
                     f"{strategy!r}; leave {name} at its default or change the strategy"
                 )
-        if STRATEGIES[strategy].shards_params and (
-            self.overlap_param_gather or self.align_param_gather
-        ):
+        refused, why = STRATEGIES[strategy].refuses
+        if any(getattr(self, name) for name in refused):
             raise ValueError(
-                "megabuf: DistributedDataParallelConfig.overlap_param_gather / "
-                "align_param_gather do not apply to optim_grads_params: params are gathered unit "
-                "by unit in forward, overlapped by prefetch_units; turn them off"
+                f"megabuf: DistributedDataParallelConfig.{' / '.join(refused)} do not apply to "
+                f"{strategy}: {why}; turn them off"
             )
 
     def _check_comm_hook(self) -> None:
@@ -373,9 +369,13 @@ class DistributedDataParallelConfig:
 
     @property
     def sharding(self) -> ShardingStrategy:
-        """`data_parallel_sharding_strategy` as an object, which the engine asks instead of
-        reading the flags ([Note: sharding strategy objects] in megabuf/sharding_strategy.py)."""
-        return sharding_strategy(str(self.data_parallel_sharding_strategy))
+        """`data_parallel_sharding_strategy` (and `reshard_after_forward`) as an object, which
+        the engine asks instead of reading the flags ([Note: sharding strategy objects] in
+        megabuf/sharding/strategies.py)."""
+        return sharding_strategy(
+            str(self.data_parallel_sharding_strategy),
+            reshard_after_forward=self.reshard_after_forward,
+        )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DistributedDataParallelConfig:

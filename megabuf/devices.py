@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from megabuf.strategy import backend_for_device
+from megabuf.collective_backends import backend_for_device
 
 
 def comm_device(group: ProcessGroup | None) -> torch.device:

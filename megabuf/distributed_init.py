@@ -8,8 +8,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from megabuf.collective_backends import backend_for_device
 from megabuf.process_groups import ProcessGroups
-from megabuf.strategy import backend_for_device
 
 DEFAULT_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl"}
 """Device type of the model -> the backend `init_distributed` picks for it."""

@@ -49,14 +49,13 @@ from megabuf.config import DistributedDataParallelConfig
 from megabuf.devices import params_device
 from megabuf.dist_autograd import refuse_dist_autograd
 from megabuf.grad_sync import GradSync, SyncPhase
-from megabuf.grads import ExposedGrads, raise_on_unused_params, refuse_foreign_optimizers
+from megabuf.grads import ExposedGrads, raise_on_unused_params
 from megabuf.hook_registry import CommHookRegistry
 from megabuf.hooks import ParamGatherHooks, register_grad_hooks, remove_hooks_when_collected
 from megabuf.microbatches import AgreementGroups, MicrobatchAgreement
 from megabuf.model_plan import plan_model, trainable_params
 from megabuf.nan_check import raise_on_nonfinite_grads
-from megabuf.param_sync import GatheredParams, UnitParams
-from megabuf.param_units import ParamUnits, unit_modules
+from megabuf.param_sync import GatheredParams
 from megabuf.plan import Plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.replicas import ParamStructure, check_devices, check_replicas_match, is_expert_parallel
@@ -68,6 +67,8 @@ from megabuf.sharded_replan import (
     retire_old_params,
 )
 from megabuf.sharding.ledger import MemoryLedger
+from megabuf.sharding.param_units import unit_modules
+from megabuf.sharding.parts import ExposedGradsParts, ParamSideParts
 from megabuf.sparse_grads import SparseGrads
 
 logger = logging.getLogger(__name__)
@@ -147,20 +148,19 @@ class Engine:
         self._wire(built)
         if init_sync:
             self.broadcast_params()
-        if cfg.sharding.shards_params:
-            self._shard_params(units)
+        self._shard_params(units)
         for buf in self.buffers:
             logger.debug("megabuf: %s", buf.describe())
 
     def _shard_params(self, units: list[tuple[str, nn.Module]]) -> None:
-        """optim_grads_params: fill the shards from the whole params, release these, install the
-        unit hooks; after the initial broadcast, and again at the auto bucket re-plan."""
-        cfg, groups = self.config, self.all_bucket_groups
-        built = ParamUnits.build(
-            units, self.plan, groups, self.param_to_name, cfg, self.memory_ledger, self.rank
-        )
-        built.runtime.entry_guard = self.residency.check
-        self.param_side = UnitParams(groups, self.gather_hooks, cfg, built)
+        """The strategy's param side ([Note: strategies build their parts]); optim_grads_params
+        fills the shards from the whole params, releases these and installs the unit hooks.
+        After the initial broadcast, and again at the auto bucket re-plan."""
+        kit = ParamSideParts(
+            self.all_bucket_groups, self.gather_hooks, self.config, self.plan, units,
+            self.param_to_name, self.memory_ledger, self.rank, self.residency.check,
+        )  # fmt: skip
+        self.param_side = self.config.sharding.param_side(kit)
 
     def _wire(self, built: Assembly) -> None:
         """Everything built on the bucket groups: at construction, and again at the auto bucket
@@ -319,13 +319,9 @@ class Engine:
                 handles[position[param]] = param.register_post_accumulate_grad_hook(counted.hook)
 
     def _exposed_grads(self, params: Sequence[nn.Parameter]) -> ExposedGrads:
-        """[Note: grad contract]: nothing is exposed with the distributed optimizer."""
-        if not self.config.sharding.exposes_grads:
-            refuse_foreign_optimizers(self.param_to_name)
-            return ExposedGrads([], [], self.param_to_bucket_group)
-        same = [p for p in params if p.main_grad.dtype == p.dtype]  # type: ignore[attr-defined]
-        other = [p for p in params if p.main_grad.dtype != p.dtype]  # type: ignore[attr-defined]
-        return ExposedGrads(same, other, self.param_to_bucket_group)
+        """[Note: grad contract]: the strategy's ([Note: strategies build their parts])."""
+        kit = ExposedGradsParts(params, self.param_to_name, self.param_to_bucket_group)
+        return self.config.sharding.exposed_grads(kit)
 
     def _sync_checks(self) -> list[Callable[[], None]]:
         """What the grad sync checks once every reduction landed (each raises on every rank)."""
@@ -339,16 +335,10 @@ class Engine:
     def _microbatch_agreement(self) -> MicrobatchAgreement | None:
         """[Note: micro-batch agreement], in the modes that communicate every micro-batch."""
         cfg, pgs = self.config, self.process_groups
-        each = (
-            cfg.sharding.shards_grads and cfg.sharded_grad_accumulation == "reduce_each_microbatch"
-        )
+        mode = cfg.sharding.agreement_mode(cfg.sharded_grad_accumulation)
         group_rank, group_size = self.topology.sharding(False)
-        if not (each or cfg.sharding.shards_params) or group_size == 1:
+        if mode is None or group_size == 1:
             return None
-        mode = (
-            "sharded_grad_accumulation='reduce_each_microbatch'" if each
-            else f"data_parallel_sharding_strategy={cfg.sharding.name!r}"
-        )  # fmt: skip
         groups = AgreementGroups(
             group=pgs.shard_group(False), group_rank=group_rank, group_size=group_size,
             dp=pgs.dp, dp_rank=pgs.dp_rank, dp_size=pgs.dp_size, hybrid=pgs.hybrid,

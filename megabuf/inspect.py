@@ -3,8 +3,8 @@
 A thin layer over `megabuf.plan`, the planner `DistributedDataParallel` allocates from: it turns
 a model's trainable params into `ParamSpec`s, plans them at a given fake `dp_size` (no process
 group) and formats the result. `tests/test_inspect.py` checks it against a real wrapped model.
-Under optim_grads_params it also plans the shard units (`megabuf.units.plan_units`) and shows
-each unit: its owned params, padded elements, gathered bytes, buckets and bucket group.
+Under optim_grads_params it also plans the shard units (`megabuf.sharding.units.plan_units`) and
+shows each unit: its owned params, padded elements, gathered bytes, buckets and bucket group.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from megabuf.model_plan import plan_model
 from megabuf.plan import BufferPlan, ParamSpec, Plan
 from megabuf.replicas import param_specs
 from megabuf.sharding.memory_table import StrategyMemory, format_memory_table, memory_per_strategy
-from megabuf.units import UnitPlan, plan_units
+from megabuf.sharding.units import UnitPlan, plan_units
 
 MiB = 1 << 20
 
@@ -337,8 +337,9 @@ def _format_units(info: Inspection, show_params: bool) -> list[str]:
     if not info.units:
         return []
     cfg = info.config
+    reshard = cfg.sharding.reshards_after_forward
     lines = [
-        f"shard units ({len(info.units)}; reshard_after_forward={cfg.reshard_after_forward}, "
+        f"shard units ({len(info.units)}; reshard_after_forward={reshard}, "
         f"prefetch_units={cfg.prefetch_units}), gathered and released together:"
     ]
     for u in info.units:

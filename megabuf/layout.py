@@ -13,11 +13,11 @@ returns frozen dataclasses so a layout can be printed, compared and unit-tested 
   bandwidth), so every bucket splits into dp_size equal contiguous shards; shard r of a bucket is
   owned by dp rank r. Unsharded layout: no padding at all.
 - `numel_unpadded` always means the sum of param numels (payload); padding = numel - that.
-- Unit-aligned layout (`unit_ids`, ZeRO-3, [Note: shard units] in megabuf/units.py): each unit's
-  params are placed together, units in reverse order of their last-registered param and each
-  unit's params in reverse registration order (with units already contiguous in registration
-  order this is exactly the plain reverse order); a bucket is also closed before a param of
-  another unit, so no bucket spans two units, and a large unit takes several buckets.
+- Unit-aligned layout (`unit_ids`, ZeRO-3, [Note: shard units] in megabuf/sharding/units.py):
+  each unit's params are placed together, units in reverse order of their last-registered param
+  and each unit's params in reverse registration order (with units already contiguous in
+  registration order this is exactly the plain reverse order); a bucket is also closed before a
+  param of another unit, so no bucket spans two units, and a large unit takes several buckets.
 - Explicit boundaries (`bucket_ends`, chosen by `bucket_size = "auto"`, [Note: auto bucket plan]
   in megabuf/bucket_planner.py): instead of a size, the placement positions after which a bucket
   closes; the rules above (own bucket, unit change, padding) still close buckets too. Without

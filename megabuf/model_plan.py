@@ -16,7 +16,7 @@ from torch import nn
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.plan import Plan, build_plan
 from megabuf.replicas import embedding_weights, param_specs
-from megabuf.units import UnitPlan, plan_units
+from megabuf.sharding.units import UnitPlan, plan_units
 
 # modules whose `sparse=True` makes their weight's grad a sparse COO tensor (as torch DDP)
 SPARSE_GRAD_MODULES = (nn.Embedding, nn.EmbeddingBag)
@@ -67,9 +67,8 @@ def plan_model(
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     trainable = tuple((n, p) for n, p in named if id(p) not in sparse_ids)
     sparse = tuple((n, p) for n, p in named if id(p) in sparse_ids)
-    unit_plan = None
-    if config.sharding.shards_params:
-        unit_plan = plan_units(module, config.shard_units, list(trainable))
+    # [Note: strategies build their parts] in megabuf/sharding/strategies.py
+    unit_plan = config.sharding.unit_plan(_Units(module, config, list(trainable)))
     specs = param_specs(trainable, embedding_weights(module))
     plan = build_plan(
         specs, config, dp_size=dp_size, expt_dp_size=expt_dp_size,
@@ -78,6 +77,18 @@ def plan_model(
         bucket_ends=bucket_ends,
     )  # fmt: skip
     return ModelPlan(trainable, sparse, unit_plan, plan)
+
+
+@dataclass(frozen=True)
+class _Units:
+    """The `UnitPlanKit` of the sharding strategy."""
+
+    module: nn.Module
+    config: DistributedDataParallelConfig
+    trainable: list[tuple[str, nn.Parameter]]
+
+    def plan_units(self) -> UnitPlan:
+        return plan_units(self.module, self.config.shard_units, self.trainable)
 
 
 def sparse_grad_params(

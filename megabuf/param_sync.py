@@ -1,15 +1,16 @@
 """The param side of an engine: how params come back after an optimizer step and what waits
-for them, one class per place params live (`ShardingStrategy.param_home`).
+for them, one class per place params live; the sharding strategy picks one
+(`ShardingStrategy.param_side`, [Note: strategies build their parts] in sharding/strategies.py).
 
 `GatheredParams` (no_shard, optim, optim_grads): params live whole in the module or in the
 buffers' `param_data`; after a distributed-optimizer step each bucket group all-gathers the
 other ranks' shards ([Note: publishing params] in optimizer/distributed.py), and forward
 pre-hooks wait for each group just in time ([Note: lazy param gather] in hooks.py).
-`UnitParams` (optim_grads_params): only a param shard persists; units gather in forward, in
-`state_dict()` and in `summon_full_params()` ([Note: who gathers when] in
-sharding/units_runtime.py). `DistributedDataParallel`'s param methods are thin calls into the
-engine's object, and the optimizer tells it `before_step()` / `stepped()` instead of reaching
-into bucket groups.
+`UnitParams` (optim_grads_params, megabuf/sharding/unit_params.py): only a param shard persists;
+units gather in forward, in `state_dict()` and in `summon_full_params()` ([Note: who gathers
+when] in sharding/units_runtime.py). `DistributedDataParallel`'s param methods are thin calls
+into the engine's object, and the optimizer tells it `before_step()` / `stepped()` instead of
+reaching into bucket groups.
 
 [Note: who waits for param gathers]
 With `overlap_param_gather` the step leaves every bucket group's param all-gather in flight
@@ -35,7 +36,6 @@ from torch import nn
 from megabuf.bucket_group import BucketGroup, ParamSyncState
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.hooks import ParamGatherHooks, has_compiled, profiler_recording
-from megabuf.param_units import ParamUnits
 
 
 class GatheredParams:
@@ -112,53 +112,3 @@ class GatheredParams:
         for group in self.groups:
             if group.param_state is ParamSyncState.DISPATCHED:
                 group.finish_param_sync(skip_next_bucket_dispatch=True)
-
-
-class UnitParams(GatheredParams):
-    """optim_grads_params: shards between forwards, gathered unit by unit where needed."""
-
-    def __init__(
-        self,
-        groups: Sequence[BucketGroup],
-        gather_hooks: ParamGatherHooks,
-        config: DistributedDataParallelConfig,
-        units: ParamUnits,
-    ) -> None:
-        super().__init__(groups, gather_hooks, config)
-        self.units = units
-
-    def start(self, force_sync: bool) -> None:
-        """Nothing: forward, `state_dict()` and `summon_full_params()` gather the units."""
-
-    def reshard(self) -> None:
-        """Finish every unit gather in flight and release every unit's full params."""
-        self.units.runtime.release_all()
-
-    def stepped(self) -> None:
-        """The shards are the params: nothing to gather now."""
-
-    @contextmanager
-    def summon(self, *, writeback: bool) -> Iterator[None]:
-        with self.units.summon_full_params(writeback=writeback):
-            yield
-
-    def state_dict(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        if args:
-            raise ValueError(
-                "megabuf: state_dict() under optim_grads_params takes keyword arguments "
-                "only (destination=, prefix=)"
-            )
-        return self.units.state_dict(module, **kwargs)
-
-    def whole_for_replan(self) -> list[tuple[str, nn.Module]]:
-        """Every unit gathered (collective), its hooks removed: the old groups' params stay
-        whole until the re-plan retires them; (name, module) per unit, the root first."""
-        runtime = self.units.runtime
-        runtime.release_all()
-        runtime.gather_all()
-        runtime.remove()
-        return [(unit.name, unit.module) for unit in runtime.units]
-
-    def reset(self) -> None:
-        super().reset()
-        self.units.runtime.reset()

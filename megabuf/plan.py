@@ -17,8 +17,9 @@ Rules, in order:
 - Under "optim_grads_params" (ZeRO-3): see [Note: unit-aligned plan].
 
 [Note: unit-aligned plan]
-ZeRO-3 gathers and releases params unit by unit ([Note: shard units] in megabuf/units.py), so
-`build_plan(unit_of_param=...)` (the owning unit of each spec) changes two rules, and only under
+ZeRO-3 gathers and releases params unit by unit ([Note: shard units] in
+megabuf/sharding/units.py), so `build_plan(unit_of_param=...)` (the owning unit of each spec)
+changes two rules, and only under
 `data_parallel_sharding_strategy == "optim_grads_params"`; every other strategy ignores
 `unit_of_param` and gets exactly the plan above.
 - Layout: each buffer's params of one unit are contiguous and no bucket spans two units
@@ -34,7 +35,7 @@ ZeRO-3 gathers and releases params unit by unit ([Note: shard units] in megabuf/
   usually owns the input embedding, comes last). Keying on the last-registered param, as for
   single-bucket groups, would put the root first and stall every other group behind it.
 `unit_of_param=None` under "optim_grads_params" puts every param in unit 0 (the whole model one
-unit), which is what `megabuf.units.plan_units` gives a model without shard units.
+unit), which is what `megabuf.sharding.units.plan_units` gives a model without shard units.
 
 [Note: one chain per communicator]
 Collectives on one communicator must be issued in the same order on every rank ([Note: dispatch
@@ -274,9 +275,21 @@ def _unit_of_spec(
                 f"param: got {len(unit_of_param)} for {len(specs)} params"
                 + (f", bad entries for {bad}" if bad else "")
             )
-    if not config.sharding.shards_params:
-        return None
-    return tuple(unit_of_param) if unit_of_param is not None else (0,) * len(specs)
+    # [Note: strategies build their parts] in megabuf/sharding/strategies.py
+    return config.sharding.unit_plan(_UnitOfSpec(len(specs), unit_of_param))
+
+
+@dataclass(frozen=True)
+class _UnitOfSpec:
+    """The `UnitPlanKit` of the planner: each spec's unit, unit 0 (the root) unless given."""
+
+    n_specs: int
+    unit_of_param: Sequence[int] | None
+
+    def plan_units(self) -> tuple[int, ...]:
+        if self.unit_of_param is None:
+            return (0,) * self.n_specs
+        return tuple(self.unit_of_param)
 
 
 def _check_args(

@@ -97,8 +97,7 @@ def memory_case(case: dict[str, Any]) -> dict[str, Any]:
         reduce_scatter_scratch=scratch, cpu_offload=cfg.cpu_offload and device.type != "cpu",
     )  # fmt: skip
     bounds = transient_bounds(
-        model.engine.plan, case["strategy"], prefetch_units=cfg.prefetch_units,
-        reshard_after_forward=cfg.reshard_after_forward,
+        model.engine.plan, cfg.sharding, prefetch_units=cfg.prefetch_units
     )  # fmt: skip
     return {
         "skipped": False,

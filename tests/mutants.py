@@ -617,7 +617,7 @@ MUTANTS = (
     Mutant(
         "auto-bucket-zero3-params-not-gathered",
         "a ZeRO-3 auto re-plan gathers every shard unit before copying the params into new buffers",
-        "megabuf/param_sync.py",
+        "megabuf/sharding/unit_params.py",
         "        runtime.gather_all()\n        runtime.remove()\n",
         "        runtime.remove()\n",
         ("tests/test_autobucket.py",),

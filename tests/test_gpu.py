@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 import megabuf
+from megabuf.collective_backends import BACKEND_STRATEGIES
 from megabuf.collectives import Collectives
 from megabuf.layout import shard_pieces
 from megabuf.overlap import analyze
-from megabuf.strategy import STRATEGIES
 from megabuf.testing import spawn
 
 REPO = Path(__file__).resolve().parent.parent
@@ -119,7 +119,7 @@ def test_init_distributed_cuda_binds_local_rank_and_uses_nccl() -> None:
     for rank, res in enumerate(spawn(cuda_init_run, WORLD, timeout_s=300)):
         assert res["config"] == "cuda:nccl", rank
         assert res["current"] == res["local_rank"] == rank
-        assert res["strategy"] == STRATEGIES["nccl", "cuda"], rank
+        assert res["strategy"] == BACKEND_STRATEGIES["nccl", "cuda"], rank
         assert res["shard_error"] == 0.0 and res["gather_error"] == 0.0, (rank, res)
         assert res["landing_nbytes"] == 4 * 4, rank  # native: into the shard, no scratch
 
@@ -140,8 +140,8 @@ def test_mixed_backend_serves_each_device_with_its_strategy() -> None:
     for rank, res in enumerate(spawn(mixed_backend_run, WORLD, timeout_s=300)):
         assert res["config"] == "cpu:gloo,cuda:nccl", rank
         cpu, cuda = res["cpu"], res["cuda"]
-        assert cpu["strategy"] == STRATEGIES["gloo", "cpu"], rank
-        assert cuda["strategy"] == STRATEGIES["nccl", "cuda"], rank
+        assert cpu["strategy"] == BACKEND_STRATEGIES["gloo", "cpu"], rank
+        assert cuda["strategy"] == BACKEND_STRATEGIES["nccl", "cuda"], rank
         assert cpu["landing_nbytes"] == 4 * WORLD * 4, rank  # all-to-all scratch of the input
         assert cuda["landing_nbytes"] == 4 * 4, rank
         for res_dev in (cpu, cuda):

@@ -28,7 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pure", (
-        "megabuf.sharding_strategy", "megabuf.strategy", "megabuf.layout", "megabuf.units",
+        "megabuf.sharding.strategies", "megabuf.collective_backends", "megabuf.layout",
+        "megabuf.sharding.units",
         "megabuf.timeline", "megabuf.overlap", "megabuf.owners", "megabuf.sharding",
         "megabuf.sharding.ledger", "megabuf.sharding.walk", "megabuf.comm_hooks.lowrank",
         "megabuf.optimizer.grad_scaler", "megabuf.optimizer.implementation",
@@ -58,7 +59,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     )),
     ("engine", (
         "megabuf.nan_check", "megabuf.microbatches", "megabuf.hooks", "megabuf.grads",
-        "megabuf.backward_sync", "megabuf.hook_registry", "megabuf.param_units",
+        "megabuf.backward_sync", "megabuf.hook_registry", "megabuf.sharding.param_units",
+        "megabuf.sharding.unit_params", "megabuf.sharding.parts",
+        "megabuf.sharding.unit_params", "megabuf.sharding.parts",
         "megabuf.grad_sync",
         "megabuf.param_sync", "megabuf.assembly", "megabuf.sharded_replan", "megabuf.engine",
         "megabuf.residency", "megabuf.autobucket", "megabuf.warmup", "megabuf.sparse_grads",

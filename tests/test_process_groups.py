@@ -15,9 +15,9 @@ from dist_pool import case_result, run_each
 
 import megabuf
 from megabuf import ProcessGroups
+from megabuf.collective_backends import BACKEND_STRATEGIES
 from megabuf.collectives import Collectives
 from megabuf.process_groups import rank_layout
-from megabuf.strategy import STRATEGIES
 from megabuf.testing import spawn
 
 Groups = list[list[int]]
@@ -112,7 +112,7 @@ def default_init_run() -> dict[str, Any]:
 def test_init_distributed_gives_cpu_models_gloo_even_where_cuda_is_visible() -> None:
     for rank, res in enumerate(spawn(default_init_run, 2, timeout_s=120)):
         assert res["config"] == "cpu:gloo,cuda:gloo", rank
-        assert res["strategy"] == STRATEGIES["gloo", "cpu"], rank
+        assert res["strategy"] == BACKEND_STRATEGIES["gloo", "cpu"], rank
         assert res["dp"] == [0, 1], rank
 
 

@@ -1,6 +1,8 @@
 """The sharding strategy objects ([Note: sharding strategy objects] in
-megabuf/sharding_strategy.py), pure: each answers the table of the Note, the config resolves its
-flags to exactly one object, and no engine module reads the flags itself."""
+megabuf/sharding/strategies.py), pure: each answers the table of the Note, builds its parts from
+a fake kit ([Note: strategies build their parts]), the config resolves its flags to exactly one
+object (`reshard_after_forward=False`: the strategy off the linear chain), and no engine module
+reads the flags itself."""
 
 from __future__ import annotations
 
@@ -12,9 +14,12 @@ import pytest
 import torch
 
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.sharding_strategy import (
+from megabuf.sharding.strategies import (
+    NO_RESHARD,
     SHARDING_STRATEGIES,
     STRATEGIES,
+    OptimGradsParams,
+    OptimGradsParamsNoReshard,
     ShardingStrategy,
     sharding_strategy,
 )
@@ -81,8 +86,8 @@ def test_an_unknown_name_is_refused_naming_the_choices() -> None:
         sharding_strategy("zero4")
 
 
-FLAGS = {"use_distributed_optimizer", "data_parallel_sharding_strategy"}
-ALLOWED = {"megabuf/config.py", "megabuf/sharding_strategy.py"}
+FLAGS = {"use_distributed_optimizer", "data_parallel_sharding_strategy", "reshard_after_forward"}
+ALLOWED = {"megabuf/config.py", "megabuf/sharding/strategies.py"}
 
 
 def test_no_engine_module_reads_the_strategy_flags() -> None:
@@ -98,3 +103,121 @@ def test_no_engine_module_reads_the_strategy_flags() -> None:
             if isinstance(node, ast.Attribute) and node.attr in FLAGS:
                 reads.append(f"{rel}:{node.lineno} .{node.attr}")
     assert reads == []
+
+
+class FakeKit:
+    """Every kit of [Note: strategies build their parts] at once: each builder returns its own
+    name, so a test sees which one the strategy asked for."""
+
+    def sharded_params(self) -> str:
+        return "sharded_params"
+
+    def gathered(self) -> str:
+        return "gathered"
+
+    def units(self, *, reshard_after_forward: bool) -> str:
+        return f"units(reshard_after_forward={reshard_after_forward})"
+
+    def exposed(self) -> str:
+        return "exposed"
+
+    def refused(self) -> str:
+        return "refused"
+
+    def plan_units(self) -> str:
+        return "plan_units"
+
+    def distributed(self) -> str:
+        return "distributed"
+
+    def replicated(self) -> str:
+        return "replicated"
+
+
+BUILT = {  # name: (param_storage, param_side, exposed_grads, unit_plan, optimizer,
+    #              agreement by default, agreement reducing each micro-batch)
+    "no_shard": (None, "gathered", "exposed", None, "replicated", None, None),
+    "optim": (None, "gathered", "refused", None, "distributed", None, None),
+    "optim_grads": (None, "gathered", "refused", None, "distributed", None, "each"),
+    "optim_grads_params": (
+        "sharded_params", "units(reshard_after_forward=True)", "refused", "plan_units",
+        "distributed", "zero3", "each",
+    ),
+    "optim_grads_params/no_reshard": (
+        "sharded_params", "units(reshard_after_forward=False)", "refused", "plan_units",
+        "distributed", "zero3", "each",
+    ),
+}  # fmt: skip
+EACH = "sharded_grad_accumulation='reduce_each_microbatch'"
+ZERO3 = "data_parallel_sharding_strategy='optim_grads_params'"
+
+
+def _strategy(key: str) -> ShardingStrategy:
+    name, _, variant = key.partition("/")
+    return sharding_strategy(name, reshard_after_forward=variant != "no_reshard")
+
+
+@pytest.mark.parametrize("key", BUILT)
+def test_each_strategy_builds_its_parts_from_the_kit(key: str) -> None:
+    s, kit = _strategy(key), FakeKit()
+    got = (
+        s.param_storage(kit), s.param_side(kit), s.exposed_grads(kit), s.unit_plan(kit),
+        s.optimizer(kit), s.agreement_mode("accumulate_unsharded"),
+        s.agreement_mode("reduce_each_microbatch"),
+    )  # fmt: skip
+    want = tuple({"each": EACH, "zero3": ZERO3}.get(w, w) if w else w for w in BUILT[key])
+    assert got == want
+
+
+def test_no_reshard_is_a_strategy_off_the_chain_selected_by_the_fsdp2_knob() -> None:
+    """`OptimGradsParamsNoReshard` answers as optim_grads_params except when units release, and
+    the config resolves `reshard_after_forward=False` to it (and nothing else to it)."""
+    s = NO_RESHARD["optim_grads_params"]
+    assert type(s) is OptimGradsParamsNoReshard and isinstance(s, OptimGradsParams)
+    assert s not in STRATEGIES.values()
+    zero3 = STRATEGIES["optim_grads_params"]
+    assert (s.name, s.reduction, s.param_home, s.exposes_grads, s.options) == (
+        zero3.name,
+        zero3.reduction,
+        zero3.param_home,
+        zero3.exposes_grads,
+        zero3.options,
+    )
+    assert zero3.reshards_after_forward and not s.reshards_after_forward
+    assert "reshard_after_forward=False" in repr(s)
+    cfg = DistributedDataParallelConfig
+    assert cfg(data_parallel_sharding_strategy="optim_grads_params").sharding is zero3
+    got = cfg(data_parallel_sharding_strategy="optim_grads_params", reshard_after_forward=False)
+    assert got.sharding is s
+    with pytest.raises(ValueError, match="reshard_after_forward=False only applies to"):
+        sharding_strategy("optim", reshard_after_forward=False)
+    with pytest.raises(ValueError, match="reshard_after_forward=False only applies to"):
+        cfg(data_parallel_sharding_strategy="optim_grads", reshard_after_forward=False)
+
+
+def test_transient_bounds_per_strategy() -> None:
+    """The memory formula's bound of full grad buckets (sharded grads only) and of gathered
+    params: none unsharded; the root plus (1 +
+    prefetch) of the largest other group, at most all, resharding; every group otherwise."""
+    got = {k: _strategy(k).unsharded_params_bound(10, [4, 7, 5], 1) for k in BUILT}
+    assert got == {
+        "no_shard": None, "optim": None, "optim_grads": None,
+        "optim_grads_params": 10 + 14, "optim_grads_params/no_reshard": 10 + 16,
+    }  # fmt: skip
+    assert _strategy("optim_grads_params").unsharded_params_bound(10, [4, 7, 5], 5) == 26
+    grads = {k: _strategy(k).grad_buckets_bound(64) for k in BUILT}
+    assert grads == {k: None if k in ("no_shard", "optim") else 64 for k in BUILT}
+
+
+def test_options_name_what_each_strategy_reads_and_refuses() -> None:
+    """The config refuses an option under a strategy whose `options` lack it (naming those that
+    read it) and the options a strategy `refuses`."""
+    cfg = DistributedDataParallelConfig
+    with pytest.raises(ValueError, match=r"prefetch_units=2 only applies to .*optim_grads_params"):
+        cfg(data_parallel_sharding_strategy="optim_grads", prefetch_units=2)
+    with pytest.raises(ValueError, match="align_param_gather do not apply to optim_grads_params"):
+        cfg(data_parallel_sharding_strategy="optim_grads_params", overlap_param_gather=True)
+    assert cfg(data_parallel_sharding_strategy="optim", cpu_offload=True).cpu_offload
+    for name, s in STRATEGIES.items():
+        assert ("shard_units" in s.options) is s.shards_params, name
+        assert ("cpu_offload" in s.options) is s.shards_optimizer, name

@@ -1,4 +1,5 @@
-"""Shard units (megabuf/units.py) and unit-aligned plans (megabuf/plan.py, megabuf/layout.py).
+"""Shard units (megabuf/sharding/units.py) and unit-aligned plans (megabuf/plan.py,
+megabuf/layout.py).
 
 Pure: module trees and param specs only, no process group.
 """
@@ -20,8 +21,8 @@ from megabuf.config import DistributedDataParallelConfig
 from megabuf.layout import shard_pieces
 from megabuf.plan import ParamSpec, Plan, build_plan
 from megabuf.replicas import param_specs
+from megabuf.sharding.units import UnitPlan, plan_units
 from megabuf.testing.models import GPT, GPTConfig, MLPStack
-from megabuf.units import UnitPlan, plan_units
 
 F32, BF16 = torch.float32, torch.bfloat16
 ZERO3 = "optim_grads_params"

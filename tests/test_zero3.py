@@ -198,6 +198,8 @@ def test_released_after_post_forward_post_backward_and_step(results: Any) -> Non
     _only(2, world)
     for name in ("release_mlp", "release_ckpt"):
         for res in case_result(per_rank, name):
+            assert res["strategy"] == "OptimGradsParams"
+            assert res["phases"] == ["FORWARD_DONE", "IDLE"]  # [Note: who gathers when]
             assert res["post_forward"] and not any(res["post_forward"].values()), res
             _later_units_released(res)
             assert not any(res["after_backward"].values()), res["after_backward"]
@@ -212,9 +214,14 @@ def test_released_after_post_forward_post_backward_and_step(results: Any) -> Non
 
 
 def test_no_reshard_keeps_units_until_backward(results: Any) -> None:
+    """reshard_after_forward=False is the strategy `OptimGradsParamsNoReshard`: every unit
+    stays gathered from its forward to its backward (bitwise equal to "optim_grads_params":
+    the sweep_noreshard_* cases of the test above)."""
     world, per_rank = results
     _only(2, world)
     for res in case_result(per_rank, "release_mlp_no_reshard"):
+        assert res["strategy"] == "OptimGradsParamsNoReshard"
+        assert res["phases"] == ["FORWARD_DONE", "IDLE"]
         assert all(res["post_forward"].values()), res["post_forward"]
         assert all(res["after_forward"].values()), res["after_forward"]
         _later_units_released(res)

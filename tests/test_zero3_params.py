@@ -132,7 +132,7 @@ class _Containers(torch.nn.Module):
 def test_default_units_never_pick_a_container_without_forward() -> None:
     """A unit's params are gathered around its forward, so the default policy picks the blocks
     of a ModuleDict (like a ModuleList) and never a ParameterList / ModuleDict itself."""
-    from megabuf.units import plan_units
+    from megabuf.sharding.units import plan_units
 
     model = _Containers()
     plan = plan_units(model, (), list(model.named_parameters()))

@@ -252,8 +252,12 @@ def release_case(case: dict[str, Any]) -> dict[str, Any]:
     opt.zero_grad()
     loss = loss_of(case, model(local(x)), local(y))
     seen["after_forward"] = unit_holds(model)
+    runtime = model.engine.param_side.units.runtime  # type: ignore[attr-defined]
+    seen["phases"] = [runtime.phase.name]
     loss.backward()
     seen["after_backward"] = unit_holds(model)
+    seen["phases"].append(runtime.phase.name)
+    seen["strategy"] = type(model.ddp_config.sharding).__name__
     opt.step()
     seen["after_step"] = unit_holds(model)
     seen["ledger_now"] = model.engine.memory_ledger.now("unsharded_params")

@@ -37,8 +37,8 @@ from megabuf.bench.report import (
 )
 from megabuf.bench.settings import OPTIMIZER_KWARGS
 from megabuf.bench.worker import Job, run_jobs
+from megabuf.collective_backends import choose_strategy
 from megabuf.distributed_init import DEFAULT_BACKENDS
-from megabuf.strategy import choose_strategy
 from megabuf.testing.launch import spawn
 
 

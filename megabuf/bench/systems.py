@@ -192,7 +192,7 @@ def _zero3(model: DistributedDataParallel, module: nn.Module, dp_size: int) -> E
     total = param_nbytes(module)
     regather = 0
     units = getattr(model.engine.param_side, "units", None)  # UnitParams under optim_grads_params
-    if model.ddp_config.reshard_after_forward and units is not None:
+    if model.ddp_config.sharding.reshards_after_forward and units is not None:
         root = {id(p) for p in units.runtime.units[0].params}
         regather = total - sum(
             p.numel() * p.element_size()

@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,24 +67,34 @@ def build_optimizer(
     _check_precision(config, dtypes)
     device = params_device(params, None)  # [Note: allocation device]
     # cpu_offload on an accelerator: the inner optimizer steps host tensors ([Note: cpu offload])
-    offload = flags == {True} and any(c.ddp_config.cpu_offload for c in chunks)
+    # (cpu_offload is refused under strategies that do not shard the optimizer)
+    offload = any(c.ddp_config.cpu_offload for c in chunks)
     step_device = torch.device("cpu") if offload else device
     optimizer_cls, kwargs = optimizer_class_and_kwargs(config, step_device)
     grad_scaler = make_grad_scaler(config, device)
     if config.optimizer == "muon" and param_groups is None:
         param_groups = muon_param_groups(chunks, config.muon_lr)
-    if flags == {True}:
-        cls: type[MegabufOptimizer] = DistributedOptimizer
-    elif dtypes <= {torch.float32}:
-        cls = FP32Optimizer
-    else:
-        cls = MixedPrecisionOptimizer
+    # [Note: strategies build their parts] in megabuf/sharding/strategies.py
+    cls = chunks[0].ddp_config.sharding.optimizer(_OptimizerClasses(dtypes))
     logger.debug("megabuf: building %s around %s", cls.__name__, optimizer_cls.__name__)
     return cls(
         chunks, optimizer_cls, param_groups,
         clip_grad=config.clip_grad, grad_scaler=grad_scaler,
         log_num_zeros_in_grad=config.log_num_zeros_in_grad, **kwargs,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _OptimizerClasses:
+    """The `OptimizerKit` of the sharding strategy: which class steps the params."""
+
+    dtypes: set[torch.dtype]  # of every trainable param
+
+    def distributed(self) -> type[MegabufOptimizer]:
+        return DistributedOptimizer
+
+    def replicated(self) -> type[MegabufOptimizer]:
+        return FP32Optimizer if self.dtypes <= {torch.float32} else MixedPrecisionOptimizer
 
 
 def _check_precision(config: OptimizerConfig, dtypes: set[torch.dtype]) -> None:

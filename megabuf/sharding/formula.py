@@ -37,7 +37,7 @@ import torch
 
 from megabuf.layout import shard_pieces
 from megabuf.plan import BufferPlan, Plan
-from megabuf.sharding_strategy import sharding_strategy
+from megabuf.sharding.strategies import ShardingStrategy, sharding_strategy
 
 FP32_NBYTES = 4
 DEVICE_CATEGORIES = ("params", "grads", "main_params", "optimizer_state", "comm_scratch")
@@ -179,30 +179,36 @@ def group_nbytes(plan: Plan, group_id: int, *, grads: bool) -> int:
 
 
 def transient_bounds(
-    plan: Plan, strategy: str, *, prefetch_units: int = 1, reshard_after_forward: bool = True
+    plan: Plan,
+    strategy: str | ShardingStrategy,
+    *,
+    prefetch_units: int = 1,
+    reshard_after_forward: bool = True,
 ) -> dict[str, int]:
     """Upper bounds of the transient categories' high-water marks (design notes §2.6):
     "grad_buckets" (optim_grads*): every group's full grad bucket may be alive at once (no
     overlap: all accumulate until the end of backward), so the bound is their sum, and the same
     for "grad_scratch" (gloo's reduce-scatter landing zones, released with their buckets);
-    "unsharded_params" (optim_grads_params): the root unit's group, plus (1 + prefetch_units)
-    times the largest other group (the unit computing and those prefetched), at most all other
-    groups, when units reshard after forward; every group otherwise. Units nested in another
-    unit (not the root) are not covered by the first bound. Strategies that release nothing
-    have no transients."""
-    rules = sharding_strategy(strategy)
+    "unsharded_params" (optim_grads_params): the strategy's `unsharded_params_bound` over the
+    root unit's groups and the others (the root plus (1 + prefetch_units) times the largest
+    other group, at most all other groups, when units reshard after forward; every group
+    otherwise). Units nested in another unit (not the root) are not covered by the first bound.
+    Strategies that release nothing have no transients. `strategy`: a config's `sharding`, or a
+    `data_parallel_sharding_strategy` name with its `reshard_after_forward`."""
+    rules = (
+        strategy
+        if isinstance(strategy, ShardingStrategy)
+        else sharding_strategy(strategy, reshard_after_forward=reshard_after_forward)
+    )
     out: dict[str, int] = {}
-    if rules.shards_grads:
-        out["grad_buckets"] = sum(group_nbytes(plan, g.group_id, grads=True) for g in plan.groups)
-        out["grad_scratch"] = out["grad_buckets"]  # gloo: one landing zone per bucket reducing
-    if rules.shards_params:
-        sizes = {g.group_id: group_nbytes(plan, g.group_id, grads=False) for g in plan.groups}
-        root = [g.group_id for g in plan.groups if g.unit == 0]
-        others = [size for gid, size in sizes.items() if gid not in root]
-        if reshard_after_forward:
-            largest = max(others, default=0)
-            bound = sum(sizes[g] for g in root) + min(sum(others), (1 + prefetch_units) * largest)
-        else:
-            bound = sum(sizes.values())
+    grads = sum(group_nbytes(plan, g.group_id, grads=True) for g in plan.groups)
+    if (bound := rules.grad_buckets_bound(grads)) is not None:
+        out["grad_buckets"] = bound
+        out["grad_scratch"] = bound  # gloo: one landing zone per bucket reducing
+    sizes = {g.group_id: group_nbytes(plan, g.group_id, grads=False) for g in plan.groups}
+    root = [g.group_id for g in plan.groups if g.unit == 0]
+    others = [size for gid, size in sizes.items() if gid not in root]
+    bound = rules.unsharded_params_bound(sum(sizes[g] for g in root), others, prefetch_units)
+    if bound is not None:
         out["unsharded_params"] = bound
     return out

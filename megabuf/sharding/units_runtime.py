@@ -21,6 +21,11 @@ Recorded order: the units in the order their pre-forward ran, recorded per kind 
 (grad on / off) at the first one, checked at every later one. A different order warns once and
 is re-recorded; until then prefetches follow the old one, which costs memory and time, never
 correctness, because every unit gathers and waits for its own params before it runs.
+Phase (`UnitsPhase`, one guard `_expect`): IDLE -> FORWARD at the root's pre-forward ->
+FORWARD_DONE at its post-forward (IDLE after a forward without grad) -> BACKWARD at the first
+pre-backward, which queues the end-of-backward callback once -> IDLE at that callback. A forward
+starts from any phase (a forward or backward that raised never reached its end; `reset()` also
+returns to IDLE), and a recompute or a backward inside forward leaves the phase as it is.
 Collective order: every gather is started from these hooks, whose order is the module call order
 and autograd's, so every dp rank starts the same gathers in the same order as long as every rank
 runs the same units (the same contract as FSDP). Nothing is gathered at step time: the optimizer
@@ -29,6 +34,7 @@ writes the shards (`release_all` first drops any full copy that would turn stale
 
 from __future__ import annotations
 
+import enum
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +48,15 @@ from torch.utils.hooks import RemovableHandle
 
 from megabuf.sharding.params import ParamShardState, ShardedParams
 from megabuf.sharding.read_guard import StrayReadGuard
+
+
+class UnitsPhase(enum.Enum):
+    """Where the wrapped model is in its iteration, as the unit hooks see it."""
+
+    IDLE = "idle"  # no forward or backward of the model running
+    FORWARD = "forward"  # between the root's pre-forward and post-forward
+    FORWARD_DONE = "forward_done"  # a forward with grad ended: its backward may come
+    BACKWARD = "backward"  # a unit's pre-backward ran: the end-of-backward callback is queued
 
 
 @dataclass
@@ -103,9 +118,10 @@ class UnitRuntime:
         prefetch_units: int,
         rank: int,
         owners: Mapping[nn.Parameter, tuple[str, str, ShardedParams]] | None = None,
+        entry_guard: Callable[[str], None] = lambda entry: None,
     ) -> None:
         self.units = list(units)  # units[0] is the root
-        self.reshard_after_forward = reshard_after_forward
+        self.reshards_after_forward = reshard_after_forward  # the strategy's answer
         self.prefetch_units = prefetch_units
         self.rank = rank
         self.orders: dict[bool, list[int]] = {}  # grad enabled? -> recorded unit order
@@ -113,14 +129,14 @@ class UnitRuntime:
         self._current_grad = True
         self._diverged = False
         self._backward_cursor = 0
-        self._final_queued = False
+        self.phase = UnitsPhase.IDLE
         self._handles: list[RemovableHandle] = []
         self._running: list[str] = []  # names of the units whose forward runs, innermost last
         self._guard: StrayReadGuard | None = None  # [Note: stray reads]
         self._owners = owners or {}
         # raises while the engine is offloaded ([Note: offloaded engine] in residency.py):
         # the first thing a unit's forward or backward runs, before any gather reads a shard
-        self.entry_guard: Callable[[str], None] = lambda entry: None
+        self.entry_guard = entry_guard
 
     # ---- installation -------------------------------------------------------------------------
     def install(self) -> None:
@@ -177,7 +193,7 @@ class UnitRuntime:
         self._current = []
         self._current_grad = torch.is_grad_enabled()
         self._diverged = False
-        self._final_queued = False  # a backward that raised never ran its callback
+        self.phase = UnitsPhase.FORWARD  # from any phase: see [Note: who gathers when]
         self._running = []
         if self._current_grad not in self.orders and self._owners and self._guard is None:
             guard = StrayReadGuard(self._owners, self._innermost, self.rank)
@@ -201,7 +217,7 @@ class UnitRuntime:
         if not torch.is_grad_enabled():
             unit.release()  # no backward will come
         else:
-            if self.reshard_after_forward and not unit.is_root:
+            if self.reshards_after_forward and not unit.is_root:
                 unit.release()
             self._hook_outputs(unit, output)
         if unit.is_root:
@@ -209,6 +225,9 @@ class UnitRuntime:
 
     def _end_forward(self) -> None:
         """Record the order at the first forward of its kind; a different one re-records."""
+        # BACKWARD: a backward inside the forward (torch.autograd.grad) reached a unit
+        self._expect(UnitsPhase.FORWARD, UnitsPhase.BACKWARD, act="the root's post-forward")
+        self.phase = UnitsPhase.FORWARD_DONE if self._current_grad else UnitsPhase.IDLE
         recorded = self.orders.get(self._current_grad)
         if recorded is not None and recorded != self._current:
             warnings.warn(
@@ -275,9 +294,9 @@ class UnitRuntime:
                 'run here. Use data_parallel_sharding_strategy="optim_grads", and call '
                 "model.reset_iter_state()"
             )
-        if not self._final_queued:
+        if self.phase is not UnitsPhase.BACKWARD:
             Variable._execution_engine.queue_callback(self._on_backward_end)  # type: ignore[attr-defined]
-            self._final_queued = True
+            self.phase = UnitsPhase.BACKWARD
         unit.start_gather()
         self._prefetch_backward(unit)
         unit.wait_gather()
@@ -300,7 +319,8 @@ class UnitRuntime:
         unit.release()
 
     def _on_backward_end(self) -> None:
-        self._final_queued = False
+        self._expect(UnitsPhase.BACKWARD, act="the end-of-backward callback")
+        self.phase = UnitsPhase.IDLE
         self.release_all()
         recorded = self.orders.get(True)
         self._backward_cursor = len(recorded) if recorded is not None else 0
@@ -322,4 +342,14 @@ class UnitRuntime:
         """After an exception mid-iteration: nothing gathered, no forward in progress."""
         self.release_all()
         self._current = []
-        self._final_queued = False
+        self.phase = UnitsPhase.IDLE
+
+    def _expect(self, *phases: UnitsPhase, act: str) -> None:
+        """The one guard of [Note: who gathers when]'s phases."""
+        if self.phase not in phases:
+            wanted = " or ".join(p.name for p in phases)
+            raise RuntimeError(
+                f"megabuf: the shard units are {self.phase.name} at {act}, expected {wanted} "
+                f"(rank {self.rank}); this is a megabuf bug, or hooks of another wrapper ran: "
+                "call model.reset_iter_state() and report it"
+            )

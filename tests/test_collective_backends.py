@@ -1,6 +1,6 @@
 """The collective strategy as a function of (backend, tensor device); see
-[Note: collective strategies] in megabuf/strategy.py. Pure tests of `choose_strategy` from
-backend strings (no process group), the call sites read the tensor's device (torch.distributed
+[Note: collective strategies] in megabuf/collective_backends.py. Pure tests of `choose_strategy`
+from backend strings (no process group), the call sites read the tensor's device (torch.distributed
 faked), and one gloo run: `init_process_group()` without a backend on CPU gets gloo's strategy."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megabuf.collectives import Collectives
-from megabuf.strategy import (
+from megabuf.collective_backends import (
+    BACKEND_STRATEGIES,
     FALLBACK_STRATEGY,
-    STRATEGIES,
     CollectiveStrategy,
     backend_for_device,
     choose_strategy,
 )
+from megabuf.collectives import Collectives
 from megabuf.testing import spawn
 
 GLOO_CPU = CollectiveStrategy(reduce_scatter="all_to_all", all_gather="p2p", has_avg=False)
@@ -54,7 +54,7 @@ def test_choose_strategy_by_backend_and_device(backend: str, device_type: str) -
 
 
 def test_the_hand_written_table_matches_the_library_table() -> None:
-    assert STRATEGIES == {("gloo", "cpu"): GLOO_CPU, ("nccl", "cuda"): NCCL_CUDA}
+    assert BACKEND_STRATEGIES == {("gloo", "cpu"): GLOO_CPU, ("nccl", "cuda"): NCCL_CUDA}
     assert FALLBACK_STRATEGY == NATIVE_NO_AVG
 
 

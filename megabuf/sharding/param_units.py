@@ -1,6 +1,6 @@
 """`ParamUnits`: what `DistributedDataParallel` holds under optim_grads_params (ZeRO-3).
 
-It ties the planned shard units (megabuf/units.py) to the bucket groups' `ShardedParams`,
+It ties the planned shard units (megabuf/sharding/units.py) to the bucket groups' `ShardedParams`,
 installs the unit runtime's hooks ([Note: who gathers when] in sharding/units_runtime.py), and
 does what needs every unit's params at once outside forward: `summon_full_params`, `state_dict`
 (unit by unit) and `load_state_dict`. Frozen params are not in the buffers and stay replicated:
@@ -9,7 +9,7 @@ every rank keeps them whole, as without sharding.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from megabuf.config import DistributedDataParallelConfig
     from megabuf.plan import Plan
     from megabuf.sharding.ledger import MemoryLedger
-    from megabuf.units import UnitPlan
+    from megabuf.sharding.units import UnitPlan
 
 
 def unit_of(planned: GroupPlan) -> int:
@@ -56,9 +56,14 @@ class ParamUnits:
         config: DistributedDataParallelConfig,
         ledger: MemoryLedger,
         rank: int,
+        *,
+        reshard_after_forward: bool,
+        entry_guard: Callable[[str], None],
     ) -> ParamUnits:
         """Fill the shards from the (broadcast) full params, release them, install the hooks.
-        `modules`: `unit_modules(...)`; `groups`: every bucket group of the plan."""
+        `modules`: `unit_modules(...)`; `groups`: every bucket group of the plan;
+        `reshard_after_forward`: the strategy's answer ([Note: sharding strategy objects]);
+        `entry_guard`: raises while the engine is offloaded."""
         units = [RuntimeUnit(i, name, module) for i, (name, module) in enumerate(modules)]
         by_id = {g.group_id: g for g in groups}
         groups = [by_id[planned.group_id] for planned in plan.groups]
@@ -78,10 +83,11 @@ class ParamUnits:
         }
         runtime = UnitRuntime(
             units,
-            reshard_after_forward=config.reshard_after_forward,
+            reshard_after_forward=reshard_after_forward,
             prefetch_units=config.prefetch_units,
             rank=rank,
             owners=owners,
+            entry_guard=entry_guard,
         )
         runtime.install()
         ledger.reset_peaks()  # the wrapped full copy is gone: peaks start here

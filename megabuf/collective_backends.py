@@ -62,7 +62,7 @@ class CollectiveStrategy:
     coalesce: Literal["manager", "none"] = "none"
 
 
-STRATEGIES: dict[tuple[str, str], CollectiveStrategy] = {
+BACKEND_STRATEGIES: dict[tuple[str, str], CollectiveStrategy] = {
     # (backend, device type) -> strategy; pairs not listed take FALLBACK_STRATEGY
     ("gloo", "cpu"): CollectiveStrategy(
         reduce_scatter="all_to_all", all_gather="p2p", has_avg=False
@@ -99,7 +99,7 @@ def backend_for_device(backend: str, device_type: str) -> str | None:
 def choose_strategy(
     backend: str,
     device_type: str,
-    strategies: Mapping[tuple[str, str], CollectiveStrategy] = STRATEGIES,
+    strategies: Mapping[tuple[str, str], CollectiveStrategy] = BACKEND_STRATEGIES,
 ) -> CollectiveStrategy:
     """Pure: the strategy for `device_type` tensors on a group whose backend string is
     `backend`; see [Note: collective strategies]. Raises ValueError if no backend of the group
