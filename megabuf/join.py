@@ -162,7 +162,7 @@ class UnevenInputs:
         if not self.config.enable:
             return 0
         engine = self.engine
-        engine.residency.check("forward")  # before anything is issued
+        engine.check_resident("forward")  # before anything is issued
         work = engine.collectives.notify_join(model)
         seen = exchange(engine, active=True, syncing=engine.sync.require_sync)
         if work is not None:

@@ -9,7 +9,7 @@ every rank keeps them whole, as without sharding.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +56,7 @@ class ParamUnits:
         config: DistributedDataParallelConfig,
         ledger: MemoryLedger,
         rank: int,
+        entry_guard: Callable[[str], None] | None = None,
     ) -> ParamUnits:
         """Fill the shards from the (broadcast) full params, release them, install the hooks.
         `modules`: `unit_modules(...)`; `groups`: every bucket group of the plan."""
@@ -82,6 +83,7 @@ class ParamUnits:
             prefetch_units=config.prefetch_units,
             rank=rank,
             owners=owners,
+            entry_guard=entry_guard,
         )
         runtime.install()
         ledger.reset_peaks()  # the wrapped full copy is gone: peaks start here

@@ -103,6 +103,7 @@ class UnitRuntime:
         prefetch_units: int,
         rank: int,
         owners: Mapping[nn.Parameter, tuple[str, str, ShardedParams]] | None = None,
+        entry_guard: Callable[[str], None] | None = None,
     ) -> None:
         self.units = list(units)  # units[0] is the root
         self.reshard_after_forward = reshard_after_forward
@@ -120,7 +121,7 @@ class UnitRuntime:
         self._owners = owners or {}
         # raises while the engine is offloaded ([Note: offloaded engine] in residency.py):
         # the first thing a unit's forward or backward runs, before any gather reads a shard
-        self.entry_guard: Callable[[str], None] = lambda entry: None
+        self.entry_guard: Callable[[str], None] = entry_guard or (lambda entry: None)
 
     # ---- installation -------------------------------------------------------------------------
     def install(self) -> None:
