@@ -64,7 +64,7 @@ from megabuf.residency import Residency
 from megabuf.sharded_replan import ReplanListeners, replan_shortfall
 from megabuf.sharding.ledger import MemoryLedger
 from megabuf.sparse_grads import SparseGrads
-from megabuf.wiring import ParamToGroup, Wiring, WiringParts, rewire, wire
+from megabuf.wiring import ParamToGroup, WiredField, Wiring, WiringParts, rewire, wire
 
 logger = logging.getLogger(__name__)
 
@@ -337,49 +337,17 @@ class Engine:
         )  # fmt: skip
 
     # ---- the read API: what the layers above read ([Note: the engine's read API]) -------------
-    @property
-    def plan(self) -> Plan:
-        return self._wired.plan
-
-    @property
-    def buffers(self) -> list[_ParamAndGradBuffer]:
-        return self._wired.buffers
-
-    @property
-    def dense_buffers(self) -> list[_ParamAndGradBuffer]:
-        return self._wired.dense_buffers
-
-    @property
-    def expert_parallel_buffers(self) -> list[_ParamAndGradBuffer]:
-        return self._wired.expert_parallel_buffers
-
-    @property
-    def bucket_groups(self) -> list[BucketGroup]:
-        return self._wired.bucket_groups
-
-    @property
-    def expert_parallel_bucket_groups(self) -> list[BucketGroup]:
-        return self._wired.expert_parallel_bucket_groups
-
-    @property
-    def all_bucket_groups(self) -> list[BucketGroup]:
-        return self._wired.all_bucket_groups
-
-    @property
-    def sync(self) -> GradSync:
-        return self._wired.sync
-
-    @property
-    def param_side(self) -> GatheredParams:
-        return self._wired.param_side
-
-    @property
-    def hooks(self) -> CommHookRegistry:
-        return self._wired.hooks
-
-    @property
-    def gather_hooks(self) -> ParamGatherHooks:
-        return self._wired.gather_hooks
+    plan = WiredField[Plan]("plan")
+    buffers = WiredField[list[_ParamAndGradBuffer]]("buffers")  # plan order (dense, expert)
+    dense_buffers = WiredField[list[_ParamAndGradBuffer]]("dense_buffers")
+    expert_parallel_buffers = WiredField[list[_ParamAndGradBuffer]]("expert_parallel_buffers")
+    bucket_groups = WiredField[list[BucketGroup]]("bucket_groups")
+    expert_parallel_bucket_groups = WiredField[list[BucketGroup]]("expert_parallel_bucket_groups")
+    all_bucket_groups = WiredField[list[BucketGroup]]("all_bucket_groups")  # dense, then expert
+    sync = WiredField[GradSync]("sync")
+    param_side = WiredField[GatheredParams]("param_side")
+    hooks = WiredField[CommHookRegistry]("hooks")
+    gather_hooks = WiredField[ParamGatherHooks]("gather_hooks")
 
     # ---- residency: the engine's own acts ([Note: offloaded engine] in residency.py) ----------
     @property

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -40,6 +41,7 @@ from megabuf.sharding.ledger import MemoryLedger
 from megabuf.sparse_grads import SparseGrads
 
 ParamToGroup = dict[nn.Parameter, BucketGroup]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,23 @@ class Wiring:
     def with_param_side(self, param_side: GatheredParams) -> Wiring:
         """The same record with the ZeRO-3 param side (built once the shard units exist)."""
         return dataclasses.replace(self, param_side=param_side)
+
+
+class WiredField(Generic[T]):
+    """An engine attribute read from its current `Wiring` (`engine._wired`): the read API's
+    buffers, groups and parts follow the record the re-plan swapped in."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine: Any, owner: type | None = None) -> T:
+        return getattr(engine._wired, self.name)  # type: ignore[no-any-return]
+
+    def __set__(self, engine: Any, value: T) -> None:
+        raise AttributeError(
+            f"megabuf: Engine.{self.name} is read-only: it belongs to the engine's wiring, which "
+            "only the engine builds and swaps ([Note: wired once, swapped whole] in wiring.py)"
+        )
 
 
 @dataclass(frozen=True)
