@@ -1,33 +1,22 @@
 """`Engine`: what one `DistributedDataParallel` is made of, built once, reachable as `model.engine`.
 
-The wrapper (ddp.py) is the public face: `forward` and one thin door per act. Everything the
-optimizer, checkpoints, pipelines, `megabuf inspect` and the tests need beyond that lives here,
-as plain attributes of one object rather than members of the nn.Module:
-
-    plan, topology, rank           the pure plan (plan.py) and this rank's place in the groups
-    process_groups, collectives    the groups reduced over and the one collectives layer
-    buffers                        every `_ParamAndGradBuffer`, plan order (dense and expert)
-    dense_buffers, expert_parallel_buffers       the same split by kind (Megatron's names)
-    bucket_groups, expert_parallel_bucket_groups, all_bucket_groups (dense then expert)
-    param_to_name, param_to_bucket_group
-    sparse_grads                   the params kept outside the buffers, their grads sparse
-                                   ([Note: sparse grads outside the buffer] in sparse_grads.py)
-    sync                           the grad sync (grad_sync.py, [Note: step phase])
-    param_side                     the param side (param_sync.py, [Note: who waits for param
-                                   gathers]); the optimizer calls `before_step()` / `stepped()`
-    hooks                          the comm-hook registry (hook_registry.py): the registered hooks,
-                                   their step-skipped / loss-scale notifications, the wire report
-    memory_ledger                  device bytes by category ([Note: sharded grad lifecycle])
-    residency                      whether the engine is offloaded; every entry point asks it
-                                   ([Note: offloaded engine] in residency.py)
-    auto                           bucket_size="auto": the warm-up watcher and, after its one
-                                   re-plan, what it chose (autobucket.py, [Note: auto bucket
-                                   re-plan]); else None
-
-Construction order: plan (shared with `megabuf inspect`, model_plan.py) -> allocation
-(assembly.py) -> grad sync + grad hooks -> param side (+ the ZeRO-3 units, after the initial
-broadcast) -> comm hooks from the config. Everything built on the bucket groups (`_wire`) is
-built again by the auto bucket re-plan (over the same buffers; sharded: new ones).
+[Note: the engine's read API]
+The wrapper (ddp.py) is the public face. The optimizer, checkpoints, pipelines, the weights
+package, `megabuf inspect` and the tests read the engine only through these names (pinned by
+tests/test_engine_read_api.py; everything else is private; docs/ARCHITECTURE.md):
+    module, config, disable_bucketing     what it wraps and how it was built
+    rank, topology, process_groups, collectives, device     this rank's place; the one transport
+    plan, param_to_name, sparse_grads     the pure plan; the params outside the buffers
+    buffers, dense_buffers, expert_parallel_buffers, bucket_groups,
+    expert_parallel_bucket_groups, all_bucket_groups       by kind (Megatron's names)
+    memory_ledger                         device bytes by category
+    sync, param_side, hooks, gather_hooks, auto, replan_listeners    the parts a step drives
+    offloaded, offload, restore, check_resident, watch_outputs  residency ([Note: offloaded engine])
+    before_forward, zero_grad_buffer, scale_gradients, broadcast_params,
+    broadcast_module_buffers, register_comm_hook, enable_timeline, rebucket   the doors' acts
+What is built on the bucket groups (plan, buffers, groups, sync, param side, hooks) is one
+`Wiring` record, read through these names and swapped whole by the auto re-plan ([Note: wired
+once, swapped whole] in wiring.py); nothing is patched into a part after it is built.
 """
 
 from __future__ import annotations
