@@ -282,7 +282,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
-        self._uneven.sync_buffers = bool(value)
+        self._uneven.set_sync_buffers(bool(value))
 
     def will_sync_module_buffers(self) -> bool:
         """torch DDP's: the flag is on, grads sync, and the module has buffers."""

@@ -86,6 +86,7 @@ class Engine:
         self.disable_bucketing = disable_bucketing
         # False: an unpickled copy, built without a collective ([Note: pickling a wrapped model])
         self._check_replicas = check_replicas
+        self.auto: AutoBucket | None = None  # [Note: auto bucket re-plan]; built last
         self._build(disable_bucketing, init_sync)
         if config.comm_hook is not None:
             spec = dict(config.comm_hook)
@@ -93,6 +94,11 @@ class Engine:
             self.hooks.register_comm_hook(build_comm_hook(spec), buffers=buffers)
         if config.deterministic_reduction:
             self.hooks.install_deterministic()
+        if config.bucket_size == "auto":  # its hooks after the engine's grad hooks
+            self.auto = AutoBucket(
+                [(n, p) for p, n in self.param_to_name.items()], config, collectives,
+                process_groups.dp, self.device, self,
+            )  # fmt: skip
 
     # ---- construction -------------------------------------------------------------------------
     def _build(self, disable_bucketing: bool, init_sync: bool) -> None:
@@ -113,7 +119,6 @@ class Engine:
         self._params = [p for _, p in planned.trainable]
         # [Note: sparse grads outside the buffer]: in no buffer, all-reduced at the sync
         self.sparse_grads = SparseGrads(planned.sparse, self.collectives, pgs.dp, pgs.dp_size)
-        self.auto: AutoBucket | None = None  # [Note: auto bucket re-plan]; set below
         units = unit_modules(self.module, planned.unit_plan)  # (name, module), root first
         built = assemble(
             planned.plan, self._params, cfg, pgs, self.collectives, self.memory_ledger,
@@ -122,11 +127,6 @@ class Engine:
         self._module_buffers = list(self.module.buffers())  # what forward broadcasts
         self._parts = self._wiring_parts()
         self._wired: Wiring = wire(self._parts, planned.plan, built)  # [Note: wired once, ...]
-        if cfg.bucket_size == "auto":  # its hooks after the engine's grad hooks
-            self.auto = AutoBucket(
-                [(n, p) for p, n in self.param_to_name.items()], cfg, self.collectives,
-                pgs.dp, self.device, self,
-            )  # fmt: skip
         if init_sync:
             self.broadcast_params()
         if cfg.sharding.shards_params:

@@ -105,6 +105,10 @@ class UnevenInputs:
         self.shadowed_sync = False  # joined rank: this loop pass shadowed a grad sync
         self.source = 0  # the highest active dp rank at the last exchange
 
+    def set_sync_buffers(self, value: bool) -> None:
+        """The wrapper's `broadcast_buffers` setter (torch DDP's flag)."""
+        self.sync_buffers = value
+
     # ---- torch's Join builds the hooks, then sets every joinable's config --------------------
     def join_hook(self, kwargs: dict[str, Any]) -> ModelJoinHook:
         refuse_unsupported(self.engine, "join_hook()")
