@@ -35,7 +35,9 @@ from megabuf.grads import find_tensors
 class BackwardEndSync:
     """The end-of-backward trigger of one model; `finish` is its `finish_grad_sync`."""
 
-    def __init__(self, enabled: bool, finish: Callable[[], None]) -> None:
+    def __init__(
+        self, enabled: bool, finish: Callable[[], None], *, every_backward: bool = False
+    ) -> None:
         self.enabled = enabled  # DistributedDataParallelConfig.sync_grads_at_backward_end
         self.require_sync = True  # torch's require_backward_grad_sync
         self.defer_depth = 0  # deferred() nesting
@@ -43,8 +45,12 @@ class BackwardEndSync:
         self.param_grads = False  # a param grad arrived since the last sync (or clear())
         # also finish backwards run without grad sync (optim_grads with reduce_each_microbatch:
         # `finish` then reduces one micro-batch into the grad shards)
-        self.every_backward = False
+        self.every_backward = every_backward
         self._finish = finish
+
+    def set_require_sync(self, value: bool) -> None:
+        """`no_sync()`'s flag, set by the grad sync that owns this trigger."""
+        self.require_sync = value
 
     def wanted(self) -> bool:
         if not self.enabled:

@@ -99,7 +99,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
-            self.engine.residency.watch(output)  # first: it raises before anything is queued
+            self.engine.watch_outputs(output)  # first: it raises before anything is queued
             self.engine.sync.watch(output)
         return output
 
@@ -111,7 +111,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        self.engine.sync.require_sync = value
+        self.engine.sync.set_require_sync(value)
 
     def no_sync(self) -> AbstractContextManager[None]:
         """Accumulate grads without reducing (all micro-batches but the last)."""
@@ -134,7 +134,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def start_grad_sync(self) -> None:
         """Dispatch every reduction not yet dispatched, in chain order (e.g. from a pipeline's
         grad_sync_func). Collective: every dp rank must call it."""
-        self.engine.residency.check("start_grad_sync()")
+        self.engine.check_resident("start_grad_sync()")
         self.engine.sync.start()
 
     def finish_grad_sync(self) -> None:
@@ -142,7 +142,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         reduction, and hand out the grads: see [Note: grad contract]. Collective: every dp rank
         must call it once per iteration, unless backward already did (sync_grads_at_backward_end
         outside deferred_grad_sync()): it is a no-op while every group is synced."""
-        self.engine.residency.check("finish_grad_sync()")
+        self.engine.check_resident("finish_grad_sync()")
         self.engine.sync.finish()
 
     @property
@@ -209,7 +209,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         no-op: params are shards between forwards, and forward, `state_dict()` and
         `summon_full_params()` gather them ([Note: who gathers when])."""
         del unused, force_dispatch
-        self.engine.residency.check("start_param_sync()")
+        self.engine.check_resident("start_param_sync()")
         self.engine.param_side.start(force_sync)
 
     def publish_params(self) -> None:
@@ -232,7 +232,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         Read or edit params outside forward inside it: a released param has a 0-byte storage
         and reading it fails (a RuntimeError, or a crash of the process for some CPU kernels).
         Collective under optim_grads_params; elsewhere it publishes params (not collective)."""
-        self.engine.residency.check("summon_full_params()")
+        self.engine.check_resident("summon_full_params()")
         with self.engine.param_side.summon(writeback=writeback):
             yield
 
@@ -256,7 +256,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         params (not collective: rank 0 may call it alone, see publish_params). Under
         optim_grads_params the params are gathered unit by unit and copied out: collective
         (every dp rank calls it), keyword arguments only."""
-        self.engine.residency.check("state_dict()")
+        self.engine.check_resident("state_dict()")
         return self.engine.param_side.state_dict(self.module, args, kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -265,7 +265,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         Every dp rank must call it with the same state dict, or replicas differ. Under
         optim_grads_params every unit is gathered around the load (a full param copy at the
         peak) and the loaded values are written into the shards."""
-        self.engine.residency.check("load_state_dict()")
+        self.engine.check_resident("load_state_dict()")
         if assign:
             raise ValueError(
                 "megabuf: load_state_dict(assign=True) would detach params from the buffers; "
@@ -282,7 +282,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
-        self._uneven.sync_buffers = bool(value)
+        self._uneven.set_sync_buffers(bool(value))
 
     def will_sync_module_buffers(self) -> bool:
         """torch DDP's: the flag is on, grads sync, and the module has buffers."""

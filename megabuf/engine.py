@@ -1,33 +1,22 @@
 """`Engine`: what one `DistributedDataParallel` is made of, built once, reachable as `model.engine`.
 
-The wrapper (ddp.py) is the public face: `forward` and one thin door per act. Everything the
-optimizer, checkpoints, pipelines, `megabuf inspect` and the tests need beyond that lives here,
-as plain attributes of one object rather than members of the nn.Module:
-
-    plan, topology, rank           the pure plan (plan.py) and this rank's place in the groups
-    process_groups, collectives    the groups reduced over and the one collectives layer
-    buffers                        every `_ParamAndGradBuffer`, plan order (dense and expert)
-    dense_buffers, expert_parallel_buffers       the same split by kind (Megatron's names)
-    bucket_groups, expert_parallel_bucket_groups, all_bucket_groups (dense then expert)
-    param_to_name, param_to_bucket_group
-    sparse_grads                   the params kept outside the buffers, their grads sparse
-                                   ([Note: sparse grads outside the buffer] in sparse_grads.py)
-    sync                           the grad sync (grad_sync.py, [Note: step phase])
-    param_side                     the param side (param_sync.py, [Note: who waits for param
-                                   gathers]); the optimizer calls `before_step()` / `stepped()`
-    hooks                          the comm-hook registry (hook_registry.py): the registered hooks,
-                                   their step-skipped / loss-scale notifications, the wire report
-    memory_ledger                  device bytes by category ([Note: sharded grad lifecycle])
-    residency                      whether the engine is offloaded; every entry point asks it
-                                   ([Note: offloaded engine] in residency.py)
-    auto                           bucket_size="auto": the warm-up watcher and, after its one
-                                   re-plan, what it chose (autobucket.py, [Note: auto bucket
-                                   re-plan]); else None
-
-Construction order: plan (shared with `megabuf inspect`, model_plan.py) -> allocation
-(assembly.py) -> grad sync + grad hooks -> param side (+ the ZeRO-3 units, after the initial
-broadcast) -> comm hooks from the config. Everything built on the bucket groups (`_wire`) is
-built again by the auto bucket re-plan (over the same buffers; sharded: new ones).
+[Note: the engine's read API]
+The wrapper (ddp.py) is the public face. The optimizer, checkpoints, pipelines, the weights
+package, `megabuf inspect` and the tests read the engine only through these names (pinned by
+tests/test_engine_read_api.py; everything else is private; docs/ARCHITECTURE.md):
+    module, config, disable_bucketing     what it wraps and how it was built
+    rank, topology, process_groups, collectives, device     this rank's place; the one transport
+    plan, param_to_name, sparse_grads     the pure plan; the params outside the buffers
+    buffers, dense_buffers, expert_parallel_buffers, bucket_groups,
+    expert_parallel_bucket_groups, all_bucket_groups       by kind (Megatron's names)
+    memory_ledger                         device bytes by category
+    sync, param_side, hooks, gather_hooks, auto, replan_listeners    the parts a step drives
+    offloaded, offload, restore, check_resident, watch_outputs  residency ([Note: offloaded engine])
+    before_forward, zero_grad_buffer, scale_gradients, broadcast_params,
+    broadcast_module_buffers, register_comm_hook, enable_timeline, rebucket   the doors' acts
+What is built on the bucket groups (plan, buffers, groups, sync, param side, hooks) is one
+`Wiring` record, read through these names and swapped whole by the auto re-plan ([Note: wired
+once, swapped whole] in wiring.py); nothing is patched into a part after it is built.
 """
 
 from __future__ import annotations
@@ -39,9 +28,9 @@ import torch
 from torch import nn
 
 from megabuf.arrivals import CountedArrivals, countable, weak_callable
-from megabuf.assembly import Assembly, assemble, rebucket
+from megabuf.assembly import assemble
 from megabuf.autobucket import AutoBucket
-from megabuf.bucket_group import BucketGroup, Timeline
+from megabuf.bucket_group import BucketGroup, DispatchChain, Timeline
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.comm_hooks import build as build_comm_hook
@@ -51,7 +40,7 @@ from megabuf.dist_autograd import refuse_dist_autograd
 from megabuf.grad_sync import GradSync, SyncPhase
 from megabuf.grads import ExposedGrads, raise_on_unused_params
 from megabuf.hook_registry import CommHookRegistry
-from megabuf.hooks import ParamGatherHooks, register_grad_hooks, remove_hooks_when_collected
+from megabuf.hooks import ParamGatherHooks
 from megabuf.microbatches import AgreementGroups, MicrobatchAgreement
 from megabuf.model_plan import plan_model, trainable_params
 from megabuf.nan_check import raise_on_nonfinite_grads
@@ -60,16 +49,12 @@ from megabuf.plan import Plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.replicas import ParamStructure, check_devices, check_replicas_match, is_expert_parallel
 from megabuf.residency import Residency
-from megabuf.sharded_replan import (
-    ReplanListeners,
-    release_old_groups,
-    replan_shortfall,
-    retire_old_params,
-)
+from megabuf.sharded_replan import ReplanListeners, replan_shortfall
 from megabuf.sharding.ledger import MemoryLedger
 from megabuf.sharding.param_units import unit_modules
 from megabuf.sharding.parts import ExposedGradsParts, ParamSideParts
 from megabuf.sparse_grads import SparseGrads
+from megabuf.wiring import ParamToGroup, WiredField, Wiring, WiringParts, rewire, wire
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +82,12 @@ class Engine:
         self.collectives = collectives
         collectives.name_groups(process_groups.named())  # [Note: wire accounting by group]
         self.memory_ledger = MemoryLedger()  # [Note: sharded grad lifecycle]
-        self.residency = Residency(self.rank)  # [Note: offloaded engine]
+        self._residency = Residency(self.rank)  # [Note: offloaded engine]
         self.replan_listeners = ReplanListeners(self.rank)  # [Note: sharded auto bucket re-plan]
         self.disable_bucketing = disable_bucketing
         # False: an unpickled copy, built without a collective ([Note: pickling a wrapped model])
         self._check_replicas = check_replicas
+        self.auto: AutoBucket | None = None  # [Note: auto bucket re-plan]; built last
         self._build(disable_bucketing, init_sync)
         if config.comm_hook is not None:
             spec = dict(config.comm_hook)
@@ -109,14 +95,11 @@ class Engine:
             self.hooks.register_comm_hook(build_comm_hook(spec), buffers=buffers)
         if config.deterministic_reduction:
             self.hooks.install_deterministic()
-        self.auto: AutoBucket | None = None  # [Note: auto bucket re-plan]
-        if config.bucket_size == "auto":
+        if config.bucket_size == "auto":  # its hooks after the engine's grad hooks
             self.auto = AutoBucket(
                 [(n, p) for p, n in self.param_to_name.items()], config, collectives,
                 process_groups.dp, self.device, self,
             )  # fmt: skip
-            self.sync.on_backward_end = self.auto.on_backward_end
-            self.sync.on_synced = self.auto.on_synced
 
     # ---- construction -------------------------------------------------------------------------
     def _build(self, disable_bucketing: bool, init_sync: bool) -> None:
@@ -137,15 +120,14 @@ class Engine:
         self._params = [p for _, p in planned.trainable]
         # [Note: sparse grads outside the buffer]: in no buffer, all-reduced at the sync
         self.sparse_grads = SparseGrads(planned.sparse, self.collectives, pgs.dp, pgs.dp_size)
-        self.plan: Plan = planned.plan
-        self.param_side: GatheredParams  # set by _wire (UnitParams under optim_grads_params)
         units = unit_modules(self.module, planned.unit_plan)  # (name, module), root first
         built = assemble(
-            self.plan, self._params, cfg, pgs, self.collectives, self.memory_ledger,
+            planned.plan, self._params, cfg, pgs, self.collectives, self.memory_ledger,
             self.param_to_name, [name for name, _ in units],
         )  # fmt: skip
         self._module_buffers = list(self.module.buffers())  # what forward broadcasts
-        self._wire(built)
+        self._parts = self._wiring_parts()
+        self._wired: Wiring = wire(self._parts, planned.plan, built)  # [Note: wired once, ...]
         if init_sync:
             self.broadcast_params()
         self._shard_params(units)
@@ -157,29 +139,39 @@ class Engine:
         fills the shards from the whole params, releases these and installs the unit hooks.
         After the initial broadcast, and again at the auto bucket re-plan."""
         kit = ParamSideParts(
-            self.all_bucket_groups, self.gather_hooks, self.config, self.plan, units,
-            self.param_to_name, self.memory_ledger, self.rank, self.residency.check,
+            self.all_bucket_groups, self._wired.gather_hooks, self.config, self.plan, units,
+            self.param_to_name, self.memory_ledger, self.rank, self._residency.check,
         )  # fmt: skip
-        self.param_side = self.config.sharding.param_side(kit)
+        self._wired = self._wired.with_param_side(self.config.sharding.param_side(kit))
 
-    def _wire(self, built: Assembly) -> None:
-        """Everything built on the bucket groups: at construction, and again at the auto bucket
-        re-plan ([Note: auto bucket re-plan] in autobucket.py; [Note: sharded auto bucket
-        re-plan] in sharded_replan.py)."""
-        cfg = self.config
-        self._split_by_kind(built.buffers, built.groups)
-        grads = self._exposed_grads(self._params)
+    def _wiring_parts(self) -> WiringParts:
+        """What every `Wiring` of this engine is built from, callbacks included ([Note: wired
+        once, swapped whole] in wiring.py)."""
+        pgs = self.process_groups
+        return WiringParts(
+            owner=self, module=self.module, params=self._params, param_to_name=self.param_to_name,
+            config=self.config, process_groups=pgs, collectives=self.collectives,
+            ledger=self.memory_ledger, sparse_grads=self.sparse_grads, rank=self.rank,
+            exposed_grads=self._exposed_grads, make_sync=self._make_sync, on_grad=self._on_grad,
+        )  # fmt: skip
+
+    def _make_sync(
+        self,
+        groups: list[BucketGroup],
+        chains: list[DispatchChain[BucketGroup]],
+        grads: ExposedGrads,
+    ) -> GradSync:
         structure = ParamStructure(self.module)
-        self.sync = GradSync(
-            self.all_bucket_groups, built.chains, cfg, grads,
+        # bucket_size="auto": told of each sync until the re-plan ([Note: auto bucket re-plan])
+        watch = self.config.bucket_size == "auto" and (self.auto is None or not self.auto.replanned)
+        return GradSync(
+            groups, chains, self.config, grads,
             before_sync=lambda: structure.check(self.rank), checks=self._sync_checks(),
             agreement=self._microbatch_agreement(), outside=self.sparse_grads,
+            on_backward_end=self._auto_backward_end if watch else None,
+            on_synced=self._auto_synced if watch else None,
+            on_first_sync=weak_callable(self._count_arrivals),  # no engine cycle
         )  # fmt: skip
-        self._install_hooks(self._params, grads)
-        self.param_side = GatheredParams(self.all_bucket_groups, self.gather_hooks, cfg)
-        self.hooks: CommHookRegistry = CommHookRegistry(
-            self.all_bucket_groups, self.plan, cfg, self.memory_ledger, self.rank
-        )
 
     def zero_grad_buffer(self) -> None:
         """A new iteration's grads (lazily: [Note: grad accumulation into main_grad]); with
@@ -248,61 +240,14 @@ class Engine:
             self._rewire(plan, sharded=False)
 
     def _rewire(self, plan: Plan, sharded: bool) -> None:
-        timeline = self.sync.timeline
-        for handle in self._grad_hook_handles:
-            handle.remove()
-        self.gather_hooks.disable()
-        parts = (self.config, self.process_groups, self.collectives, self.memory_ledger,
-                 self.param_to_name)  # fmt: skip
-        units: list[tuple[str, nn.Module]] = []
-        if sharded:  # new buffers, params copied in ([Note: sharded auto bucket re-plan])
-            old = self.all_bucket_groups
-            units = release_old_groups(old, self.param_side, self.memory_ledger, self.rank)
-            built = assemble(plan, self._params, *parts, [name for name, _ in units] or ("",))
-            retire_old_params(old)
-        else:  # the same buffers, other boundaries
-            built = rebucket(plan, self.buffers, *parts)
-        self.plan = plan
-        self._wire(built)
+        self._wired, units = rewire(self._parts, self._wired, plan, sharded)
         if units:  # optim_grads_params: the new groups sharded, the unit hooks on them
             self._shard_params(units)
-        if timeline is not None:
-            self.sync.enable_timeline(timeline)
-
-    def _split_by_kind(self, buffers: list[_ParamAndGradBuffer], groups: list[BucketGroup]) -> None:
-        self.buffers = buffers  # plan order
-        expert = [planned.expert for planned in self.plan.buffers]
-        self.dense_buffers = [b for b, e in zip(buffers, expert) if not e]
-        self.expert_parallel_buffers = [b for b, e in zip(buffers, expert) if e]
-        expert_group = [planned.expert for planned in self.plan.groups]
-        self.bucket_groups = [g for g, e in zip(groups, expert_group) if not e]
-        self.expert_parallel_bucket_groups = [g for g, e in zip(groups, expert_group) if e]
-        self.all_bucket_groups = self.bucket_groups + self.expert_parallel_bucket_groups
-        self.param_to_bucket_group = {p: g for g in groups for p in g.params_list}
-
-    def _install_hooks(self, params: Sequence[nn.Parameter], grads: ExposedGrads) -> None:
-        self._grad_hook_handles = register_grad_hooks(
-            params, self.param_to_bucket_group, set(grads.linked), self._on_grad,
-            self.sync.in_backward,
-        )  # fmt: skip
-        # after the dense ones: _count_arrivals finds those by position
-        self._grad_hook_handles += self.sparse_grads.install_hooks(
-            self._on_grad, self.sync.in_backward
-        )
-        for group in self.all_bucket_groups:  # the hooks hold the views: guard the attribute
-            if group.sharded_grads is not None:
-                names = [self.param_to_name[p] for p in group.params_list]
-                group.sharded_grads.guard_main_grads(group.params_list, names)
-        self.gather_hooks = ParamGatherHooks(self.module, self.param_to_bucket_group)
-        if self.config.overlap_param_gather:
-            self.gather_hooks.enable()
-        remove_hooks_when_collected(self, self._grad_hook_handles, self.gather_hooks)
-        self.sync.on_first_sync = weak_callable(self._count_arrivals)  # no engine cycle
 
     def _count_arrivals(self) -> None:
         """After the first sync, the groups that can count their grads without a Python call
         each get counted hooks instead ([Note: counted arrivals] in arrivals.py)."""
-        cfg, handles = self.config, self._grad_hook_handles
+        cfg, handles = self.config, self._wired.grad_hook_handles
         small = {p for p, _ in self.sync.grads.small}
         position = {p: k for k, p in enumerate(self._params)}
         bookkeeping = weak_callable(self._on_grad)  # [Note: hooks hold the engine weakly]
@@ -318,10 +263,20 @@ class Engine:
                 handles[position[param]].remove()
                 handles[position[param]] = param.register_post_accumulate_grad_hook(counted.hook)
 
-    def _exposed_grads(self, params: Sequence[nn.Parameter]) -> ExposedGrads:
+    def _exposed_grads(
+        self, params: Sequence[nn.Parameter], param_to_bucket_group: ParamToGroup
+    ) -> ExposedGrads:
         """[Note: grad contract]: the strategy's ([Note: strategies build their parts])."""
-        kit = ExposedGradsParts(params, self.param_to_name, self.param_to_bucket_group)
+        kit = ExposedGradsParts(params, self.param_to_name, param_to_bucket_group)
         return self.config.sharding.exposed_grads(kit)
+
+    def _auto_backward_end(self) -> None:
+        if self.auto is not None:
+            self.auto.on_backward_end()
+
+    def _auto_synced(self) -> None:
+        if self.auto is not None:
+            self.auto.on_synced()
 
     def _sync_checks(self) -> list[Callable[[], None]]:
         """What the grad sync checks once every reduction landed (each raises on every rank)."""
@@ -359,6 +314,43 @@ class Engine:
             self.device, self.rank,
         )  # fmt: skip
 
+    # ---- the read API: what the layers above read ([Note: the engine's read API]) -------------
+    plan = WiredField[Plan]("plan")
+    buffers = WiredField[list[_ParamAndGradBuffer]]("buffers")  # plan order (dense, expert)
+    dense_buffers = WiredField[list[_ParamAndGradBuffer]]("dense_buffers")
+    expert_parallel_buffers = WiredField[list[_ParamAndGradBuffer]]("expert_parallel_buffers")
+    bucket_groups = WiredField[list[BucketGroup]]("bucket_groups")
+    expert_parallel_bucket_groups = WiredField[list[BucketGroup]]("expert_parallel_bucket_groups")
+    all_bucket_groups = WiredField[list[BucketGroup]]("all_bucket_groups")  # dense, then expert
+    sync = WiredField[GradSync]("sync")
+    param_side = WiredField[GatheredParams]("param_side")
+    hooks = WiredField[CommHookRegistry]("hooks")
+    gather_hooks = WiredField[ParamGatherHooks]("gather_hooks")
+
+    # ---- residency: the engine's own acts ([Note: offloaded engine] in residency.py) ----------
+    @property
+    def offloaded(self) -> object:
+        """The record of the offload in force (megabuf.weights.offload), or None."""
+        return self._residency.offloaded
+
+    def offload(self, record: object) -> None:
+        """From now on every entry point raises until `restore()` (the weights package released
+        the memory; `record` is what it needs to refill it)."""
+        self._residency.enter(record)
+
+    def restore(self) -> object:
+        """The offload's record, which the weights package refills the memory from; usable
+        again."""
+        return self._residency.leave()
+
+    def check_resident(self, entry: str) -> None:
+        """Raise `EngineOffloadedError` naming `entry` while offloaded."""
+        self._residency.check(entry)
+
+    def watch_outputs(self, output: object) -> None:
+        """The offload check at the start of the backward of a forward's `output`."""
+        self._residency.watch(output)
+
     # ---- what the wrapper's doors call --------------------------------------------------------
     @property
     def device(self) -> torch.device:
@@ -366,24 +358,26 @@ class Engine:
 
     def _on_grad(self) -> None:
         """A backward's first param grad hook ([Note: one bookkeeping per backward])."""
-        self.residency.check("backward (a param's grad hook)")
-        self.hooks.backward_seen = True
-        self.sync.on_grad()
-        self.sync.skip_until_backward_ends()
+        self._residency.check("backward (a param's grad hook)")
+        wired = self._wired
+        wired.hooks.saw_backward()
+        wired.sync.on_grad()
+        wired.sync.skip_until_backward_ends()
 
     @torch.compiler.disable
     def before_forward(self, compiling: bool, sync_buffers: bool, buffer_src: int = 0) -> None:
         """Runs eagerly even when the model is compiled (`compiling`: it is being traced);
         module buffers come from dp rank `buffer_src` ([Note: uneven inputs] in join.py)."""
-        self.residency.check("forward")
+        self._residency.check("forward")
         if torch.is_grad_enabled():
             refuse_dist_autograd(self.rank)  # [Note: distributed autograd]
         auto = self.auto  # after its re-plan, nothing more per forward
         if auto is not None and not auto.replanned and torch.is_grad_enabled() and not compiling:
             self._auto_iteration_start(auto)
-        self.sync.before_forward(torch.is_grad_enabled())
-        self.param_side.before_forward(self.module, compiling)
-        if sync_buffers and torch.is_grad_enabled() and self.sync.require_sync:
+        wired = self._wired
+        wired.sync.before_forward(torch.is_grad_enabled())
+        wired.param_side.before_forward(self.module, compiling)
+        if sync_buffers and torch.is_grad_enabled() and wired.sync.require_sync:
             self.broadcast_module_buffers(buffer_src)
 
     def broadcast_module_buffers(self, src_dp_rank: int) -> None:

@@ -97,6 +97,9 @@ class GradSync:
         checks: Sequence[Callable[[], None]] = (),
         agreement: MicrobatchAgreement | None = None,
         outside: OutsideGrads | None = None,
+        on_backward_end: Callable[[], None] | None = None,
+        on_synced: Callable[[], None] | None = None,
+        on_first_sync: Callable[[], Callable[[], None] | None] | None = None,
     ) -> None:
         self.groups = list(groups)  # dense then expert
         self.outside: OutsideGrads = outside if outside is not None else NoOutsideGrads()
@@ -105,19 +108,20 @@ class GradSync:
         self.reduce_each = config.sharding.shards_grads and (
             config.sharded_grad_accumulation == "reduce_each_microbatch"
         )
-        self.backward_end = BackwardEndSync(config.sync_grads_at_backward_end, self._backward_ended)
-        self.backward_end.every_backward = self.reduce_each
+        self.backward_end = BackwardEndSync(
+            config.sync_grads_at_backward_end, self._backward_ended, every_backward=self.reduce_each
+        )
         self.defer_dispatch = False  # this iteration reduces after backward ([Note: quiet step])
         self.phase = SyncPhase.ACCUMULATING
         # shared with the grad hooks: [Note: one bookkeeping per backward]
         self.in_backward = [False]
         self.timeline: Timeline | None = None
         # bucket_size="auto" warm-up: told when each grad sync starts ([Note: auto bucket re-plan])
-        self.on_backward_end: Callable[[], None] | None = None
-        self.on_synced: Callable[[], None] | None = None  # ... and when its reductions landed
+        self.on_backward_end = on_backward_end
+        self.on_synced = on_synced  # ... and when its reductions landed
         # once, after the first sync learned the arrivals ([Note: counted arrivals]); held
         # weakly: returns the callback, or None once its owner is gone
-        self.on_first_sync: Callable[[], Callable[[], None] | None] | None = None
+        self.on_first_sync = on_first_sync
         self._before_sync = before_sync
         self._checks = tuple(checks)
         self.agreement = agreement  # [Note: micro-batch agreement]; None: counts may differ
@@ -129,9 +133,9 @@ class GradSync:
         """torch DDP's `require_backward_grad_sync`: False makes backward only accumulate."""
         return self.backward_end.require_sync
 
-    @require_sync.setter
-    def require_sync(self, value: bool) -> None:
-        self.backward_end.require_sync = bool(value)
+    def set_require_sync(self, value: bool) -> None:
+        """Set `require_sync` (`no_sync()`, the wrapper's `require_backward_grad_sync`)."""
+        self.backward_end.set_require_sync(bool(value))
         for group in self.groups:
             group.is_last_microbatch = self._dispatches_in_backward(bool(value))
             group.is_final_microbatch = bool(value)  # [Note: two-level reduction]
@@ -144,11 +148,11 @@ class GradSync:
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         before = self.require_sync
-        self.require_sync = False
+        self.set_require_sync(False)
         try:
             yield
         finally:
-            self.require_sync = before
+            self.set_require_sync(before)
 
     def deferred(self) -> AbstractContextManager[None]:
         return self.backward_end.deferred()
@@ -259,6 +263,11 @@ class GradSync:
         self.grads.expose()
         self.phase = SyncPhase.SYNCED
 
+    def drop_first_sync(self) -> None:
+        """Never swap in counted arrivals (benchmarks and tests of the per-param Python hooks;
+        [Note: counted arrivals]); before the first sync."""
+        self.on_first_sync = None
+
     def rescale_next_sync(self, factor: float) -> None:
         """The next `finish()` multiplies the reduced grads by `factor` before the checks and
         before anyone reads them: under Join with divide_by_initial_world_size=False, dp_size
@@ -316,7 +325,7 @@ class GradSync:
         for group in self.groups:
             group.abandon_grad_sync()
         self.outside.finish_grad_sync()
-        self.require_sync = True
+        self.set_require_sync(True)
         self.zero()  # phase: ACCUMULATING
 
     def enable_timeline(self, timeline: Timeline) -> None:

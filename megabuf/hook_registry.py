@@ -152,6 +152,10 @@ class CommHookRegistry:
         self.backward_seen = False  # registration must come before the first backward
         self._mode_hook: Deterministic | None = None  # deterministic_reduction's, replaceable
 
+    def saw_backward(self) -> None:
+        """A backward ran: registration is closed (the engine's first grad hook calls this)."""
+        self.backward_seen = True
+
     def register_comm_hook(self, hook: object, *, buffers: str = "all") -> None:
         """Reduce the `buffers` ("dense", "expert" or "all") buckets with `hook` instead of the
         engine's collective: see [Note: comm hook contract] in megabuf/comm_hooks/contract.py

@@ -105,6 +105,10 @@ class UnevenInputs:
         self.shadowed_sync = False  # joined rank: this loop pass shadowed a grad sync
         self.source = 0  # the highest active dp rank at the last exchange
 
+    def set_sync_buffers(self, value: bool) -> None:
+        """The wrapper's `broadcast_buffers` setter (torch DDP's flag)."""
+        self.sync_buffers = value
+
     # ---- torch's Join builds the hooks, then sets every joinable's config --------------------
     def join_hook(self, kwargs: dict[str, Any]) -> ModelJoinHook:
         refuse_unsupported(self.engine, "join_hook()")
@@ -162,7 +166,7 @@ class UnevenInputs:
         if not self.config.enable:
             return 0
         engine = self.engine
-        engine.residency.check("forward")  # before anything is issued
+        engine.check_resident("forward")  # before anything is issued
         work = engine.collectives.notify_join(model)
         seen = exchange(engine, active=True, syncing=engine.sync.require_sync)
         if work is not None:

@@ -142,7 +142,7 @@ def _is_megabuf(fn: Any) -> bool:
 def _refuse_unpicklable(
     engine: Engine, process_groups: ProcessGroups, config: DistributedDataParallelConfig
 ) -> None:
-    engine.residency.check("pickling or copying the model")
+    engine.check_resident("pickling or copying the model")
     rank, topology = engine.rank, process_groups.topology
     if config.sharding.shards_params:
         raise RuntimeError(

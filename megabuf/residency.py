@@ -6,7 +6,9 @@ the optimizer's main params and state: see megabuf/weights/offload.py) and `rest
 the same storage objects in place, so every view (`param.data`, `param.main_grad`, tensors
 autograd saved in a forward) is valid again afterwards. In between, those tensors keep their
 shapes but hold no bytes: a kernel reading one fails, or on some CPU kernels crashes the process.
-So every way into the engine asks its `Residency` first and raises `EngineOffloadedError`
+Offload and restore are the engine's own acts: the weights package asks `engine.offload(record)`
+/ `engine.restore()` / `engine.offloaded`, it never writes this object's state. So every way into
+the engine asks its `Residency` first and raises `EngineOffloadedError`
 naming the entry point and saying to restore: the wrapper's forward, a backward (a hook on the
 forward's outputs, which runs before any node reads a saved param, and every param's grad
 hook), the grad sync, the param sync, `state_dict` / `load_state_dict` /
@@ -31,6 +33,15 @@ class Residency:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.offloaded: Any = None  # megabuf.weights.offload.Offloaded while offloaded
+
+    def enter(self, record: Any) -> None:
+        """The engine is offloaded; `record` is the offload in force (`Engine.offload`)."""
+        self.offloaded = record
+
+    def leave(self) -> Any:
+        """The engine is back; returns the offload's record (`Engine.restore`)."""
+        record, self.offloaded = self.offloaded, None
+        return record
 
     def check(self, entry: str) -> None:
         """Raise `EngineOffloadedError` naming `entry` while offloaded (hot path: one test)."""

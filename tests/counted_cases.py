@@ -56,7 +56,7 @@ def _wrap(counting: bool, **fields: Any) -> Any:
     )
     model = megabuf.DistributedDataParallel(Tiny(), cfg)
     if not counting:
-        model.engine.sync.on_first_sync = None
+        model.engine.sync.drop_first_sync()
     return model
 
 

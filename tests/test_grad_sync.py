@@ -147,7 +147,7 @@ def test_finish_pays_an_owed_micro_batch_with_the_sync() -> None:
 
 def test_abandon_waits_out_reductions_leaves_no_sync_and_zeroes() -> None:
     sync, groups, coll, _ = make_sync()
-    sync.require_sync = False
+    sync.set_require_sync(False)
     backward(groups)
     sync.start()  # in flight
     assert {g.grad_state for g in groups} == {GradSyncState.DISPATCHED}

@@ -65,7 +65,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "megabuf.grad_sync",
         "megabuf.param_sync", "megabuf.assembly", "megabuf.sharded_replan", "megabuf.engine",
         "megabuf.residency", "megabuf.autobucket", "megabuf.warmup", "megabuf.sparse_grads",
-        "megabuf.pickling",
+        "megabuf.pickling", "megabuf.wiring",
     )),
     ("wrapper", ("megabuf.ddp", "megabuf.join")),
     ("above", (

@@ -60,7 +60,7 @@ def offload_run(strategy: str) -> dict[str, Any]:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         report = offload(model, opt)
-        record = model.engine.residency.offloaded
+        record = model.engine.offloaded
         entries = record.stash.entries
         out["rounded"] = sum(-(-e.nbytes // BLOCK) * BLOCK for e in entries)
         out["released"] = report.total_nbytes

@@ -256,7 +256,7 @@ def build_megabuf(
     python_hooks = values.pop("python_hooks", False)
     engine = _megabuf(module, pgs, DistributedDataParallelConfig(**values))
     if python_hooks and engine.ddp is not None:
-        engine.ddp.engine.sync.on_first_sync = None  # before the first sync: never swapped in
+        engine.ddp.engine.sync.drop_first_sync()  # before the first sync: never swapped in
     return engine
 
 

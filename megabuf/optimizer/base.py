@@ -278,7 +278,7 @@ class MegabufOptimizer(torch.optim.Optimizer, Joinable):
     def _check_resident(self, entry: str) -> None:
         """[Note: offloaded engine] in megabuf/residency.py."""
         for chunk in self.model_chunks:
-            chunk.engine.residency.check(entry)
+            chunk.engine.check_resident(entry)
 
     def _check_grads_synced(self) -> None:
         """See [Note: optimizer step], point 0."""

@@ -87,7 +87,7 @@ def export_weights(
         raise ValueError(f"megabuf: export_weights(max_buckets={max_buckets}) must be >= 1")
     number = resolve_version(optimizer, version)
     for chunk in chunks:
-        chunk.engine.residency.check("export_weights()")
+        chunk.engine.check_resident("export_weights()")
         chunk.engine.param_side.publish()  # no param is read mid-gather
         chunk.engine.param_side.reshard()
     groups = [(chunk, g) for chunk in chunks for g in chunk.engine.all_bucket_groups]

@@ -101,7 +101,7 @@ def offload(
         for category, nbytes in freed.items():
             ledger.free(category, nbytes)
         record.ledger_freed.append(freed)
-        chunk.engine.residency.offloaded = record
+        chunk.engine.offload(record)  # [Note: offloaded engine]
     chunks[0].engine.memory_ledger.alloc(HOST_CATEGORY, stash.host_nbytes)
     released = {c: 0 for c in CATEGORIES} | stash.nbytes()
     return OffloadReport(released, stash.host_nbytes)
@@ -115,8 +115,8 @@ def restore(
     a new iteration starts). `model_or_chunks` must be what was offloaded; `optimizer`, if
     given, the optimizer offloaded with it (restored in any case). Not collective."""
     chunks = as_model_chunks(model_or_chunks, "megabuf.weights.restore")
-    record = chunks[0].engine.residency.offloaded
-    if record is None:
+    record = chunks[0].engine.offloaded
+    if not isinstance(record, Offloaded):
         raise RuntimeError(
             f"megabuf: restore() on rank {chunks[0].engine.rank}: the model is not offloaded "
             "(offload it with megabuf.weights.offload, or skip the restore)"
@@ -139,14 +139,14 @@ def restore(
     for chunk, freed in zip(chunks, record.ledger_freed, strict=True):
         for category, nbytes in freed.items():
             chunk.engine.memory_ledger.alloc(category, nbytes)
-        chunk.engine.residency.offloaded = None
+        chunk.engine.restore()
     if not record.keep_grads:
         for chunk in chunks:
             chunk.zero_grad_buffer()
 
 
 def is_offloaded(model: DistributedDataParallel) -> bool:
-    return model.engine.residency.offloaded is not None
+    return model.engine.offloaded is not None
 
 
 def _check_can_offload(
@@ -154,7 +154,7 @@ def _check_can_offload(
 ) -> None:
     """Refuse what cannot be released now, by name (nothing is released yet)."""
     for i, chunk in enumerate(chunks):
-        chunk.engine.residency.check(f"offload() of model chunk {i}")
+        chunk.engine.check_resident(f"offload() of model chunk {i}")
         for group in chunk.engine.all_bucket_groups:
             if group.grad_state is GradSyncState.DISPATCHED:
                 raise RuntimeError(

@@ -142,7 +142,7 @@ class Publisher:
         """Send the weights of the last completed step (gathers in flight are waited for).
         Collective over the publish group. Returns what was sent."""
         model, topo = self.model, self.model.engine.process_groups.topology
-        model.engine.residency.check("publish()")
+        model.engine.check_resident("publish()")
         if changed_only and not self.track_changes:
             raise ValueError(
                 "megabuf: publish(changed_only=True) needs Publisher(..., track_changes=True) "
