@@ -50,27 +50,35 @@ from megabuf.sharding.grads import REDUCING_GROUPS_LIMIT
 
 
 class ChainMember(Protocol):
-    """What a `DispatchChain` needs of a group (`BucketGroup` in bucket_group.py)."""
+    """What a `DispatchChain` needs of a group (`BucketGroup` in bucket_group.py). The chain
+    drives its groups; a group calls its chain only to report an event (`on_ready`, `reopen`)."""
 
     chain: Any  # the DispatchChain it belongs to, or None
     grad_state: GradSyncState
-    sharded_grads: Any
+    releases_buckets: bool  # [Note: grad storage] in megabuf/sharding/grads.py
 
     @property
     def all_ready(self) -> bool: ...
+
+    @property
+    def reduction_gain(self) -> float: ...
 
     def start_grad_sync(self) -> None: ...
 
     def finish_grad_sync(self) -> None: ...
 
+    def next_microbatch(self) -> None: ...
+
     def grad_sync_completed(self) -> bool: ...
 
     @property
-    def replicas(self) -> Any: ...  # its ReplicaStage ([Note: two-level reduction])
+    def replica_owed(self) -> bool: ...  # [Note: two-level reduction]
 
     def first_level_completed(self) -> bool: ...
 
     def start_replica_sync(self) -> None: ...
+
+    def check_reaccumulation(self, groups: Sequence[Any], name: str) -> None: ...
 
 
 M = TypeVar("M", bound=ChainMember)
@@ -142,7 +150,7 @@ class DispatchChain(Generic[M]):
             self.groups[self.next_index].start_grad_sync()
             self.next_index += 1
             self.progress_replicas()
-            if self.groups[0].sharded_grads is not None:
+            if self.groups[0].releases_buckets:
                 self._bound_reducing()
 
     def progress_replicas(self) -> None:
@@ -150,7 +158,7 @@ class DispatchChain(Generic[M]):
         stopping at the first that has not (never waits; [Note: two-level reduction])."""
         while self.next_replica < self.next_index:
             group = self.groups[self.next_replica]
-            if group.replicas.owed and not group.first_level_completed():
+            if group.replica_owed and not group.first_level_completed():
                 return
             group.start_replica_sync()
             self.next_replica += 1
@@ -173,7 +181,24 @@ class DispatchChain(Generic[M]):
         excess = len(dispatched) - REDUCING_GROUPS_LIMIT
         for i, group in enumerate(dispatched):
             if i < excess or group.grad_sync_completed():
-                group.finish_grad_sync()
+                self.finish(group)
+
+    def finish(self, group: M) -> None:
+        """Finish `group`'s reduction, issuing first every owed replicate all-reduce before
+        it in chain order ([Note: two-level reduction])."""
+        if group.replica_owed:
+            self.start_replicas_upto(group)
+        group.finish_grad_sync()
+
+    def reopen(self, late: M, name: str) -> None:
+        """A grad (of `name`) reached `late` after the chain's sync: a new backward without
+        zero_grad_buffer() accumulates on top, as torch does, where every reduction of the
+        chain allows it; the synced groups accept grads again."""
+        late.check_reaccumulation(self.groups, name)
+        for group in self.groups:
+            if group.grad_state is GradSyncState.SYNCED:
+                group.next_microbatch()
+        self.reset()
 
     def dispatch_rest(self) -> None:
         """Dispatch every group not yet dispatched, in order, ready or not ([Note: grad
