@@ -17,8 +17,6 @@ drives it; the group calls its chain only to report that it is ready or must reo
 
 from __future__ import annotations
 
-import enum
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -34,11 +32,11 @@ from megabuf.dispatch import (  # re-exported
     DispatchChain,
     GradSyncState,
     ParamSyncState,
-    SyncWork,
-    wait_dropped,
+    refuse_reaccumulation,
 )
 from megabuf.full_grads import FullGrads, GradStorage
-from megabuf.grad_math import InboundScale, NonfiniteFlags, by_dtype
+from megabuf.grad_math import InboundScale, NonfiniteFlags, WrittenGrads
+from megabuf.param_gather import ParamGather
 from megabuf.readiness import GradReadiness
 from megabuf.reductions import Reduction, ReductionParts, reduction_for
 from megabuf.sharding.grads import ShardedGrads
@@ -56,7 +54,11 @@ class BucketGroup:
     (default: the full one); `replicate_group`: hybrid's second level.
     """
 
-    register_grad_ready_at: Callable[[int, nn.Parameter], None]  # its readiness's, per grad
+    # its parts' per-grad entries, bound methods published as the group's own
+    register_grad_ready_at: Callable[[int, nn.Parameter], None]  # readiness's
+    mark_written: Callable[[int], bool]  # written's
+    mark_unwritten: Callable[[int], None]
+    set_unwritten: Callable[[bytearray], None]
 
     def __init__(
         self,
@@ -95,37 +97,31 @@ class BucketGroup:
         self.releases_buckets = self.grads.releases
         self.inbound = InboundScale.of(self.buckets, ddp_config.sharding)
         self.reduction: Reduction = reduction_for(  # [Note: reductions] in reductions.py
-            ddp_config.sharding, self._reduction_parts(), replicate_group
+            ddp_config.sharding, ReductionParts.of(self), replicate_group
         )
         self.readiness = GradReadiness(  # [Note: grad readiness] in dispatch.py
-            len(self.params_list), overlap=ddp_config.overlap_grad_reduce,
-            on_ready=self.on_all_arrived, on_late=self._on_grad_outside_idle,
+            self.params_list, overlap=ddp_config.overlap_grad_reduce,
+            on_ready=self._on_ready, on_reopen=self._reopen, name_of=self.name_of,
+            keeps_across_syncs=not ddp_config.sharding.shards_optimizer, group_id=group_id,
+            rank=rank,
         )  # fmt: skip
         self.register_grad_ready_at = self.readiness.register_grad_ready_at
         self._final = True  # this backward ends the step ([Note: two-level reduction])
         self._inbound_allowed = self._may_scale_inbound()
-        self.next_param_gather_bucket_group: BucketGroup | None = None
         self.timeline: Timeline | None = None
-        self.param_state = ParamSyncState.VALID
-        self._param_work: SyncWork | None = None
-        n = len(self.params_list)
-        self._all_unwritten = b"\x01" * n
-        # 1 = main_grad holds stale values ([Note: grad accumulation into main_grad]); reset in
-        # place each iteration
-        self._unwritten = bytearray(self._all_unwritten)
+        self.param_gather = ParamGather(  # param_gather.py
+            self.buckets, collectives, collective_group, self.local_shard,
+            overlap=ddp_config.overlap_param_gather, group_id=group_id, rank=rank,
+        )  # fmt: skip
+        self.written = WrittenGrads(self.params_list, self.grads, self._before_refill)
+        self.mark_written = self.written.mark_written  # per grad: no call more
+        self.mark_unwritten = self.written.mark_unwritten
+        self.set_unwritten = self.written.set  # [Note: counted arrivals]
         self.nonfinite = NonfiniteFlags(  # [Note: NaN check] in nan_check.py
             self.params_list, [len(b.params_list) for b in self.buckets], self.name_of,
             keep_across_microbatches=self.releases_buckets,
         )  # fmt: skip
         self._clear_iteration()
-
-    def _reduction_parts(self) -> ReductionParts:
-        cfg = self.ddp_config
-        return ReductionParts(
-            self.buckets, self.grads, self.collectives, self.collective_group, cfg.sharding,
-            self.inbound, self.params_list, cfg.average_in_collective, self.dp_rank,
-            self.dp_size, self.group_id, self.rank,
-        )  # fmt: skip
 
     # ---- the parts' state, as the grad sync and the tests read it -----------------------------
     @property
@@ -184,10 +180,6 @@ class BucketGroup:
         return self.reduction.replicas  # hybrid's second level; None when flat
 
     @property
-    def learned(self) -> bool:
-        return self.readiness.learned
-
-    @property
     def all_ready(self) -> bool:
         return self.readiness.all_ready
 
@@ -211,20 +203,12 @@ class BucketGroup:
 
     # ---- lifecycle guards -------------------------------------------------------------------
     def _expect(self, *states: GradSyncState) -> None:
-        hint = "did you call zero_grad_buffer() between iterations and finish_grad_sync() "
-        hint += "after backward?"
-        self._guard("grad sync", self.grad_state, states, hint)
-
-    def _expect_param(self, *states: ParamSyncState) -> None:
-        hint = "finish in-flight param gathers (model.publish_params()) before changing params"
-        self._guard("param sync", self.param_state, states, hint)
-
-    def _guard(self, what: str, state: enum.Enum, allowed: Sequence[enum.Enum], hint: str) -> None:
-        if state not in allowed:
-            wanted = " or ".join(s.name for s in allowed)
+        if self.grad_state not in states:
+            wanted = " or ".join(s.name for s in states)
             raise RuntimeError(
-                f"megabuf: bucket group {self.group_id} {what} is {state.name}, expected "
-                f"{wanted} (rank {self.rank}); {hint}"
+                f"megabuf: bucket group {self.group_id} grad sync is {self.grad_state.name}, "
+                f"expected {wanted} (rank {self.rank}); did you call zero_grad_buffer() between "
+                "iterations and finish_grad_sync() after backward?"
             )
 
     # ---- observers learned or enabled at run time ------------------------------------------
@@ -245,6 +229,10 @@ class BucketGroup:
 
     # ---- readiness events ([Note: grad readiness] in dispatch.py) ----------------------------
     def on_all_arrived(self) -> None:
+        """A counted group's learned total arrived ([Note: counted arrivals])."""
+        self.readiness.all_arrived()
+
+    def _on_ready(self) -> None:
         """Every grad this iteration brings arrived: dispatch, in chain order."""
         if self.timeline is not None:
             self.timeline.record(self.group_id, "ready")
@@ -265,60 +253,20 @@ class BucketGroup:
 
     def on_counted_grad_outside_idle(self) -> None:
         """A counted arrival ([Note: counted arrivals]) found the group dispatched or synced."""
-        self._on_grad_outside_idle(None, None)
+        self.readiness.late(None, None)
 
-    def set_unwritten(self, flags: bytearray) -> None:
-        """Which params' main_grad holds no grad of this iteration, one flag each (1: none)."""
-        self._unwritten[:] = flags
-
-    def _on_grad_outside_idle(self, i: int | None, param: nn.Parameter | None) -> None:
-        """A grad found the group DISPATCHED (raises) or SYNCED (a new backward without
-        zero_grad_buffer(): accumulate on top, as torch does, where the reduction allows)."""
-        name = self._name_or_span(param)
-        if self.grad_state is GradSyncState.DISPATCHED:
-            got = self.readiness.arrivals[i] if i is not None else self.expected_total
-            raise RuntimeError(
-                f"megabuf: {name} received a gradient after its bucket group {self.group_id} "
-                f"was dispatched (rank {self.rank}), the group already having received {got} "
-                "this iteration, as many as learned in the first iteration. "
-                "Two backward passes in one iteration need no_sync() around all but the last; "
-                "a param whose number of gradient contributions per backward varies between "
-                "iterations needs overlap_grad_reduce=False"
-            )
-        if self.ddp_config.sharding.shards_optimizer:
-            raise RuntimeError(
-                f"megabuf: backward after finish_grad_sync() without zero_grad_buffer() (rank "
-                f"{self.rank}, {name}); with use_distributed_optimizer only "
-                "this rank's shard of the buffer is reduced, so grads cannot be accumulated "
-                "across syncs. Use no_sync() for gradient accumulation"
-            )
+    def _reopen(self, name: str) -> None:
+        """A grad (of `name`) found the group SYNCED: a new backward without zero_grad_buffer()
+        accumulates on top, where the reductions allow ([Note: grad readiness])."""
         if self.chain is not None:
             self.chain.reopen(self, name)
         else:
-            self.check_reaccumulation([self], name)
-            self._clear_readiness()
-
-    def check_reaccumulation(self, groups: Sequence[BucketGroup], name: str) -> None:
-        """Raise if a reduction of `groups` does not map already-reduced grads to themselves."""
-        if any(g.reduction_gain != 1.0 for g in groups):
-            raise RuntimeError(
-                f"megabuf: backward after finish_grad_sync() without zero_grad_buffer() (rank "
-                f"{self.rank}, {name}): this bucket group's reduction does "
-                "not map already-reduced grads to themselves (expert-parallel params are scaled "
-                "by 1/dp_size but summed over expt_dp only), so accumulating across syncs would "
-                "be wrong. Use no_sync() for gradient accumulation"
-            )
-
-    def _name_or_span(self, param: nn.Parameter | None) -> str:
-        """`param`'s name; without one (a counted arrival) the group's first and last."""
-        if param is not None:
-            return self.name_of(param)
-        first, last = self.params_list[0], self.params_list[-1]
-        return f"a param of {self.name_of(first)} .. {self.name_of(last)}"
+            refuse_reaccumulation([self], name, self.rank)
+            self.readiness.clear()
 
     def set_next_param_gather(self, group: BucketGroup | None) -> None:
         """The group whose param gather `finish_param_sync` prefetches (learned forward order)."""
-        self.next_param_gather_bucket_group = group
+        self.param_gather.next = group.param_gather if group is not None else None
 
     # ---- iteration bookkeeping ----------------------------------------------------------------
     def reset(self) -> None:
@@ -338,63 +286,33 @@ class BucketGroup:
         into the grad shards; accept the next micro-batch's grads (IDLE). Unlike reset(), the
         shards and the NaN flags are kept."""
         self._expect(GradSyncState.SYNCED)
-        self._clear_readiness()
+        self.readiness.clear()
 
     def _clear_iteration(self) -> None:
-        self._clear_readiness()
-        self.is_last_microbatch = True
-        self._unwritten[:] = self._all_unwritten
-        self.inbound.clear()
-        self.unused_indices: tuple[int, ...] = ()  # unwritten when dispatched (zero-filled)
-        self.nonfinite.clear()
-
-    def _clear_readiness(self) -> None:
         self.readiness.clear()
+        self.is_last_microbatch = True
+        self.written.clear()
+        self.inbound.clear()
+        self.nonfinite.clear()
 
     def index_of(self, param: torch.nn.Parameter) -> int:
         """Position of `param` in `params_list` (identity, not tensor equality)."""
         return self._index[param]
 
-    def mark_written(self, i: int) -> bool:
-        """Record that param `i` got a grad; True if it is the first since zero_grad_buffer()
-        (the hook then overwrites main_grad instead of adding to it). Under optim_grads* the
-        group's first grad since its release refills its buckets first."""
-        if self.grads.released:
-            self._acquire_for_grad(i)
-        first = self._unwritten[i]
-        if first:
-            self._unwritten[i] = 0
-        return bool(first)
-
-    def _acquire_for_grad(self, i: int) -> None:
-        """A grad arrives for a released group: refill its buckets, unless it is a backward
-        after finish_grad_sync() without zero_grad_buffer() (which raises, naming param i)."""
+    def _before_refill(self, i: int) -> None:
+        """A grad arrives for a released group, which refills its buckets, unless it is a
+        backward after finish_grad_sync() without zero_grad_buffer() (raises, naming param i)."""
         if self.grad_state is GradSyncState.SYNCED:
-            self._on_grad_outside_idle(i, self.params_list[i])
-        self.grads.acquire()
-
-    def mark_unwritten(self, i: int) -> None:
-        """Param `i`'s main_grad no longer counts as written (its exposed `.grad` was set to
-        None): its next grad overwrites it, and without one it is zero-filled at dispatch."""
-        self._unwritten[i] = 1
+            self.readiness.late(i, self.params_list[i])
 
     def copy_factor(self, i: int, first: bool) -> float:
         """Param `i`'s grad's factor into main_grad: [Note: scale on the way in] (grad_math.py)."""
         return self.inbound.factor_for(i, first, self._inbound_allowed)
 
-    def zero_unwritten_grads(self) -> None:
-        """Zero the main_grad of params that got no grad since zero_grad_buffer(), and remember
-        which they were (`unused_indices`). One `_foreach_zero_` per dtype, not one call each."""
-        unused = []
-        i = self._unwritten.find(1)
-        while i != -1:
-            self._unwritten[i] = 0
-            unused.append(i)
-            i = self._unwritten.find(1, i + 1)
-        self.unused_indices = tuple(unused)
-        grads = [self.params_list[i].main_grad for i in unused]  # type: ignore[attr-defined]
-        for same_dtype in by_dtype(grads):
-            torch._foreach_zero_(same_dtype)
+    @property
+    def unused_indices(self) -> tuple[int, ...]:
+        """Params unwritten when dispatched (zero-filled)."""
+        return self.written.unused_indices
 
     @property
     def reduction_gain(self) -> float:
@@ -410,11 +328,11 @@ class BucketGroup:
         """Dispatch every bucket's reduction (async when overlapping), scaled by the bucket's
         gradient_scaling_factor: before an all-reduce, after a reduce-scatter (shard only)."""
         self._expect(GradSyncState.IDLE)
-        if self.grads.released:
-            self.grads.acquire()  # no grad since the release: all zero-filled below
+        if self.grads.released:  # no grad since the release: all zero-filled below
+            self.written.refill()
         counter = self.readiness.counter
         counter.reconcile()
-        self.zero_unwritten_grads()
+        self.written.zero_unwritten()
         if self.ddp_config.check_for_nan_in_grad:
             self.nonfinite.record(self.buckets[0].grad_data.device)
         self.reduction.start(self.ddp_config.overlap_grad_reduce, self._final)
@@ -433,15 +351,10 @@ class BucketGroup:
         if self.grad_state is GradSyncState.IDLE:
             self.start_grad_sync()
         self.reduction.finish()
-        self._after_landing()
         self.grad_state = GradSyncState.SYNCED
         self.readiness.counter.reset()  # a later arrival checks the state
         if self.timeline is not None:
             self.timeline.record(self.group_id, "finish")
-
-    def _after_landing(self) -> None:
-        if self.grads.released:  # into the grad shards: the buckets' contents are gone
-            self._unwritten[:] = self._all_unwritten
 
     def start_replica_sync(self) -> None:
         """Hybrid, a final micro-batch: land the first level and issue the all-reduce across
@@ -450,7 +363,6 @@ class BucketGroup:
         if not self.reduction.owed:
             return
         self.reduction.start_second_level()
-        self._after_landing()
         if self.timeline is not None:  # the second level's dispatch; "finish" covers both
             self.timeline.record(self.group_id, "replicate_dispatch")
 
@@ -482,57 +394,22 @@ class BucketGroup:
         self.grad_state = GradSyncState.IDLE
         self._clear_iteration()
 
-    # ---- param sync (distributed optimizer) -------------------------------------------------
+    # ---- param sync (distributed optimizer): its ParamGather, param_gather.py ----------------
+    @property
+    def param_state(self) -> ParamSyncState:
+        return self.param_gather.state
+
     def mark_params_stale(self) -> None:
         """The optimizer updated this rank's shards; other ranks' shards must be gathered."""
-        self._expect_param(ParamSyncState.VALID)
-        self.param_state = ParamSyncState.STALE
+        self.param_gather.mark_stale()
 
     def start_param_sync(self, force_sync: bool = False) -> None:
-        """All-gather each bucket's param shards; async when overlap_param_gather. Without
-        `force_sync` nothing is done when params are valid or their gather is in flight. With
-        `force_sync` the params hold the gathered values on return, from any state: a stale
-        group gathers synchronously and a gather in flight is waited for ([Note: who waits for
-        param gathers] in ddp.py)."""
-        if force_sync and self.param_state is ParamSyncState.DISPATCHED:
-            self.finish_param_sync(skip_next_bucket_dispatch=True)
-            return
-        if self.param_state is not ParamSyncState.STALE:
-            return
-        async_op = self.ddp_config.overlap_param_gather and not force_sync
-        params = [b.param_data for b in self.buckets]
-        if any(p is None for p in params):
-            raise RuntimeError(
-                f"megabuf: bucket group {self.group_id} has no param_data to gather into: param "
-                "sync needs a strategy that shards the optimizer (use_distributed_optimizer=True)"
-            )
-        full = [p for p in params if p is not None]
-        pending = self.collectives.all_gather_many(
-            full, [self.local_shard(p) for p in full], self.collective_group,
-            async_op=async_op, tag=self.group_id,
-        )  # fmt: skip
-        self._param_work = SyncWork(pending)
-        self.param_state = ParamSyncState.DISPATCHED
-        if not async_op:
-            self.finish_param_sync(skip_next_bucket_dispatch=True)
-            return
-        # [Note: gathers outlive a dropped group]: waited for when the record is dropped
-        weakref.finalize(self._param_work, wait_dropped, pending, self.rank)
+        """All-gather each bucket's param shards (`ParamGather.start`)."""
+        self.param_gather.start(force_sync)
 
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
-        """Make params valid (dispatching the gather if nobody has), then prefetch the next
-        group's gather so it overlaps with this group's forward compute."""
-        if self.param_state is ParamSyncState.STALE:
-            self.start_param_sync()
-        if self.param_state is ParamSyncState.DISPATCHED:
-            if self._param_work is None:
-                raise RuntimeError(f"megabuf: bucket group {self.group_id} has no gather work")
-            self._param_work.wait()
-            self._param_work = None
-        self.param_state = ParamSyncState.VALID
-        nxt = self.next_param_gather_bucket_group
-        if not skip_next_bucket_dispatch and nxt is not None:
-            nxt.start_param_sync()
+        """Make params valid, then prefetch the next group's gather (`ParamGather.finish`)."""
+        self.param_gather.finish(skip_next_bucket_dispatch)
 
     # ---- helpers ----------------------------------------------------------------------------
     def local_shard(self, data: torch.Tensor) -> torch.Tensor:

@@ -60,9 +60,6 @@ class ChainMember(Protocol):
     @property
     def all_ready(self) -> bool: ...
 
-    @property
-    def reduction_gain(self) -> float: ...
-
     def start_grad_sync(self) -> None: ...
 
     def finish_grad_sync(self) -> None: ...
@@ -78,7 +75,10 @@ class ChainMember(Protocol):
 
     def start_replica_sync(self) -> None: ...
 
-    def check_reaccumulation(self, groups: Sequence[Any], name: str) -> None: ...
+    rank: int
+
+    @property
+    def reduction_gain(self) -> float: ...
 
 
 M = TypeVar("M", bound=ChainMember)
@@ -194,7 +194,7 @@ class DispatchChain(Generic[M]):
         """A grad (of `name`) reached `late` after the chain's sync: a new backward without
         zero_grad_buffer() accumulates on top, as torch does, where every reduction of the
         chain allows it; the synced groups accept grads again."""
-        late.check_reaccumulation(self.groups, name)
+        refuse_reaccumulation(self.groups, name, late.rank)
         for group in self.groups:
             if group.grad_state is GradSyncState.SYNCED:
                 group.next_microbatch()
@@ -211,6 +211,19 @@ class DispatchChain(Generic[M]):
     def reset(self) -> None:
         self.next_index = 0
         self.next_replica = 0
+
+
+def refuse_reaccumulation(groups: Sequence[ChainMember], name: str, rank: int) -> None:
+    """Raise if a reduction of `groups` does not map already-reduced grads to themselves (a
+    grad of `name` arrived after their sync)."""
+    if any(g.reduction_gain != 1.0 for g in groups):
+        raise RuntimeError(
+            f"megabuf: backward after finish_grad_sync() without zero_grad_buffer() (rank "
+            f"{rank}, {name}): this bucket group's reduction does not "
+            "map already-reduced grads to themselves (expert-parallel params are scaled by "
+            "1/dp_size but summed over expt_dp only), so accumulating across syncs would be "
+            "wrong. Use no_sync() for gradient accumulation"
+        )
 
 
 def build_chain(groups: Sequence[M], order_key: Callable[[M], int]) -> None:

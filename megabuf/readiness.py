@@ -3,8 +3,9 @@ arrived ([Note: grad readiness] in dispatch.py): the group's grad lifecycle stat
 per-grad path checks first), the per-param arrival counts and, once the group is switched to
 them, its counted arrivals ([Note: counted arrivals] in arrivals.py).
 
-The group owns one and builds it with its two callbacks: `on_ready` (every grad arrived) and
-`on_late` (a grad found the group dispatched or synced). The per-grad entry,
+The group owns one and builds it with its callbacks: `on_ready` (every grad arrived) and
+`on_reopen` (a grad found the group synced: a new backward accumulates on top), and what its
+refusals name. The per-grad entry,
 `register_grad_ready_at`, is this object's bound method, which the group publishes as its own
 attribute, so a grad costs no Python call more than when readiness was a mixin.
 """
@@ -12,7 +13,7 @@ attribute, so a grad costs no Python call more than when readiness was a mixin.
 from __future__ import annotations
 
 import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
@@ -40,18 +41,28 @@ class GradReadiness:
 
     def __init__(
         self,
-        n: int,
+        params: Sequence[nn.Parameter],
         *,
         overlap: bool,
         on_ready: Callable[[], None],
-        on_late: Callable[[int | None, nn.Parameter | None], None],
+        on_reopen: Callable[[str], None],
+        name_of: Callable[[nn.Parameter], str],
+        keeps_across_syncs: bool,  # grads may accumulate across syncs (not sharded optimizer)
+        group_id: int,
+        rank: int,
     ) -> None:
         self.state = GradSyncState.IDLE  # the group's grad lifecycle (its `grad_state`)
         self.overlap = overlap  # overlap_grad_reduce: readiness dispatches during backward
         self._last = True  # this backward ends with the group's reduction (not no_sync())
         self.counting = overlap  # overlap and last: this backward's arrivals make it ready
         self._on_ready = on_ready
-        self._on_late = on_late
+        self._on_reopen = on_reopen
+        self._name_of = name_of
+        self._span = (params[0], params[-1]) if params else None
+        n = len(params)
+        self._keeps_across_syncs = keeps_across_syncs
+        self.group_id = group_id
+        self.rank = rank
         # grad arrivals per param per iteration; None until learned
         self.expected: list[int] | None = None
         self._no_arrivals = array.array("H", bytes(2 * n))  # a count > 65535 raises
@@ -75,7 +86,7 @@ class GradReadiness:
         """The backward hook's entry (it knows `i`, the param's position in the group's
         `params_list`). O(1), allocation-free in steady state."""
         if self.state is not GradSyncState.IDLE:
-            self._on_late(i, param)
+            self.late(i, param)
         if not self.counting:
             return  # synchronous reduction, or inside no_sync(): accumulate only
         self.arrivals[i] += 1
@@ -90,6 +101,37 @@ class GradReadiness:
         """Every grad this iteration brings arrived (per param, or counted)."""
         self.num_pending = 0  # all_ready (a counted group does not count per param)
         self._on_ready()
+
+    def late(self, i: int | None, param: nn.Parameter | None) -> None:
+        """A grad (of param `i`; None: a counted arrival) found the group DISPATCHED (raises)
+        or SYNCED (a new backward without zero_grad_buffer(): accumulate on top, as torch
+        does, where the reductions allow it)."""
+        name = self._name_or_span(param)
+        if self.state is GradSyncState.DISPATCHED:
+            got = self.arrivals[i] if i is not None else self.expected_total
+            raise RuntimeError(
+                f"megabuf: {name} received a gradient after its bucket group {self.group_id} "
+                f"was dispatched (rank {self.rank}), the group already having received {got} "
+                "this iteration, as many as learned in the first iteration. "
+                "Two backward passes in one iteration need no_sync() around all but the last; "
+                "a param whose number of gradient contributions per backward varies between "
+                "iterations needs overlap_grad_reduce=False"
+            )
+        if not self._keeps_across_syncs:
+            raise RuntimeError(
+                f"megabuf: backward after finish_grad_sync() without zero_grad_buffer() (rank "
+                f"{self.rank}, {name}); with use_distributed_optimizer only "
+                "this rank's shard of the buffer is reduced, so grads cannot be accumulated "
+                "across syncs. Use no_sync() for gradient accumulation"
+            )
+        self._on_reopen(name)
+
+    def _name_or_span(self, param: nn.Parameter | None) -> str:
+        """`param`'s name; without one (a counted arrival) the group's first and last."""
+        if param is not None or self._span is None:
+            return self._name_of(param) if param is not None else "a param"
+        first, last = self._span
+        return f"a param of {self._name_of(first)} .. {self._name_of(last)}"
 
     # ---- per iteration ------------------------------------------------------------------------
     def clear(self) -> None:

@@ -57,6 +57,16 @@ class ReductionParts:
     group_id: int
     rank: int
 
+    @classmethod
+    def of(cls, group: Any) -> ReductionParts:
+        """A `BucketGroup`'s (its grad storage and inbound scale already built)."""
+        cfg = group.ddp_config
+        return cls(
+            group.buckets, group.grads, group.collectives, group.collective_group, cfg.sharding,
+            group.inbound, group.params_list, cfg.average_in_collective, group.dp_rank,
+            group.dp_size, group.group_id, group.rank,
+        )  # fmt: skip
+
     def local_shard(self, data: Tensor) -> Tensor:
         numel = data.numel() // self.dp_size
         return data[self.dp_rank * numel : (self.dp_rank + 1) * numel]

@@ -438,13 +438,13 @@ def test_learn_arrivals_counts_at_least_one() -> None:
     grad(g, 0)
     grad(g, 1)  # param 2 gets nothing in the learning iteration
     finish_iteration(chain)
-    assert g._expected_arrivals == [2, 1, 1]
+    assert g.readiness.expected == [2, 1, 1]
     zero_grad_buffer(chain)
     grad(g, 0)
     grad(g, 1)
     grad(g, 2)
     g.learn_arrivals()  # learned once: later iterations do not relearn
-    assert g._expected_arrivals == [2, 1, 1]
+    assert g.readiness.expected == [2, 1, 1]
 
 
 def test_learn_arrivals_needs_overlap() -> None:
@@ -515,7 +515,7 @@ def test_no_sync_arrivals_are_not_learned() -> None:
     grad(g, 0)
     grad(g, 1)
     finish_iteration(chain)
-    assert g._expected_arrivals == [1, 1]
+    assert g.readiness.expected == [1, 1]
 
 
 # ---- missing grads ----------------------------------------------------------------------------
