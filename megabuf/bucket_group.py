@@ -350,6 +350,7 @@ class BucketGroup:
             return
         if self.grad_state is GradSyncState.IDLE:
             self.start_grad_sync()
+        self.start_replica_sync()  # when owed
         self.reduction.finish()
         self.grad_state = GradSyncState.SYNCED
         self.readiness.counter.reset()  # a later arrival checks the state

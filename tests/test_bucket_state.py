@@ -425,10 +425,10 @@ def test_learning_iteration_dispatches_nothing_during_backward() -> None:
     for g in groups:
         grad(g, 0)
         grad(g, 1)
-    assert coll.calls == [] and not any(g.all_ready or g.learned for g in groups)
+    assert coll.calls == [] and not any(g.all_ready or g.readiness.learned for g in groups)
     assert [g.grad_state for g in groups] == [IDLE, IDLE]
     finish_iteration(chain)
-    assert dispatched(coll, groups) == [0, 1] and all(g.learned for g in groups)
+    assert dispatched(coll, groups) == [0, 1] and all(g.readiness.learned for g in groups)
 
 
 def test_learn_arrivals_counts_at_least_one() -> None:
@@ -452,7 +452,7 @@ def test_learn_arrivals_needs_overlap() -> None:
     chain, (g,) = make_chain(1, coll, cfg=Config())
     grad(g, 0)
     finish_iteration(chain)
-    assert not g.learned and not g.all_ready
+    assert not g.readiness.learned and not g.all_ready
 
 
 def test_param_with_two_arrivals_readies_group_after_second() -> None:
