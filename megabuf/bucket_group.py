@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
-from torch import nn
 from torch.distributed import ProcessGroup
 
 from megabuf.arrivals import CountedArrivals, GradHook
@@ -53,12 +52,6 @@ class BucketGroup:
     `DispatchChain` are all given here; nothing is patched in later. `grads`: its grad storage
     (default: the full one); `replicate_group`: hybrid's second level.
     """
-
-    # its parts' per-grad entries, bound methods published as the group's own
-    register_grad_ready_at: Callable[[int, nn.Parameter], None]  # readiness's
-    mark_written: Callable[[int], bool]  # written's
-    mark_unwritten: Callable[[int], None]
-    set_unwritten: Callable[[bytearray], None]
 
     def __init__(
         self,
@@ -105,9 +98,9 @@ class BucketGroup:
             keeps_across_syncs=not ddp_config.sharding.shards_optimizer, group_id=group_id,
             rank=rank,
         )  # fmt: skip
+        # the parts' per-grad entries: their bound methods, published as the group's own
         self.register_grad_ready_at = self.readiness.register_grad_ready_at
-        self._final = True  # this backward ends the step ([Note: two-level reduction])
-        self._inbound_allowed = self._may_scale_inbound()
+        self.is_final_microbatch = True  # this backward ends the step
         self.timeline: Timeline | None = None
         self.param_gather = ParamGather(  # param_gather.py
             self.buckets, collectives, collective_group, self.local_shard,
@@ -148,13 +141,9 @@ class BucketGroup:
 
     @is_final_microbatch.setter
     def is_final_microbatch(self, value: bool) -> None:
-        self._final = value
-        self._inbound_allowed = self._may_scale_inbound()
-
-    def _may_scale_inbound(self) -> bool:
-        """[Note: scale on the way in]: only when this backward's end reduces the group."""
-        cfg, scales = self.ddp_config, self.reduction.scales_inbound
-        return self._final and scales and cfg.sync_grads_at_backward_end
+        self._final = value  # [Note: two-level reduction]; [Note: scale on the way in]: only
+        cfg, scales = self.ddp_config, self.reduction.scales_inbound  # when its end reduces
+        self._inbound_allowed = value and scales and cfg.sync_grads_at_backward_end
 
     @property
     def counted(self) -> CountedArrivals | None:
@@ -201,16 +190,6 @@ class BucketGroup:
         self.readiness.counter = counted
         return counted.hook
 
-    # ---- lifecycle guards -------------------------------------------------------------------
-    def _expect(self, *states: GradSyncState) -> None:
-        if self.grad_state not in states:
-            wanted = " or ".join(s.name for s in states)
-            raise RuntimeError(
-                f"megabuf: bucket group {self.group_id} grad sync is {self.grad_state.name}, "
-                f"expected {wanted} (rank {self.rank}); did you call zero_grad_buffer() between "
-                "iterations and finish_grad_sync() after backward?"
-            )
-
     # ---- observers learned or enabled at run time ------------------------------------------
     def set_timeline(self, timeline: Timeline | None) -> None:
         """Record ready/dispatch/finish events into `timeline` (None: stop recording)."""
@@ -225,7 +204,7 @@ class BucketGroup:
             )
         timeout = self.ddp_config.comm_hook_timeout_s
         self.reduction = self.reduction.with_hook(hook, buckets, timeout)
-        self._inbound_allowed = self._may_scale_inbound()
+        self.is_final_microbatch = self._final  # a hook takes no grad scaled on the way in
 
     # ---- readiness events ([Note: grad readiness] in dispatch.py) ----------------------------
     def on_all_arrived(self) -> None:
@@ -256,8 +235,7 @@ class BucketGroup:
         self.readiness.late(None, None)
 
     def _reopen(self, name: str) -> None:
-        """A grad (of `name`) found the group SYNCED: a new backward without zero_grad_buffer()
-        accumulates on top, where the reductions allow ([Note: grad readiness])."""
+        """A grad (of `name`) found the group SYNCED: accumulate on top ([Note: grad readiness])."""
         if self.chain is not None:
             self.chain.reopen(self, name)
         else:
@@ -285,7 +263,7 @@ class BucketGroup:
         """reduce_each_microbatch: this micro-batch's reduction finished (SYNCED) and was added
         into the grad shards; accept the next micro-batch's grads (IDLE). Unlike reset(), the
         shards and the NaN flags are kept."""
-        self._expect(GradSyncState.SYNCED)
+        self.readiness.expect(GradSyncState.SYNCED)
         self.readiness.clear()
 
     def _clear_iteration(self) -> None:
@@ -327,7 +305,7 @@ class BucketGroup:
     def start_grad_sync(self) -> None:
         """Dispatch every bucket's reduction (async when overlapping), scaled by the bucket's
         gradient_scaling_factor: before an all-reduce, after a reduce-scatter (shard only)."""
-        self._expect(GradSyncState.IDLE)
+        self.readiness.expect(GradSyncState.IDLE)
         if self.grads.released:  # no grad since the release: all zero-filled below
             self.written.refill()
         counter = self.readiness.counter

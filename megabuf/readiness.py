@@ -81,6 +81,16 @@ class GradReadiness:
         self._last = value
         self.counting = self.overlap and value
 
+    def expect(self, *states: GradSyncState) -> None:
+        """The grad lifecycle's guard: raise naming both states unless in one of `states`."""
+        if self.state not in states:
+            wanted = " or ".join(s.name for s in states)
+            raise RuntimeError(
+                f"megabuf: bucket group {self.group_id} grad sync is {self.state.name}, "
+                f"expected {wanted} (rank {self.rank}); did you call zero_grad_buffer() between "
+                "iterations and finish_grad_sync() after backward?"
+            )
+
     # ---- the per-grad path --------------------------------------------------------------------
     def register_grad_ready_at(self, i: int, param: nn.Parameter) -> None:
         """The backward hook's entry (it knows `i`, the param's position in the group's

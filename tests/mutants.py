@@ -650,8 +650,8 @@ MUTANTS = (
         "inbound-scale-under-no-sync",
         "grads go in scaled only when this backward's end reduces the group (not under no_sync)",
         "megabuf/bucket_group.py",
-        "        return self._final and scales and cfg.sync_grads_at_backward_end",
-        "        return scales and cfg.sync_grads_at_backward_end",
+        "        self._inbound_allowed = value and scales and cfg.sync_grads_at_backward_end",
+        "        self._inbound_allowed = scales and cfg.sync_grads_at_backward_end",
         ("tests/test_inbound_scale.py",),
     ),
     Mutant(
