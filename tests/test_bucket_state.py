@@ -274,7 +274,7 @@ def test_expect_guard_names_both_states_and_rank(state: str) -> None:
     assert g.grad_state.name == state
     other = "IDLE or SYNCED" if state == "DISPATCHED" else "IDLE or DISPATCHED"
     with pytest.raises(RuntimeError, match=rf"is {state}, expected {other} \(rank {RANK}\)"):
-        g._expect(*(GradSyncState[s] for s in other.split(" or ")))
+        g.readiness.expect(*(GradSyncState[s] for s in other.split(" or ")))
 
 
 def test_reset_while_dispatched_raises() -> None:

@@ -54,7 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     )),
     ("group", (
         "megabuf.bucket_group", "megabuf.dispatch", "megabuf.grad_math", "megabuf.readiness",
-        "megabuf.arrivals", "megabuf.reductions",
+        "megabuf.arrivals", "megabuf.reductions", "megabuf.param_gather",
     )),
     ("engine", (
         "megabuf.nan_check", "megabuf.microbatches", "megabuf.hooks", "megabuf.grads",
