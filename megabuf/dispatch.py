@@ -20,7 +20,10 @@ dispatches every remaining group in chain order on every rank, zero-filling unwr
 rank waits for a collective another rank never issues. A gradient that arrives after its group
 was dispatched is an error (a second backward without no_sync(), or more arrivals than learned).
 A group whose params are all small and linked counts, once learned, the sum of its params'
-arrivals without a Python call per grad instead ([Note: counted arrivals] in arrivals.py).
+arrivals without a Python call per grad instead ([Note: counted arrivals] in arrivals.py): the
+group's readiness part (`GradReadiness`, readiness.py) is switched to it by
+`BucketGroup.count_arrivals`. A grad after the group's sync (a new backward without
+zero_grad_buffer()) reopens the group's whole chain (`DispatchChain.reopen`).
 
 [Note: gathers outlive a dropped group]
 With overlap_param_gather the step leaves every group's param all-gather in flight for the next
