@@ -38,15 +38,12 @@ from pathlib import Path
 MOVES: dict[str, str] = {
     # pure: layout math and the records the config and the plan are made from
     "megabuf.layout": "megabuf.pure.layout",
-    "megabuf.units": "megabuf.pure.units",
     "megabuf.owners": "megabuf.pure.owners",
     "megabuf.hybrid": "megabuf.pure.hybrid",
     "megabuf.bucket_planner": "megabuf.pure.bucket_planner",
     "megabuf.timeline": "megabuf.pure.timeline",
     "megabuf.overlap": "megabuf.pure.overlap",
     "megabuf.config_fields": "megabuf.pure.config_fields",
-    "megabuf.sharding_strategy": "megabuf.pure.sharding_strategy",
-    "megabuf.strategy": "megabuf.pure.strategy",
     # transport: every torch.distributed call, process groups, devices
     "megabuf.collectives": "megabuf.transport.collectives",
     "megabuf.comm_records": "megabuf.transport.comm_records",
@@ -56,6 +53,7 @@ MOVES: dict[str, str] = {
     "megabuf.devices": "megabuf.transport.devices",
     "megabuf.dist_autograd": "megabuf.transport.dist_autograd",
     "megabuf.torch_compat": "megabuf.transport.torch_compat",
+    "megabuf.collective_backends": "megabuf.transport.collective_backends",
     # planning: the one planner and the model's side of it
     "megabuf.plan": "megabuf.planning.plan",
     "megabuf.model_plan": "megabuf.planning.model_plan",
@@ -76,18 +74,18 @@ MOVES: dict[str, str] = {
     "megabuf.nan_check": "megabuf.sync.nan_check",
     "megabuf.microbatches": "megabuf.sync.microbatches",
     "megabuf.hook_registry": "megabuf.sync.hook_registry",
-    "megabuf.param_units": "megabuf.sync.param_units",
     "megabuf.sparse_grads": "megabuf.sync.sparse_grads",
     "megabuf.residency": "megabuf.sync.residency",
     # replan: bucket_size = "auto"
     "megabuf.autobucket": "megabuf.replan.autobucket",
     "megabuf.warmup": "megabuf.replan.warmup",
     "megabuf.sharded_replan": "megabuf.replan.sharded_replan",
-    # wiring: the engine, built and wired once, and what acts on it whole
-    "megabuf.assembly": "megabuf.wiring.assembly",
-    "megabuf.engine": "megabuf.wiring.engine",
-    "megabuf.pickling": "megabuf.wiring.pickling",
-    "megabuf.join": "megabuf.wiring.join",
+    # core: the engine, built and wired once, and what acts on it whole
+    "megabuf.assembly": "megabuf.core.assembly",
+    "megabuf.wiring": "megabuf.core.wiring",
+    "megabuf.engine": "megabuf.core.engine",
+    "megabuf.pickling": "megabuf.core.pickling",
+    "megabuf.join": "megabuf.core.join",
     # training: what a training loop calls on wrapped models
     "megabuf.finalize": "megabuf.training.finalize",
     "megabuf.reproducible": "megabuf.training.reproducible",
@@ -131,8 +129,9 @@ PACKAGES: dict[str, str] = {
         'Re-plan: `bucket_size = "auto"`: the warm-up measurement, the agreed plan and the\n'
         "rebuild (dense and sharded)."
     ),
-    "megabuf.wiring": (
-        "Wiring: `assemble` and the `Engine` it builds once, and what acts on the engine whole\n"
+    "megabuf.core": (
+        "Core: `assemble`, the `Engine` it builds once and its `Wiring` record, and what acts on\n"
+        "the engine whole"
         "(pickling and copying a wrapped model, uneven inputs under torch's `Join`)."
     ),
     "megabuf.training": (

@@ -48,23 +48,39 @@ the next reset.
 
 from __future__ import annotations
 
-import array
 import enum
 import functools
 import inspect
 import itertools
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Protocol
 
 from torch import nn
 
-from megabuf.config import DistributedDataParallelConfig
-from megabuf.dispatch import GradSyncState
-from megabuf.sharding.grads import ShardedGrads
-from megabuf.timeline import Timeline
-
 GradHook = Callable[[nn.Parameter], None]
+
+
+class CountedGroup(Protocol):
+    """What a counter asks of its bucket group (`BucketGroup` in bucket_group.py)."""
+
+    params_list: list[nn.Parameter]
+    rank: int
+    releases_buckets: bool  # its grad storage is released between reductions (sharded)
+
+    @property
+    def accepts_grads(self) -> bool: ...
+
+    @property
+    def counts_arrivals(self) -> bool: ...
+
+    def on_all_arrived(self) -> None: ...
+
+    def on_counted_grad_outside_idle(self) -> None: ...
+
+    def set_unwritten(self, flags: bytearray) -> None: ...
+
+    def name_of(self, param: nn.Parameter) -> str: ...
 
 
 class _Turn(enum.Enum):
@@ -83,7 +99,7 @@ class CountedArrivals:
 
     def __init__(
         self,
-        group: GradReadiness,
+        group: CountedGroup,
         total: int,
         on_grad: Callable[[], Callable[[], None] | None],
         in_backward: list[bool],
@@ -166,146 +182,6 @@ class CountedArrivals:
         group.set_unwritten(unwritten)
 
 
-class GradReadiness:
-    """Mixed into `BucketGroup` (whose constructor sets these attributes): when the grads of an
-    iteration have all arrived ([Note: grad readiness] in dispatch.py), counted per param by the
-    Python hooks or per group by a `CountedArrivals`."""
-
-    params_list: list[nn.Parameter]
-    ddp_config: DistributedDataParallelConfig
-    grad_state: GradSyncState
-    is_last_microbatch: bool
-    sharded_grads: ShardedGrads | None
-    timeline: Timeline | None
-    chain: Any  # its DispatchChain, or None
-    group_id: int
-    rank: int
-    counted: CountedArrivals | None
-    _expected_arrivals: list[int] | None
-    _arrivals: array.array[int]
-    _num_pending: int
-    _unwritten: bytearray
-
-    def start_grad_sync(self) -> None:
-        raise NotImplementedError
-
-    def _clear_readiness(self) -> None:
-        raise NotImplementedError
-
-    def name_of(self, param: nn.Parameter) -> str:
-        raise NotImplementedError
-
-    @property
-    def reduction_gain(self) -> float:
-        raise NotImplementedError
-
-    # ---- readiness ([Note: grad readiness]) ---------------------------------------------------
-    @property
-    def learned(self) -> bool:
-        return self._expected_arrivals is not None
-
-    @property
-    def all_ready(self) -> bool:
-        return self._expected_arrivals is not None and self._num_pending == 0
-
-    def register_grad_ready_at(self, i: int, param: nn.Parameter) -> None:
-        """The backward hook's entry (it knows `i`, the param's position in `params_list`).
-        O(1), allocation-free in steady state."""
-        if self.grad_state is not GradSyncState.IDLE:
-            self._on_grad_outside_idle(i, param)
-        if not self.ddp_config.overlap_grad_reduce or not self.is_last_microbatch:
-            return  # synchronous reduction, or inside no_sync(): accumulate only
-        self._arrivals[i] += 1
-        expected = self._expected_arrivals
-        if expected is None or self._arrivals[i] != expected[i]:
-            return  # learning iteration, or more arrivals to come
-        self._num_pending -= 1
-        if self._num_pending == 0:
-            self.on_all_arrived()
-
-    def on_all_arrived(self) -> None:
-        """Every grad this iteration brings arrived: dispatch, in chain order."""
-        self._num_pending = 0  # all_ready (a counted group does not count per param)
-        if self.timeline is not None:
-            self.timeline.record(self.group_id, "ready")
-        if self.chain is not None:
-            self.chain.on_ready()
-        else:
-            self.start_grad_sync()
-
-    @property
-    def accepts_grads(self) -> bool:
-        """Not dispatched or synced: a grad accumulates into this iteration's reduction."""
-        return self.grad_state is GradSyncState.IDLE
-
-    @property
-    def counts_arrivals(self) -> bool:
-        """This backward's grads make the group ready (overlap on, not inside no_sync())."""
-        return self.ddp_config.overlap_grad_reduce and self.is_last_microbatch
-
-    @property
-    def expected_total(self) -> int:
-        """Grads one iteration brings, as learned; 0 before (or without overlap)."""
-        return sum(self._expected_arrivals or ())
-
-    def learn_arrivals(self) -> None:
-        """End of the first overlapped iteration: every param must from now on get as many
-        grads per iteration as it got in this one (at least one) before its group is ready."""
-        if self._expected_arrivals is None and self.ddp_config.overlap_grad_reduce:
-            self._expected_arrivals = [max(1, n) for n in self._arrivals]
-
-    def on_counted_grad_outside_idle(self) -> None:
-        """A counted arrival ([Note: counted arrivals]) found the group dispatched or synced."""
-        self._on_grad_outside_idle(None, None)
-
-    def _on_grad_outside_idle(self, i: int | None, param: nn.Parameter | None) -> None:
-        name = self._name_or_span(param)
-        if self.grad_state is GradSyncState.DISPATCHED:
-            got = self._arrivals[i] if i is not None else self.expected_total
-            raise RuntimeError(
-                f"megabuf: {name} received a gradient after its bucket group {self.group_id} "
-                f"was dispatched (rank {self.rank}), the group already having received {got} "
-                "this iteration, as many as learned in the first iteration. "
-                "Two backward passes in one iteration need no_sync() around all but the last; "
-                "a param whose number of gradient contributions per backward varies between "
-                "iterations needs overlap_grad_reduce=False"
-            )
-        # SYNCED: a new backward without zero_grad_buffer(): accumulate on top, as torch does.
-        if self.ddp_config.sharding.shards_optimizer:
-            raise RuntimeError(
-                f"megabuf: backward after finish_grad_sync() without zero_grad_buffer() (rank "
-                f"{self.rank}, {name}); with use_distributed_optimizer only "
-                "this rank's shard of the buffer is reduced, so grads cannot be accumulated "
-                "across syncs. Use no_sync() for gradient accumulation"
-            )
-        groups = self.chain.groups if self.chain is not None else [self]
-        if any(g.reduction_gain != 1.0 for g in groups):
-            raise RuntimeError(
-                f"megabuf: backward after finish_grad_sync() without zero_grad_buffer() (rank "
-                f"{self.rank}, {name}): this bucket group's reduction does not "
-                "map already-reduced grads to themselves (expert-parallel params are scaled by "
-                "1/dp_size but summed over expt_dp only), so accumulating across syncs would be "
-                "wrong. Use no_sync() for gradient accumulation"
-            )
-        for group in groups:
-            if group.grad_state is GradSyncState.SYNCED:
-                group._clear_readiness()
-        if self.chain is not None:
-            self.chain.reset()
-
-    def _name_or_span(self, param: nn.Parameter | None) -> str:
-        """`param`'s name; without one (a counted arrival) the group's first and last."""
-        if param is not None:
-            return self.name_of(param)
-        first, last = self.params_list[0], self.params_list[-1]
-        return f"a param of {self.name_of(first)} .. {self.name_of(last)}"
-
-    def set_unwritten(self, flags: bytearray) -> None:
-        """Which params' main_grad holds no grad of this iteration, one flag each (1: none);
-        [Note: counted arrivals] in arrivals.py."""
-        self._unwritten[:] = flags
-
-
 class _Raising:
     """An iterator that raises `exc` until the counter's next reset exhausts it."""
 
@@ -324,10 +200,11 @@ class _Raising:
         self.exc = None
 
 
-def countable(group: GradReadiness, small: set[nn.Parameter], unused_check: bool) -> bool:
+def countable(group: CountedGroup, small: set[nn.Parameter], unused_check: bool) -> bool:
     """Whether `group`'s arrivals can be counted ([Note: counted arrivals]): every param small
-    and linked (`small`), grads not sharded, no per-param unused check."""
-    if unused_check or group.sharded_grads is not None:
+    and linked (`small`), its grad storage kept between reductions (not sharded), no
+    per-param unused check."""
+    if unused_check or group.releases_buckets:
         return False
     return all(p in small for p in group.params_list)
 
@@ -340,7 +217,7 @@ def weak_callable(fn: Callable[[], None]) -> Callable[[], Callable[[], None] | N
     return lambda: fn  # a plain function holds no engine
 
 
-def refuse_create_graph(group: GradReadiness, param: nn.Parameter) -> None:
+def refuse_create_graph(group: CountedGroup, param: nn.Parameter) -> None:
     """A grad with a graph of its own (`backward(create_graph=True)`): megabuf reduces grads
     into `main_grad`, a buffer no graph runs through, so a second-order use of `.grad` could
     not be right."""

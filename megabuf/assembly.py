@@ -17,6 +17,7 @@ from megabuf.bucket_group import BucketGroup, DispatchChain
 from megabuf.buffer import _ParamAndGradBuffer
 from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig
+from megabuf.full_grads import FullGrads, GradStorage
 from megabuf.plan import GroupPlan, Plan
 from megabuf.process_groups import ProcessGroups
 from megabuf.sharding.grads import ShardedGrads, bucket_padding_ranges
@@ -128,18 +129,19 @@ def _make_group(
         group_id=planned.group_id, dp_rank=dp_rank, dp_size=dp_size, rank=pgs.topology.rank,
         param_to_name=ctx.param_to_name, chain=chain,
         sharded_params=_sharded_params(ctx, buffers, planned),
-        sharded_grads=_sharded_grads(ctx, buffers, planned),
+        grads=grad_storage_for(ctx, buffers, planned),
     )  # fmt: skip
 
 
-def _sharded_grads(
+def grad_storage_for(
     ctx: _Context, buffers: list[_ParamAndGradBuffer], planned: GroupPlan
-) -> ShardedGrads | None:
-    """optim_grads*: the group's grad storages ([Note: sharded grad lifecycle])."""
-    if not ctx.config.sharding.shards_grads:
-        return None
+) -> GradStorage:
+    """The group's grad storage ([Note: grad storage] in megabuf/sharding/grads.py): sharded
+    under optim_grads* ([Note: sharded grad lifecycle]), else the full buckets."""
     dp_rank, dp_size = ctx.pgs.topology.sharding(planned.expert)
     members = [(buffers[b], k) for b, k in planned.members]
+    if not ctx.config.sharding.shards_grads:
+        return FullGrads([buf.buckets[k] for buf, k in members], dp_rank, dp_size)
     full = [buf.buckets[k].grad_data for buf, k in members]
     shards = [s for buf, k in members if (s := buf.buckets[k].grad_shard) is not None]
     sizes = [t.numel() // dp_size for t in full]

@@ -9,46 +9,48 @@ Param lifecycle (distributed optimizer only):
 A group never asks torch.distributed anything: its ranks, sizes and the `Collectives` it issues
 through are given at construction, so its state machines run under a recording fake in tests.
 The states and the `DispatchChain` ([Note: dispatch order], [Note: grad readiness]) are in
-dispatch.py.
+dispatch.py. The group owns its parts, each chosen once and never tested for None: its
+readiness (`GradReadiness`, readiness.py), its grad storage ([Note: grad storage] in
+megabuf/sharding/grads.py) and its reduction ([Note: reductions] in reductions.py). Its chain
+drives it; the group calls its chain only to report that it is ready or must reopen.
 """
 
 from __future__ import annotations
 
-import array
-import enum
-import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
-from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megabuf.arrivals import CountedArrivals, GradReadiness
+from megabuf.arrivals import CountedArrivals, GradHook
 from megabuf.buffer import _ParamAndGradBucket
 from megabuf.collectives import Collectives
-from megabuf.comm_hooks.contract import GradBucket, HookWork, Waitable
+from megabuf.comm_hooks.contract import GradBucket
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.dispatch import (  # re-exported
     DispatchChain,
     GradSyncState,
     ParamSyncState,
-    SyncWork,
-    wait_dropped,
+    refuse_reaccumulation,
 )
-from megabuf.grad_math import InboundScale, NonfiniteFlags, by_dtype, foreach_scale
-from megabuf.sharding.grads import GradBucketState, ShardedGrads
+from megabuf.full_grads import FullGrads, GradStorage
+from megabuf.grad_math import InboundScale, NonfiniteFlags, WrittenGrads
+from megabuf.param_gather import ParamGather
+from megabuf.readiness import GradReadiness
+from megabuf.reductions import Reduction, ReductionParts, reduction_for
+from megabuf.sharding.grads import ShardedGrads
 from megabuf.sharding.params import ShardedParams
 from megabuf.sharding.replicate import ReplicaStage
 from megabuf.timeline import Timeline  # re-exported: ddp.py and users import it from here
-from megabuf.two_level import TwoLevelReduction
 
 
-class BucketGroup(GradReadiness, TwoLevelReduction):
+class BucketGroup:
     """Buckets (possibly of several buffers) reduced together over one group.
 
     Built whole: ranks and sizes (`dp_rank`/`dp_size` in `collective_group`, the global `rank`
     for messages), the `Collectives` it issues through, its id, the param names and its
-    `DispatchChain` are all given here; nothing is patched in later.
+    `DispatchChain` are all given here; nothing is patched in later. `grads`: its grad storage
+    (default: the full one); `replicate_group`: hybrid's second level.
     """
 
     def __init__(
@@ -65,7 +67,7 @@ class BucketGroup(GradReadiness, TwoLevelReduction):
         param_to_name: Mapping[torch.nn.Parameter, str],
         chain: DispatchChain[BucketGroup] | None = None,
         sharded_params: ShardedParams | None = None,
-        sharded_grads: ShardedGrads | None = None,
+        grads: GradStorage | None = None,
         replicate_group: ProcessGroup | None = None,
     ) -> None:
         self.buckets = list(buckets)
@@ -80,61 +82,113 @@ class BucketGroup(GradReadiness, TwoLevelReduction):
         self.chain = chain
         # optim_grads_params: the full params and shards ([Note: sharded param lifecycle])
         self.sharded_params = sharded_params
-        # optim_grads*: the buckets' grad storages ([Note: sharded grad lifecycle]); else None
-        self.sharded_grads = sharded_grads
-        # hybrid: the all-reduce of the reduced shards across replicas ([Note: two-level
-        # reduction]); flat: a stage that never arms
-        self.replicas = ReplicaStage(
-            replicate_group, collectives, average=ddp_config.average_in_collective,
-            group_id=group_id, rank=rank,
-        )  # fmt: skip
-        self.is_final_microbatch = True  # this backward ends the step (set by the grad sync)
         self.params_list = [p for b in self.buckets for p in b.params_list]
         self.params = set(self.params_list)
         self._index = {p: i for i, p in enumerate(self.params_list)}
-        self.next_param_gather_bucket_group: BucketGroup | None = None
-        self.timeline: Timeline | None = None
-        self.grad_state = GradSyncState.IDLE
-        self.param_state = ParamSyncState.VALID
-        self._grad_work: SyncWork | None = None
-        self._param_work: SyncWork | None = None
-        self.comm_hook: object | None = None  # [Note: comm hook contract]
-        self.hook_buckets: list[GradBucket] = []  # one per bucket, built at registration
-        # grad arrivals per param per iteration; None until learned ([Note: grad readiness])
-        self._expected_arrivals: list[int] | None = None
-        self.counted: CountedArrivals | None = None  # [Note: counted arrivals] in arrivals.py
-        n = len(self.params_list)
-        self._all_unwritten = b"\x01" * n
-        self._no_arrivals = array.array("H", bytes(2 * n))  # a count > 65535 raises
-        # 1 = main_grad holds stale values ([Note: grad accumulation into main_grad]); both reset
-        # in place each iteration; flat arrays: a list of 2000 ints took 0.4-2.3 ms to reset
-        self._unwritten = bytearray(self._all_unwritten)
-        self._arrivals = array.array("H", self._no_arrivals)
+        # [Note: grad storage] in megabuf/sharding/grads.py
+        self.grads: GradStorage = grads or FullGrads(self.buckets, dp_rank, dp_size)
+        self.releases_buckets = self.grads.releases
         self.inbound = InboundScale.of(self.buckets, ddp_config.sharding)
-        self.is_last_microbatch = True
+        self.reduction: Reduction = reduction_for(  # [Note: reductions] in reductions.py
+            ddp_config.sharding, ReductionParts.of(self), replicate_group
+        )
+        self.readiness = GradReadiness(  # [Note: grad readiness] in dispatch.py
+            self.params_list, overlap=ddp_config.overlap_grad_reduce,
+            on_ready=self._on_ready, on_reopen=self._reopen, name_of=self.name_of,
+            keeps_across_syncs=not ddp_config.sharding.shards_optimizer, group_id=group_id,
+            rank=rank,
+        )  # fmt: skip
+        # the parts' per-grad entries: their bound methods, published as the group's own
+        self.register_grad_ready_at = self.readiness.register_grad_ready_at
+        self.is_final_microbatch = True  # this backward ends the step
+        self.timeline: Timeline | None = None
+        self.param_gather = ParamGather(  # param_gather.py
+            self.buckets, collectives, collective_group, self.local_shard,
+            overlap=ddp_config.overlap_param_gather, group_id=group_id, rank=rank,
+        )  # fmt: skip
+        self.written = WrittenGrads(self.params_list, self.grads, self._before_refill)
+        self.mark_written = self.written.mark_written  # per grad: no call more
+        self.mark_unwritten = self.written.mark_unwritten
+        self.set_unwritten = self.written.set  # [Note: counted arrivals]
         self.nonfinite = NonfiniteFlags(  # [Note: NaN check] in nan_check.py
             self.params_list, [len(b.params_list) for b in self.buckets], self.name_of,
-            keep_across_microbatches=self.sharded_grads is not None,
+            keep_across_microbatches=self.releases_buckets,
         )  # fmt: skip
         self._clear_iteration()
 
-    # ---- lifecycle guards -------------------------------------------------------------------
-    def _expect(self, *states: GradSyncState) -> None:
-        hint = "did you call zero_grad_buffer() between iterations and finish_grad_sync() "
-        hint += "after backward?"
-        self._guard("grad sync", self.grad_state, states, hint)
+    # ---- the parts' state, as the grad sync and the tests read it -----------------------------
+    @property
+    def grad_state(self) -> GradSyncState:
+        return self.readiness.state
 
-    def _expect_param(self, *states: ParamSyncState) -> None:
-        hint = "finish in-flight param gathers (model.publish_params()) before changing params"
-        self._guard("param sync", self.param_state, states, hint)
+    @grad_state.setter
+    def grad_state(self, state: GradSyncState) -> None:
+        self.readiness.state = state
 
-    def _guard(self, what: str, state: enum.Enum, allowed: Sequence[enum.Enum], hint: str) -> None:
-        if state not in allowed:
-            wanted = " or ".join(s.name for s in allowed)
-            raise RuntimeError(
-                f"megabuf: bucket group {self.group_id} {what} is {state.name}, expected "
-                f"{wanted} (rank {self.rank}); {hint}"
-            )
+    @property
+    def is_last_microbatch(self) -> bool:
+        """This backward's grads make the group ready (not inside no_sync())."""
+        return self.readiness.is_last_microbatch
+
+    @is_last_microbatch.setter
+    def is_last_microbatch(self, value: bool) -> None:
+        self.readiness.is_last_microbatch = value
+
+    @property
+    def is_final_microbatch(self) -> bool:
+        """This backward ends the step (set by the grad sync)."""
+        return self._final
+
+    @is_final_microbatch.setter
+    def is_final_microbatch(self, value: bool) -> None:
+        self._final = value  # [Note: two-level reduction]; [Note: scale on the way in]: only
+        cfg, scales = self.ddp_config, self.reduction.scales_inbound  # when its end reduces
+        self._inbound_allowed = value and scales and cfg.sync_grads_at_backward_end
+
+    @property
+    def counted(self) -> CountedArrivals | None:
+        """Its counted arrivals once switched to them ([Note: counted arrivals]), else None."""
+        counter = self.readiness.counter
+        return counter if isinstance(counter, CountedArrivals) else None
+
+    @property
+    def sharded_grads(self) -> ShardedGrads | None:
+        """Its grad storage when sharded, for the layers that ask (offload, the re-plan)."""
+        return self.grads if isinstance(self.grads, ShardedGrads) else None
+
+    @property
+    def comm_hook(self) -> object | None:
+        return self.reduction.hook  # [Note: comm hook contract]
+
+    @property
+    def hook_buckets(self) -> Sequence[GradBucket]:
+        return self.reduction.hook_buckets  # one per bucket, built at registration
+
+    @property
+    def replicas(self) -> ReplicaStage | None:
+        return self.reduction.replicas  # hybrid's second level; None when flat
+
+    @property
+    def all_ready(self) -> bool:
+        return self.readiness.all_ready
+
+    @property
+    def expected_total(self) -> int:
+        return self.readiness.expected_total
+
+    def learn_arrivals(self) -> None:
+        self.readiness.learn()
+
+    def count_arrivals(
+        self, total: int, bookkeeping: Callable[[], Callable[[], None] | None],
+        in_backward: list[bool],
+    ) -> GradHook:  # fmt: skip
+        """Count this group's arrivals from now on ([Note: counted arrivals] in arrivals.py):
+        `total` learned grads an iteration, `bookkeeping` the engine's per-backward call. The
+        hook to register on each of its params."""
+        counted = CountedArrivals(self, total, bookkeeping, in_backward)
+        self.readiness.counter = counted
+        return counted.hook
 
     # ---- observers learned or enabled at run time ------------------------------------------
     def set_timeline(self, timeline: Timeline | None) -> None:
@@ -148,13 +202,49 @@ class BucketGroup(GradReadiness, TwoLevelReduction):
                 f"megabuf: bucket group {self.group_id} has {len(self.buckets)} buckets, "
                 f"got {len(buckets)} hook views"
             )
-        self.attach_replica_hook(hook, buckets, self.ddp_config.comm_hook_timeout_s)
-        self.comm_hook = hook
-        self.hook_buckets = list(buckets)
+        timeout = self.ddp_config.comm_hook_timeout_s
+        self.reduction = self.reduction.with_hook(hook, buckets, timeout)
+        self.is_final_microbatch = self._final  # a hook takes no grad scaled on the way in
+
+    # ---- readiness events ([Note: grad readiness] in dispatch.py) ----------------------------
+    def on_all_arrived(self) -> None:
+        """A counted group's learned total arrived ([Note: counted arrivals])."""
+        self.readiness.all_arrived()
+
+    def _on_ready(self) -> None:
+        """Every grad this iteration brings arrived: dispatch, in chain order."""
+        if self.timeline is not None:
+            self.timeline.record(self.group_id, "ready")
+        if self.chain is not None:
+            self.chain.on_ready()
+        else:
+            self.start_grad_sync()
+
+    @property
+    def accepts_grads(self) -> bool:
+        """Not dispatched or synced: a grad accumulates into this iteration's reduction."""
+        return self.readiness.state is GradSyncState.IDLE
+
+    @property
+    def counts_arrivals(self) -> bool:
+        """This backward's grads make the group ready (overlap on, not inside no_sync())."""
+        return self.readiness.counting
+
+    def on_counted_grad_outside_idle(self) -> None:
+        """A counted arrival ([Note: counted arrivals]) found the group dispatched or synced."""
+        self.readiness.late(None, None)
+
+    def _reopen(self, name: str) -> None:
+        """A grad (of `name`) found the group SYNCED: accumulate on top ([Note: grad readiness])."""
+        if self.chain is not None:
+            self.chain.reopen(self, name)
+        else:
+            refuse_reaccumulation([self], name, self.rank)
+            self.readiness.clear()
 
     def set_next_param_gather(self, group: BucketGroup | None) -> None:
         """The group whose param gather `finish_param_sync` prefetches (learned forward order)."""
-        self.next_param_gather_bucket_group = group
+        self.param_gather.next = group.param_gather if group is not None else None
 
     # ---- iteration bookkeeping ----------------------------------------------------------------
     def reset(self) -> None:
@@ -165,81 +255,42 @@ class BucketGroup(GradReadiness, TwoLevelReduction):
                 f"in flight (rank {self.rank}); call finish_grad_sync() (or, after an "
                 "exception, model.reset_iter_state()) first"
             )
-        if self.sharded_grads is not None:
-            self.sharded_grads.zero()
-        self.replicas.new_step()
+        self.grads.zero()
+        self.reduction.new_step()
         self._clear_iteration()
 
     def next_microbatch(self) -> None:
         """reduce_each_microbatch: this micro-batch's reduction finished (SYNCED) and was added
         into the grad shards; accept the next micro-batch's grads (IDLE). Unlike reset(), the
         shards and the NaN flags are kept."""
-        self._expect(GradSyncState.SYNCED)
-        self._clear_readiness()
+        self.readiness.expect(GradSyncState.SYNCED)
+        self.readiness.clear()
 
     def _clear_iteration(self) -> None:
-        self._clear_readiness()
+        self.readiness.clear()
         self.is_last_microbatch = True
-        self._unwritten[:] = self._all_unwritten
+        self.written.clear()
         self.inbound.clear()
-        self.unused_indices: tuple[int, ...] = ()  # unwritten when dispatched (zero-filled)
         self.nonfinite.clear()
-
-    def _clear_readiness(self) -> None:
-        self._arrivals[:] = self._no_arrivals
-        if self.counted is not None:
-            self.counted.reset()
-        self._num_pending = len(self.params_list)
-        self.grad_state = GradSyncState.IDLE
 
     def index_of(self, param: torch.nn.Parameter) -> int:
         """Position of `param` in `params_list` (identity, not tensor equality)."""
         return self._index[param]
 
-    def mark_written(self, i: int) -> bool:
-        """Record that param `i` got a grad; True if it is the first since zero_grad_buffer()
-        (the hook then overwrites main_grad instead of adding to it). Under optim_grads* the
-        group's first grad since its release refills its buckets first."""
-        sharded = self.sharded_grads
-        if sharded is not None and sharded.state is GradBucketState.RELEASED:
-            self._acquire_for_grad(i)
-        first = self._unwritten[i]
-        if first:
-            self._unwritten[i] = 0
-        return bool(first)
-
-    def _acquire_for_grad(self, i: int) -> None:
-        """A grad arrives for a released group: refill its buckets, unless it is a backward
-        after finish_grad_sync() without zero_grad_buffer() (which raises, naming param i)."""
+    def _before_refill(self, i: int) -> None:
+        """A grad arrives for a released group, which refills its buckets, unless it is a
+        backward after finish_grad_sync() without zero_grad_buffer() (raises, naming param i)."""
         if self.grad_state is GradSyncState.SYNCED:
-            self._on_grad_outside_idle(i, self.params_list[i])
-        if self.sharded_grads is not None:
-            self.sharded_grads.acquire()
-
-    def mark_unwritten(self, i: int) -> None:
-        """Param `i`'s main_grad no longer counts as written (its exposed `.grad` was set to
-        None): its next grad overwrites it, and without one it is zero-filled at dispatch."""
-        self._unwritten[i] = 1
+            self.readiness.late(i, self.params_list[i])
 
     def copy_factor(self, i: int, first: bool) -> float:
         """Param `i`'s grad's factor into main_grad: [Note: scale on the way in] (grad_math.py)."""
-        cfg = self.ddp_config
-        ok = self.is_final_microbatch and self.comm_hook is None and cfg.sync_grads_at_backward_end
-        return self.inbound.factor_for(i, first, ok)
+        return self.inbound.factor_for(i, first, self._inbound_allowed)
 
-    def zero_unwritten_grads(self) -> None:
-        """Zero the main_grad of params that got no grad since zero_grad_buffer(), and remember
-        which they were (`unused_indices`). One `_foreach_zero_` per dtype, not one call each."""
-        unused = []
-        i = self._unwritten.find(1)
-        while i != -1:
-            self._unwritten[i] = 0
-            unused.append(i)
-            i = self._unwritten.find(1, i + 1)
-        self.unused_indices = tuple(unused)
-        grads = [self.params_list[i].main_grad for i in unused]  # type: ignore[attr-defined]
-        for same_dtype in by_dtype(grads):
-            torch._foreach_zero_(same_dtype)
+    @property
+    def unused_indices(self) -> tuple[int, ...]:
+        """Params unwritten when dispatched (zero-filled)."""
+        return self.written.unused_indices
 
     @property
     def reduction_gain(self) -> float:
@@ -254,148 +305,95 @@ class BucketGroup(GradReadiness, TwoLevelReduction):
     def start_grad_sync(self) -> None:
         """Dispatch every bucket's reduction (async when overlapping), scaled by the bucket's
         gradient_scaling_factor: before an all-reduce, after a reduce-scatter (shard only)."""
-        self._expect(GradSyncState.IDLE)
-        if self.sharded_grads is not None and self.sharded_grads.released:
-            self.sharded_grads.acquire()  # no grad since the release: all zero-filled below
-        if self.counted is not None:
-            self.counted.reconcile()
-        self.zero_unwritten_grads()
+        self.readiness.expect(GradSyncState.IDLE)
+        if self.grads.released:  # no grad since the release: all zero-filled below
+            self.written.refill()
+        counter = self.readiness.counter
+        counter.reconcile()
+        self.written.zero_unwritten()
         if self.ddp_config.check_for_nan_in_grad:
             self.nonfinite.record(self.buckets[0].grad_data.device)
-        self._grad_work = SyncWork(self._reduce(self.ddp_config.overlap_grad_reduce))
-        self.replicas.arm(self.is_final_microbatch)
+        self.reduction.start(self.ddp_config.overlap_grad_reduce, self._final)
         self.grad_state = GradSyncState.DISPATCHED
-        if self.counted is not None:  # a later arrival checks the state
-            self.counted.reset()
+        counter.reset()  # a later arrival checks the state
         if self.timeline is not None:
             self.timeline.record(self.group_id, "dispatch")
 
-    def _reduce(self, async_op: bool) -> Sequence[Waitable]:
-        """Every bucket's reduction, with as few collectives as the strategy allows ([Note: one
-        collective per bucket group] in collectives.py)."""
-        if self.comm_hook is not None:
-            if self.sharded_grads is not None:
-                self.sharded_grads.start(needs_scratch=False)
-            return self._reduce_with_hook()
-        cfg, strategy = self.ddp_config, self.ddp_config.sharding
-        grads = [b.grad_data for b in self.buckets]
-        scales = [b.gradient_scaling_factor for b in self.buckets]
-        pre = [strategy.prescales(g.dtype) for g in grads]
-        chosen = [(g, f) for g, f, p in zip(grads, scales, pre) if p]
-        self.inbound.prescale([g for g, _ in chosen], [f for _, f in chosen], self.params_list)
-        group, average = self.collective_group, cfg.average_in_collective
-        if strategy.reduction == "all_reduce":
-            return self.collectives.all_reduce_many(
-                grads, group, average=average, async_op=async_op
-            )
-        scratches = self._scratches()
-        return self.collectives.reduce_scatter_many(
-            [self.local_shard(g) for g in grads], grads, group, average=average,
-            async_op=async_op, scratches=scratches,
-            scales=[1.0 if p else f for p, f in zip(pre, scales)],
-        )  # fmt: skip
-
-    def _scratches(self) -> list[Tensor | None]:
-        """Each bucket's all-to-all landing zone when the reduce-scatter needs one: kept by the
-        bucket, or under optim_grads* refilled and released with the bucket."""
-        needs = self._needs_scratch(self.buckets[0].grad_data.device)
-        if self.sharded_grads is not None:
-            return self.sharded_grads.start(needs_scratch=needs)
-        for bucket in self.buckets:
-            if bucket.scratch is None and needs:
-                bucket.scratch = torch.empty_like(bucket.grad_data)
-        return [b.scratch for b in self.buckets]
-
-    def _reduce_with_hook(self) -> list[HookWork]:
-        """Pre-scale every bucket (both modes; not for a hook with `prescaled = False`), then
-        hand each to the hook, which issues stage one now ([Note: comm hook contract]);
-        `finish_grad_sync` waits for the rest, each wait bounded ([Note: bounded hook wait])."""
-        if getattr(self.comm_hook, "prescaled", True):
-            grads = [b.grad_data for b in self.buckets]
-            foreach_scale(grads, [b.gradient_scaling_factor for b in self.buckets])
-        timeout = self.ddp_config.comm_hook_timeout_s
-        return [HookWork(self.comm_hook, bucket, timeout) for bucket in self.hook_buckets]
-
     def finish_grad_sync(self) -> None:
         """Wait for the reduction; if nobody dispatched it yet, dispatch it first. Under hybrid
-        a group SYNCED as a non-final micro-batch may still owe its replicate all-reduce."""
-        if self.grad_state is GradSyncState.SYNCED and not self.replicas.owed:
+        a group SYNCED as a non-final micro-batch may still owe its replicate all-reduce, which
+        is issued here (its chain issued the earlier groups' first: [Note: two-level
+        reduction])."""
+        if self.grad_state is GradSyncState.SYNCED and not self.reduction.owed:
             return
         if self.grad_state is GradSyncState.IDLE:
             self.start_grad_sync()
-        self._issue_owed_replicas()
-        self._finish_first_level()
-        self.replicas.wait()
+        self.start_replica_sync()  # when owed
+        self.reduction.finish()
         self.grad_state = GradSyncState.SYNCED
-        if self.counted is not None:  # a later arrival checks the state
-            self.counted.reset()
+        self.readiness.counter.reset()  # a later arrival checks the state
         if self.timeline is not None:
             self.timeline.record(self.group_id, "finish")
 
-    # ---- param sync (distributed optimizer) -------------------------------------------------
+    def start_replica_sync(self) -> None:
+        """Hybrid, a final micro-batch: land the first level and issue the all-reduce across
+        replicas. Only the dispatch chain calls it, in chain order; a no-op when nothing is
+        owed."""
+        if not self.reduction.owed:
+            return
+        self.reduction.start_second_level()
+        if self.timeline is not None:  # the second level's dispatch; "finish" covers both
+            self.timeline.record(self.group_id, "replicate_dispatch")
+
+    @property
+    def replica_owed(self) -> bool:
+        return self.reduction.owed
+
+    def end_step_at_sync(self) -> None:
+        """The grad sync that ends the step begins: every later reduction is final, and one
+        that already ran (or runs) as a non-final micro-batch owes its replicate all-reduce."""
+        self.is_final_microbatch = True
+        if self.grad_state is not GradSyncState.IDLE:
+            self.reduction.owe_at_sync()
+
+    def first_level_completed(self) -> bool:
+        """The reduction in the group's own collective group has landed (never waits)."""
+        return self.reduction.first_level_completed()
+
+    def grad_sync_completed(self) -> bool:
+        """The dispatched reduction has landed, both levels under hybrid (finish_grad_sync would
+        not wait); False when unknown (a comm hook's work)."""
+        return self.grad_state is GradSyncState.DISPATCHED and self.reduction.completed()
+
+    def abandon_grad_sync(self) -> None:
+        """After an exception mid-iteration: wait out an in-flight reduction (its result is
+        dropped) and return to IDLE with nothing written."""
+        self.reduction.abandon()
+        self.grads.abandon()
+        self.grad_state = GradSyncState.IDLE
+        self._clear_iteration()
+
+    # ---- param sync (distributed optimizer): its ParamGather, param_gather.py ----------------
+    @property
+    def param_state(self) -> ParamSyncState:
+        return self.param_gather.state
+
     def mark_params_stale(self) -> None:
         """The optimizer updated this rank's shards; other ranks' shards must be gathered."""
-        self._expect_param(ParamSyncState.VALID)
-        self.param_state = ParamSyncState.STALE
+        self.param_gather.mark_stale()
 
     def start_param_sync(self, force_sync: bool = False) -> None:
-        """All-gather each bucket's param shards; async when overlap_param_gather. Without
-        `force_sync` nothing is done when params are valid or their gather is in flight. With
-        `force_sync` the params hold the gathered values on return, from any state: a stale
-        group gathers synchronously and a gather in flight is waited for ([Note: who waits for
-        param gathers] in ddp.py)."""
-        if force_sync and self.param_state is ParamSyncState.DISPATCHED:
-            self.finish_param_sync(skip_next_bucket_dispatch=True)
-            return
-        if self.param_state is not ParamSyncState.STALE:
-            return
-        async_op = self.ddp_config.overlap_param_gather and not force_sync
-        params = [b.param_data for b in self.buckets]
-        if any(p is None for p in params):
-            raise RuntimeError(
-                f"megabuf: bucket group {self.group_id} has no param_data to gather into: param "
-                "sync needs a strategy that shards the optimizer (use_distributed_optimizer=True)"
-            )
-        full = [p for p in params if p is not None]
-        pending = self.collectives.all_gather_many(
-            full, [self.local_shard(p) for p in full], self.collective_group,
-            async_op=async_op, tag=self.group_id,
-        )  # fmt: skip
-        self._param_work = SyncWork(pending)
-        self.param_state = ParamSyncState.DISPATCHED
-        if not async_op:
-            self.finish_param_sync(skip_next_bucket_dispatch=True)
-            return
-        # [Note: gathers outlive a dropped group]: waited for when the record is dropped
-        weakref.finalize(self._param_work, wait_dropped, pending, self.rank)
+        """All-gather each bucket's param shards (`ParamGather.start`)."""
+        self.param_gather.start(force_sync)
 
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
-        """Make params valid (dispatching the gather if nobody has), then prefetch the next
-        group's gather so it overlaps with this group's forward compute."""
-        if self.param_state is ParamSyncState.STALE:
-            self.start_param_sync()
-        if self.param_state is ParamSyncState.DISPATCHED:
-            if self._param_work is None:
-                raise RuntimeError(f"megabuf: bucket group {self.group_id} has no gather work")
-            self._param_work.wait()
-            self._param_work = None
-        self.param_state = ParamSyncState.VALID
-        nxt = self.next_param_gather_bucket_group
-        if not skip_next_bucket_dispatch and nxt is not None:
-            nxt.start_param_sync()
+        """Make params valid, then prefetch the next group's gather (`ParamGather.finish`)."""
+        self.param_gather.finish(skip_next_bucket_dispatch)
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _full_grads(self) -> list[Tensor]:
-        return [b.grad_data for b in self.buckets]
-
     def local_shard(self, data: torch.Tensor) -> torch.Tensor:
         shard_numel = data.numel() // self.dp_size
         return data[self.dp_rank * shard_numel : (self.dp_rank + 1) * shard_numel]
-
-    def _needs_scratch(self, device: torch.device) -> bool:
-        return (
-            self.collectives.strategy(self.collective_group, device).reduce_scatter == "all_to_all"
-        )
 
     def name_of(self, param: torch.nn.Parameter) -> str:
         """`param`'s name in the wrapped module (for messages)."""

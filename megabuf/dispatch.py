@@ -20,7 +20,10 @@ dispatches every remaining group in chain order on every rank, zero-filling unwr
 rank waits for a collective another rank never issues. A gradient that arrives after its group
 was dispatched is an error (a second backward without no_sync(), or more arrivals than learned).
 A group whose params are all small and linked counts, once learned, the sum of its params'
-arrivals without a Python call per grad instead ([Note: counted arrivals] in arrivals.py).
+arrivals without a Python call per grad instead ([Note: counted arrivals] in arrivals.py): the
+group's readiness part (`GradReadiness`, readiness.py) is switched to it by
+`BucketGroup.count_arrivals`. A grad after the group's sync (a new backward without
+zero_grad_buffer()) reopens the group's whole chain (`DispatchChain.reopen`).
 
 [Note: gathers outlive a dropped group]
 With overlap_param_gather the step leaves every group's param all-gather in flight for the next
@@ -50,11 +53,12 @@ from megabuf.sharding.grads import REDUCING_GROUPS_LIMIT
 
 
 class ChainMember(Protocol):
-    """What a `DispatchChain` needs of a group (`BucketGroup` in bucket_group.py)."""
+    """What a `DispatchChain` needs of a group (`BucketGroup` in bucket_group.py). The chain
+    drives its groups; a group calls its chain only to report an event (`on_ready`, `reopen`)."""
 
     chain: Any  # the DispatchChain it belongs to, or None
     grad_state: GradSyncState
-    sharded_grads: Any
+    releases_buckets: bool  # [Note: grad storage] in megabuf/sharding/grads.py
 
     @property
     def all_ready(self) -> bool: ...
@@ -63,14 +67,21 @@ class ChainMember(Protocol):
 
     def finish_grad_sync(self) -> None: ...
 
+    def next_microbatch(self) -> None: ...
+
     def grad_sync_completed(self) -> bool: ...
 
     @property
-    def replicas(self) -> Any: ...  # its ReplicaStage ([Note: two-level reduction])
+    def replica_owed(self) -> bool: ...  # [Note: two-level reduction]
 
     def first_level_completed(self) -> bool: ...
 
     def start_replica_sync(self) -> None: ...
+
+    rank: int
+
+    @property
+    def reduction_gain(self) -> float: ...
 
 
 M = TypeVar("M", bound=ChainMember)
@@ -142,7 +153,7 @@ class DispatchChain(Generic[M]):
             self.groups[self.next_index].start_grad_sync()
             self.next_index += 1
             self.progress_replicas()
-            if self.groups[0].sharded_grads is not None:
+            if self.groups[0].releases_buckets:
                 self._bound_reducing()
 
     def progress_replicas(self) -> None:
@@ -150,7 +161,7 @@ class DispatchChain(Generic[M]):
         stopping at the first that has not (never waits; [Note: two-level reduction])."""
         while self.next_replica < self.next_index:
             group = self.groups[self.next_replica]
-            if group.replicas.owed and not group.first_level_completed():
+            if group.replica_owed and not group.first_level_completed():
                 return
             group.start_replica_sync()
             self.next_replica += 1
@@ -173,7 +184,24 @@ class DispatchChain(Generic[M]):
         excess = len(dispatched) - REDUCING_GROUPS_LIMIT
         for i, group in enumerate(dispatched):
             if i < excess or group.grad_sync_completed():
-                group.finish_grad_sync()
+                self.finish(group)
+
+    def finish(self, group: M) -> None:
+        """Finish `group`'s reduction, issuing first every owed replicate all-reduce before
+        it in chain order ([Note: two-level reduction])."""
+        if group.replica_owed:
+            self.start_replicas_upto(group)
+        group.finish_grad_sync()
+
+    def reopen(self, late: M, name: str) -> None:
+        """A grad (of `name`) reached `late` after the chain's sync: a new backward without
+        zero_grad_buffer() accumulates on top, as torch does, where every reduction of the
+        chain allows it; the synced groups accept grads again."""
+        refuse_reaccumulation(self.groups, name, late.rank)
+        for group in self.groups:
+            if group.grad_state is GradSyncState.SYNCED:
+                group.next_microbatch()
+        self.reset()
 
     def dispatch_rest(self) -> None:
         """Dispatch every group not yet dispatched, in order, ready or not ([Note: grad
@@ -186,6 +214,19 @@ class DispatchChain(Generic[M]):
     def reset(self) -> None:
         self.next_index = 0
         self.next_replica = 0
+
+
+def refuse_reaccumulation(groups: Sequence[ChainMember], name: str, rank: int) -> None:
+    """Raise if a reduction of `groups` does not map already-reduced grads to themselves (a
+    grad of `name` arrived after their sync)."""
+    if any(g.reduction_gain != 1.0 for g in groups):
+        raise RuntimeError(
+            f"megabuf: backward after finish_grad_sync() without zero_grad_buffer() (rank "
+            f"{rank}, {name}): this bucket group's reduction does not "
+            "map already-reduced grads to themselves (expert-parallel params are scaled by "
+            "1/dp_size but summed over expt_dp only), so accumulating across syncs would be "
+            "wrong. Use no_sync() for gradient accumulation"
+        )
 
 
 def build_chain(groups: Sequence[M], order_key: Callable[[M], int]) -> None:

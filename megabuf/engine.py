@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from megabuf.arrivals import CountedArrivals, countable, weak_callable
+from megabuf.arrivals import countable, weak_callable
 from megabuf.assembly import assemble
 from megabuf.autobucket import AutoBucket
 from megabuf.bucket_group import BucketGroup, DispatchChain, Timeline
@@ -257,11 +257,10 @@ class Engine:
                 cfg.overlap_grad_reduce and not total
             ):
                 continue
-            counted = CountedArrivals(group, total, bookkeeping, self.sync.in_backward)
-            group.counted = counted
+            hook = group.count_arrivals(total, bookkeeping, self.sync.in_backward)
             for param in group.params_list:
                 handles[position[param]].remove()
-                handles[position[param]] = param.register_post_accumulate_grad_hook(counted.hook)
+                handles[position[param]] = param.register_post_accumulate_grad_hook(hook)
 
     def _exposed_grads(
         self, params: Sequence[nn.Parameter], param_to_bucket_group: ParamToGroup

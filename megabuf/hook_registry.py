@@ -174,8 +174,7 @@ class CommHookRegistry:
             check_error_feedback(hook, strategy.name, self.rank)
         with ExitStack() as stack:  # optim_grads*: views into the buckets need their storage
             for group in self.all_bucket_groups:
-                if group.sharded_grads is not None:
-                    stack.enter_context(group.sharded_grads.materialized())
+                stack.enter_context(group.grads.materialized())
             install_hook(
                 hook, self.all_bucket_groups, self.plan, expert_kinds=selected_kinds(buffers),
                 mode=strategy.reduction, strategy_name=strategy.name,

@@ -9,7 +9,7 @@ copy at all. Small params are the exception: zeroed and linked ahead of their fi
 small grads accumulate in place] in grads.py); so is a grad scaled on its way in, linked only at
 the sync ([Note: scale on the way in] in grad_math.py). A param that got no grad is still fresh
 when its bucket group is reduced, and its `main_grad` is zeroed then
-(`BucketGroup.zero_unwritten_grads`) and, without the distributed optimizer, its `.grad` is
+(`WrittenGrads.zero_unwritten`) and, without the distributed optimizer, its `.grad` is
 linked at `finish_grad_sync()` ([Note: grad contract] in grads.py).
 So `main_grad` holds stale values between `zero_grad_buffer()` and the param's first grad: read
 grads after `finish_grad_sync()`.

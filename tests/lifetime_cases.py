@@ -39,9 +39,10 @@ def dropped_engine_case(strategy: str, gather: bool = False) -> dict[str, Any]:
     engine, group = weakref.ref(model), weakref.ref(model.engine.all_bucket_groups[0])
     # overlap_param_gather: the step left the gathers in flight ([Note: gathers outlive a
     # dropped group] in megabuf/dispatch.py); kept here only to see whether they were waited for
-    works = [g._param_work for g in model.engine.all_bucket_groups if g._param_work is not None]
+    gathers = [g.param_gather for g in model.engine.all_bucket_groups]
+    works = [gather.work for gather in gathers if gather.work is not None]
     in_flight = [p for work in works for p in work.pending]
-    del model, opt, works
+    del model, opt, works, gathers
     gc.collect()  # the engine; its finalizer removes the kept module's hooks (the Note)
     gc.collect()  # what those hooks held
     out: dict[str, Any] = {"engine_alive": engine() is not None, "group_alive": group() is not None}

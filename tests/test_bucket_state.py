@@ -274,7 +274,7 @@ def test_expect_guard_names_both_states_and_rank(state: str) -> None:
     assert g.grad_state.name == state
     other = "IDLE or SYNCED" if state == "DISPATCHED" else "IDLE or DISPATCHED"
     with pytest.raises(RuntimeError, match=rf"is {state}, expected {other} \(rank {RANK}\)"):
-        g._expect(*(GradSyncState[s] for s in other.split(" or ")))
+        g.readiness.expect(*(GradSyncState[s] for s in other.split(" or ")))
 
 
 def test_reset_while_dispatched_raises() -> None:
@@ -425,10 +425,10 @@ def test_learning_iteration_dispatches_nothing_during_backward() -> None:
     for g in groups:
         grad(g, 0)
         grad(g, 1)
-    assert coll.calls == [] and not any(g.all_ready or g.learned for g in groups)
+    assert coll.calls == [] and not any(g.all_ready or g.readiness.learned for g in groups)
     assert [g.grad_state for g in groups] == [IDLE, IDLE]
     finish_iteration(chain)
-    assert dispatched(coll, groups) == [0, 1] and all(g.learned for g in groups)
+    assert dispatched(coll, groups) == [0, 1] and all(g.readiness.learned for g in groups)
 
 
 def test_learn_arrivals_counts_at_least_one() -> None:
@@ -438,13 +438,13 @@ def test_learn_arrivals_counts_at_least_one() -> None:
     grad(g, 0)
     grad(g, 1)  # param 2 gets nothing in the learning iteration
     finish_iteration(chain)
-    assert g._expected_arrivals == [2, 1, 1]
+    assert g.readiness.expected == [2, 1, 1]
     zero_grad_buffer(chain)
     grad(g, 0)
     grad(g, 1)
     grad(g, 2)
     g.learn_arrivals()  # learned once: later iterations do not relearn
-    assert g._expected_arrivals == [2, 1, 1]
+    assert g.readiness.expected == [2, 1, 1]
 
 
 def test_learn_arrivals_needs_overlap() -> None:
@@ -452,7 +452,7 @@ def test_learn_arrivals_needs_overlap() -> None:
     chain, (g,) = make_chain(1, coll, cfg=Config())
     grad(g, 0)
     finish_iteration(chain)
-    assert not g.learned and not g.all_ready
+    assert not g.readiness.learned and not g.all_ready
 
 
 def test_param_with_two_arrivals_readies_group_after_second() -> None:
@@ -515,7 +515,7 @@ def test_no_sync_arrivals_are_not_learned() -> None:
     grad(g, 0)
     grad(g, 1)
     finish_iteration(chain)
-    assert g._expected_arrivals == [1, 1]
+    assert g.readiness.expected == [1, 1]
 
 
 # ---- missing grads ----------------------------------------------------------------------------

@@ -51,11 +51,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("storage", (
         "megabuf.buffer", "megabuf.sharding.grads", "megabuf.sharding.params",
         "megabuf.sharding.read_guard", "megabuf.sharding.units_runtime",
-        "megabuf.sharding.replicate", "megabuf.sharding.replica_hooks",
+        "megabuf.sharding.replicate", "megabuf.sharding.replica_hooks", "megabuf.full_grads",
     )),
     ("group", (
-        "megabuf.bucket_group", "megabuf.dispatch", "megabuf.grad_math", "megabuf.two_level",
-        "megabuf.arrivals",
+        "megabuf.bucket_group", "megabuf.dispatch", "megabuf.grad_math", "megabuf.readiness",
+        "megabuf.arrivals", "megabuf.reductions", "megabuf.param_gather",
     )),
     ("engine", (
         "megabuf.nan_check", "megabuf.microbatches", "megabuf.hooks", "megabuf.grads",

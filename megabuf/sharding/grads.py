@@ -46,6 +46,15 @@ the groups accumulating or reducing at once, each its buckets' bytes), "grad_scr
 groups reducing, gloo's all-to-all reduce-scatter only) and "grad_shard" (persistent, recorded
 at construction).
 An illegal transition raises naming the bucket group, the rank and both states.
+
+[Note: grad storage]
+Every bucket group owns one grad storage, chosen once at assembly (`grad_storage_for` in
+assembly.py): a `ShardedGrads` under optim_grads* (the lifecycle above), a `FullGrads` otherwise
+(the buckets' `grad_data`, always held; each transition a no-op). The group drives both through
+the same calls and never asks which it has; `releases` (a class answer) says whether the full
+buckets are released between reductions (the dispatch chain then bounds the reductions in
+flight, the NaN flags are kept across micro-batches, arrivals are not counted), and `released`
+is a plain attribute because the group's per-grad path reads it.
 """
 
 from __future__ import annotations
@@ -162,6 +171,8 @@ class ShardedGrads:
     ranges (`bucket_padding_ranges`). Views into `full` can only be made while it is allocated,
     so `landing` and the padding views are made at the first acquire."""
 
+    releases = True  # its full buckets are released between reductions ([Note: grad storage])
+
     def __init__(
         self,
         full: Sequence[Tensor],
@@ -222,8 +233,18 @@ class ShardedGrads:
             )
 
     @property
-    def released(self) -> bool:
-        return self.state is GradBucketState.RELEASED
+    def state(self) -> GradBucketState:
+        return self._state
+
+    @state.setter
+    def state(self, value: GradBucketState) -> None:
+        self._state = value
+        # a plain attribute: the group's per-grad path reads it ([Note: grad storage])
+        self.released = value is GradBucketState.RELEASED
+
+    def reduced_shards(self) -> list[Tensor]:
+        """This rank's reduced shard of each bucket: the persistent `grad_shard`s."""
+        return list(self.shards)
 
     # ---- transitions --------------------------------------------------------------------------
     def acquire(self) -> None:

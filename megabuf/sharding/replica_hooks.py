@@ -17,9 +17,10 @@ The second level runs once per bucket per step, where the engine's own all-reduc
 would run: when the group's first level has landed for the step's last micro-batch, in
 dispatch-chain order. A hook's first level never reports completion to the chain (its work is
 a `HookWork`: `first_level_completed` is False), so the chain's `progress_replicas` does not
-issue a hooked group's second level during backward; it is issued from a `finish_grad_sync`
-(the group's own, or a later group's of its chain, which first issues the owed ones before it
-in chain order), and the group's own finish would wait for it right after. So the engine runs
+issue a hooked group's second level during backward; it is issued when the group is finished
+(its own `finish_grad_sync`, which the grad sync calls in chain order, or the chain's `finish`
+of a later group, which first issues the owed ones before it in chain order), and the group's
+own finish would wait for it right after. So the engine runs
 every stage of the second-level hook when it is issued, buckets in order (each bucket's stage
 one, then each one's later stages, every wait bounded: [Note: bounded hook wait]). That gives
 up (almost) no overlap, and no stage of one group's second level can come after a later

@@ -25,7 +25,9 @@ shard whole.)
   average_in_collective), so the two levels together are the flat mean.
 - A registered comm hook runs on both levels, the second on a view of the reduced shard
   ([Note: comm hooks under hybrid] in megabuf/sharding/replica_hooks.py).
-A `ReplicaStage` without a replicate group (flat) is armed never and does nothing.
+Flat groups have no second level: only under a hybrid split is their reduction wrapped in
+the two-level one (`TwoLevel`, `reduction_for` in megabuf/reductions.py), which owns a
+`ReplicaStage`; a stage without a replicate group is armed never and does nothing.
 """
 
 from __future__ import annotations
