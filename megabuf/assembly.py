@@ -136,20 +136,10 @@ def _make_group(
 def grad_storage_for(
     ctx: _Context, buffers: list[_ParamAndGradBuffer], planned: GroupPlan
 ) -> GradStorage:
-    """The group's grad storage ([Note: grad storage] in megabuf/sharding/grads.py): sharded
-    under optim_grads* ([Note: sharded grad lifecycle]), else the full buckets."""
-    dp_rank, dp_size = ctx.pgs.topology.sharding(planned.expert)
-    members = [(buffers[b], k) for b, k in planned.members]
-    if not ctx.config.sharding.shards_grads:
-        return FullGrads([buf.buckets[k] for buf, k in members], dp_rank, dp_size)
-    full = [buf.buckets[k].grad_data for buf, k in members]
-    shards = [s for buf, k in members if (s := buf.buckets[k].grad_shard) is not None]
-    sizes = [t.numel() // dp_size for t in full]
-    return ShardedGrads(
-        full, [(dp_rank * n, (dp_rank + 1) * n) for n in sizes], shards,
-        [bucket_padding_ranges(buf.layout, k) for buf, k in members],
-        ctx.ledger, group_id=planned.group_id, rank=ctx.pgs.topology.rank,
-    )  # fmt: skip
+    """The strategy's grad storage for the group ([Note: grad storage] in
+    megabuf/sharding/grads.py; [Note: strategies build their parts])."""
+    storage: GradStorage = ctx.config.sharding.grad_storage(_GroupParts(ctx, buffers, planned))
+    return storage
 
 
 def _sharded_params(
@@ -167,6 +157,26 @@ class _GroupParts:
     ctx: _Context
     buffers: list[_ParamAndGradBuffer]
     planned: GroupPlan
+
+    def full_grads(self) -> GradStorage:
+        dp_rank, dp_size = self.ctx.pgs.topology.sharding(self.planned.expert)
+        buckets = [self.buffers[b].buckets[k] for b, k in self.planned.members]
+        return FullGrads(buckets, dp_rank, dp_size)
+
+    def sharded_grads(self) -> GradStorage:
+        """optim_grads*: full buckets only while they accumulate and reduce ([Note: sharded
+        grad lifecycle])."""
+        ctx, planned = self.ctx, self.planned
+        dp_rank, dp_size = ctx.pgs.topology.sharding(planned.expert)
+        members = [(self.buffers[b], k) for b, k in planned.members]
+        full = [buf.buckets[k].grad_data for buf, k in members]
+        shards = [s for buf, k in members if (s := buf.buckets[k].grad_shard) is not None]
+        sizes = [t.numel() // dp_size for t in full]
+        return ShardedGrads(
+            full, [(dp_rank * n, (dp_rank + 1) * n) for n in sizes], shards,
+            [bucket_padding_ranges(buf.layout, k) for buf, k in members],
+            ctx.ledger, group_id=planned.group_id, rank=ctx.pgs.topology.rank,
+        )  # fmt: skip
 
     def sharded_params(self) -> ShardedParams:
         """optim_grads_params: the group's full params and shards ([Note: sharded param

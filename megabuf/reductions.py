@@ -292,11 +292,10 @@ class TwoLevel:
 def reduction_for(
     strategy: Any, parts: ReductionParts, replicate_group: ProcessGroup | None
 ) -> Reduction:
-    """The reduction a bucket group starts with: the strategy's first level (all-reduce or
-    reduce-scatter), wrapped in the two-level reduction under a hybrid split."""
-    first: FirstLevel = (
-        AllReduce(parts) if strategy.reduction == "all_reduce" else ReduceScatter(parts)
-    )
+    """The reduction a bucket group starts with: the strategy's first level ([Note: strategies
+    build their parts] in sharding/strategies.py), wrapped in the two-level reduction under a
+    hybrid split."""
+    first: FirstLevel = strategy.first_reduction(_FirstLevels(parts))
     if replicate_group is None:
         return first
     stage = ReplicaStage(
@@ -304,3 +303,16 @@ def reduction_for(
         rank=parts.rank,
     )  # fmt: skip
     return TwoLevel(first, stage)
+
+
+@dataclass(frozen=True)
+class _FirstLevels:
+    """The strategy's `ReductionKit` for one group: how each first level is built."""
+
+    parts: ReductionParts
+
+    def all_reduce(self) -> FirstLevel:
+        return AllReduce(self.parts)
+
+    def reduce_scatter(self) -> FirstLevel:
+        return ReduceScatter(self.parts)

@@ -133,19 +133,40 @@ class FakeKit:
     def replicated(self) -> str:
         return "replicated"
 
+    def full_grads(self) -> str:
+        return "full_grads"
+
+    def sharded_grads(self) -> str:
+        return "sharded_grads"
+
+    def all_reduce(self) -> str:
+        return "all_reduce"
+
+    def reduce_scatter(self) -> str:
+        return "reduce_scatter"
+
 
 BUILT = {  # name: (param_storage, param_side, exposed_grads, unit_plan, optimizer,
-    #              agreement by default, agreement reducing each micro-batch)
-    "no_shard": (None, "gathered", "exposed", None, "replicated", None, None),
-    "optim": (None, "gathered", "refused", None, "distributed", None, None),
-    "optim_grads": (None, "gathered", "refused", None, "distributed", None, "each"),
+    #              agreement by default, agreement reducing each micro-batch, grad_storage,
+    #              first_reduction)
+    "no_shard": (
+        None, "gathered", "exposed", None, "replicated", None, None, "full_grads", "all_reduce",
+    ),
+    "optim": (
+        None, "gathered", "refused", None, "distributed", None, None, "full_grads",
+        "reduce_scatter",
+    ),
+    "optim_grads": (
+        None, "gathered", "refused", None, "distributed", None, "each", "sharded_grads",
+        "reduce_scatter",
+    ),
     "optim_grads_params": (
         "sharded_params", "units(reshard_after_forward=True)", "refused", "plan_units",
-        "distributed", "zero3", "each",
+        "distributed", "zero3", "each", "sharded_grads", "reduce_scatter",
     ),
     "optim_grads_params/no_reshard": (
         "sharded_params", "units(reshard_after_forward=False)", "refused", "plan_units",
-        "distributed", "zero3", "each",
+        "distributed", "zero3", "each", "sharded_grads", "reduce_scatter",
     ),
 }  # fmt: skip
 EACH = "sharded_grad_accumulation='reduce_each_microbatch'"
@@ -163,7 +184,7 @@ def test_each_strategy_builds_its_parts_from_the_kit(key: str) -> None:
     got = (
         s.param_storage(kit), s.param_side(kit), s.exposed_grads(kit), s.unit_plan(kit),
         s.optimizer(kit), s.agreement_mode("accumulate_unsharded"),
-        s.agreement_mode("reduce_each_microbatch"),
+        s.agreement_mode("reduce_each_microbatch"), s.grad_storage(kit), s.first_reduction(kit),
     )  # fmt: skip
     want = tuple({"each": EACH, "zero3": ZERO3}.get(w, w) if w else w for w in BUILT[key])
     assert got == want

@@ -34,6 +34,10 @@ assembles the part, that knows HOW to construct each candidate, while the strate
 WHICH one (and how they compose):
 
     builder                     kit (protocol here; implemented by)     what the strategy picks
+    `grad_storage(kit)`         `GradStorageKit` (assembly.py, per      `FullGrads` or
+                                bucket group)                           `ShardedGrads` (ZeRO-2/3)
+    `first_reduction(kit)`      `ReductionKit` (reductions.py, per      all-reduce or
+                                bucket group; hybrid wraps it)          reduce-scatter
     `param_storage(kit)`        `ParamStorageKit` (assembly.py, per     None, or the group's
                                 bucket group)                           `ShardedParams` (ZeRO-3)
     `param_side(kit)`           `ParamSideKit` (sharding/parts.py)      `GatheredParams` or
@@ -50,9 +54,8 @@ WHICH one (and how they compose):
 
 The kits are generic in what they return, so the strategy never names an engine type and a
 test can hand it a fake kit that records which builder was asked (tests/test_sharding_strategy.py).
-A new variant of a part (the group's reduction, its grad storage) is one more kit method plus
-one more builder here (`reduction(kit)`, `grad_storage(kit)` on the per-group kit), and the
-strategy that needs it overrides that builder.
+A new variant of a part is one more kit method, and the strategy that needs it overrides that
+builder; a new part is one more kit and one more builder here.
 """
 
 from __future__ import annotations
@@ -71,6 +74,32 @@ class ParamStorageKit(Protocol[Part]):
 
     def sharded_params(self) -> Part:
         """The group's full params and persistent shards (`ShardedParams`)."""
+        ...
+
+
+class GradStorageKit(Protocol[Part]):
+    """Builds one bucket group's grad storage ([Note: grad storage] in sharding/grads.py)."""
+
+    def full_grads(self) -> Part:
+        """The whole buckets, kept across steps (`FullGrads`)."""
+        ...
+
+    def sharded_grads(self) -> Part:
+        """Full buckets only while they accumulate and reduce; this rank's reduced shard kept
+        (`ShardedGrads`, [Note: sharded grad lifecycle])."""
+        ...
+
+
+class ReductionKit(Protocol[Part]):
+    """Builds the first level of one bucket group's reduction ([Note: reductions] in
+    reductions.py; the hybrid second level wraps whatever is chosen here)."""
+
+    def all_reduce(self) -> Part:
+        """Every rank gets the whole reduced bucket (`AllReduce`)."""
+        ...
+
+    def reduce_scatter(self) -> Part:
+        """Each rank gets its 1/dp shard of the reduced bucket (`ReduceScatter`)."""
         ...
 
 
@@ -167,6 +196,14 @@ class ShardingStrategy:
         return not self.shards_optimizer or grad_dtype == torch.float16
 
     # ---- builders ([Note: strategies build their parts]) --------------------------------------
+    def grad_storage(self, kit: GradStorageKit[Part]) -> Part:
+        """A bucket group's grad storage: the whole buckets."""
+        return kit.full_grads()
+
+    def first_reduction(self, kit: ReductionKit[Part]) -> Part:
+        """A bucket group's reduction inside its own collective group: an all-reduce."""
+        return kit.all_reduce()
+
     def param_storage(self, kit: ParamStorageKit[Part]) -> Part | None:
         """A bucket group's param storage beyond its buffers' `param_data`: none."""
         return None
@@ -246,6 +283,10 @@ class Optim(ShardingStrategy):
         "num_distributed_optimizer_instances",
     })  # fmt: skip
 
+    def first_reduction(self, kit: ReductionKit[Part]) -> Part:
+        """A reduce-scatter: each rank steps only its shard."""
+        return kit.reduce_scatter()
+
     def exposed_grads(self, kit: ExposedGradsKit[Part]) -> Part:
         """None: each rank holds only its shard of the reduced grads."""
         return kit.refused()
@@ -261,6 +302,9 @@ class OptimGrads(Optim):
     name = "optim_grads"
     shards_grads = True
     options = Optim.options | {"sharded_grad_accumulation"}
+
+    def grad_storage(self, kit: GradStorageKit[Part]) -> Part:
+        return kit.sharded_grads()
 
     def grad_buckets_bound(self, total_nbytes: int) -> int | None:
         """Every group's full grad bucket may be alive at once (no overlap: all accumulate
