@@ -63,8 +63,11 @@ MOVES: dict[str, str] = {
     "megabuf.bucket_group": "megabuf.buckets.bucket_group",
     "megabuf.dispatch": "megabuf.buckets.dispatch",
     "megabuf.grad_math": "megabuf.buckets.grad_math",
-    "megabuf.two_level": "megabuf.buckets.two_level",
     "megabuf.arrivals": "megabuf.buckets.arrivals",
+    "megabuf.readiness": "megabuf.buckets.readiness",
+    "megabuf.reductions": "megabuf.buckets.reductions",
+    "megabuf.param_gather": "megabuf.buckets.param_gather",
+    "megabuf.full_grads": "megabuf.buckets.full_grads",
     # sync: the grad and param syncs and the parts they drive
     "megabuf.grad_sync": "megabuf.sync.grad_sync",
     "megabuf.param_sync": "megabuf.sync.param_sync",

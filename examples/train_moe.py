@@ -11,7 +11,7 @@ What every rank does (configs/moe.toml):
 2. `megabuf.testing.moe.MoEModel` keeps 2 of the 4 experts on each ep rank and marks their params
    expert-parallel; `megabuf.DistributedDataParallel` puts them in separate buffers reduced over
    expt_dp (scaled so every grad is still the average over all 4 data-parallel ranks: see
-   [Note: gradient scaling] in megabuf/finalize.py).
+   [Note: gradient scaling] in megabuf/training/finalize.py).
 3. Each step `megabuf.pipeline.forward_backward_no_pipelining` accumulates grads over the
    micro-batches (no_sync on all but the last) and calls `megabuf.finalize_model_grads`; the
    optimizer (distributed over dp for dense params and over expt_dp for experts) steps.

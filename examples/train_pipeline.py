@@ -7,7 +7,7 @@
 What every rank does (configs/pipeline.toml):
 
 1. `megabuf.init_distributed(pp_size=2)` lays the ranks out as (pp, dp): ranks 0, 1 are stage 0
-   and ranks 2, 3 stage 1 (see [Note: rank order] in megabuf/process_groups.py).
+   and ranks 2, 3 stage 1 (see [Note: rank order] in megabuf/transport/process_groups.py).
 2. The GPT is cut into pp_size * chunks stages (`megabuf.testing.stages.split_gpt`); this rank
    keeps chunk c = stage c * pp_size + pp_rank. The first and last stage each hold a copy of the
    tied word embedding, marked `shared_embedding`.

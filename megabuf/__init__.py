@@ -1,15 +1,14 @@
 """megabuf: Megatron-style contiguous param-and-grad buffers for data-parallel PyTorch training.
 
 The top level holds what a training script calls; internals stay importable from their modules
-(`megabuf.bucket_group`, `megabuf.layout`, `megabuf.plan`, `megabuf.collectives`,
-`megabuf.optimizer`, `megabuf.pipeline`, `megabuf.checkpoint`, ...).
+(`megabuf.buckets.bucket_group`, `megabuf.pure.layout`, `megabuf.planning.plan`,
+`megabuf.transport.collectives`, `megabuf.optimizer`, `megabuf.pipeline`, `megabuf.checkpoint`,
+...).
 """
 
 from megabuf.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.ddp import DistributedDataParallel
-from megabuf.distributed_init import init_distributed
-from megabuf.finalize import finalize_model_grads
 from megabuf.optimizer import (
     DistributedOptimizer,
     FP32Optimizer,
@@ -19,9 +18,11 @@ from megabuf.optimizer import (
     build_optimizer,
 )
 from megabuf.pipeline import default_schedule_hooks, get_forward_backward_func, wrap_model_chunks
-from megabuf.process_groups import ProcessGroups
-from megabuf.replicas import mark_expert_parallel
-from megabuf.reproducible import verify_reproducible
+from megabuf.planning.replicas import mark_expert_parallel
+from megabuf.training.finalize import finalize_model_grads
+from megabuf.training.reproducible import verify_reproducible
+from megabuf.transport.distributed_init import init_distributed
+from megabuf.transport.process_groups import ProcessGroups
 
 __all__ = [
     "DistributedDataParallel",

@@ -70,8 +70,8 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from megabuf.bucket_planner import parse_bucket_ends
     from megabuf.inspect import format_inspection, inspect_model, inspection_to_dict, load_model
+    from megabuf.pure.bucket_planner import parse_bucket_ends
 
     config = load_config(args.config, args.set)
     model = load_model(args.model)

@@ -18,7 +18,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from megabuf.config_fields import dataclass_from_dict, dataclass_from_toml, document_fields
+from megabuf.pure.config_fields import dataclass_from_dict, dataclass_from_toml, document_fields
 from megabuf.sharding.strategies import (
     SHARDING_STRATEGIES,
     STRATEGIES,
@@ -128,9 +128,9 @@ class DistributedDataParallelConfig:
     models overlap too); without overlap, one bucket per buffer. "auto": start with the default,
     measure `auto_bucket_warmup_steps` steps, then re-plan the bucket boundaries once, so the
     predicted communication left after backward is least ([Note: auto bucket plan] in
-    megabuf/bucket_planner.py, [Note: auto bucket re-plan] in megabuf/autobucket.py; under
-    a sharded strategy the params and the optimizer state move to new buffers: [Note: sharded
-    auto bucket re-plan] in megabuf/sharded_replan.py); at dp 1 the default stays. Needs
+    megabuf/pure/bucket_planner.py, [Note: auto bucket re-plan] in megabuf/replan/autobucket.py;
+    under a sharded strategy the params and the optimizer state move to new buffers: [Note: sharded
+    auto bucket re-plan] in megabuf/replan/sharded_replan.py); at dp 1 the default stays. Needs
     `overlap_grad_reduce`, and no `comm_hook`, `deterministic_reduction` or
     `whole_param_owners`."""
 
@@ -139,13 +139,13 @@ class DistributedDataParallelConfig:
     re-plan; the first is not measured (it learns the grad arrival order), the others are, and
     the re-plan happens at the step boundary after the last (`zero_grad_buffer()`). >= 2. With
     3 or more, under "no_shard" and "optim", the last reduces its grads after backward ([Note:
-    quiet step] in megabuf/warmup.py)."""
+    quiet step] in megabuf/replan/warmup.py)."""
 
     whole_param_owners: bool = False
     """Under a sharded strategy: each param is owned whole by one dp rank instead of split by
     elements, so matrix optimizers (`torch.optim.Muon`, megabuf's `MuonAdamW`) see whole
     matrices. Owners are balanced by Newton-Schulz cost; each bucket's shards follow params and
-    are padded to the largest ([Note: whole-param owners] in megabuf/owners.py)."""
+    are padded to the largest ([Note: whole-param owners] in megabuf/pure/owners.py)."""
 
     whole_param_max_nbytes: int | None = None
     """With `whole_param_owners`: the most bytes (numel x param itemsize) one param may bring to
@@ -162,7 +162,7 @@ class DistributedDataParallelConfig:
 
     num_distributed_optimizer_instances: int = 1
     """Megatron's R: hybrid sharding as R replicas of a dp/R-way sharded strategy ([Note: hybrid
-    rank order] in megabuf/hybrid.py): grads reduce-scattered inside each dp/R-rank shard group
+    rank order] in megabuf/pure/hybrid.py): grads reduce-scattered inside each dp/R-rank shard group
     and the shards all-reduced across the R replicas, params gathered inside the shard group,
     optimizer state sharded dp/R ways. Needs a strategy that shards the optimizer ("optim",
     "optim_grads", "optim_grads_params") and R dividing dp. 1 (the default) is flat, unless the

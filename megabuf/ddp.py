@@ -18,15 +18,16 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from megabuf import pickling, torch_compat
-from megabuf.bucket_group import Timeline
-from megabuf.buffer import _ParamAndGradBuffer
-from megabuf.collectives import Collectives
+from megabuf.buckets.bucket_group import Timeline
+from megabuf.buckets.buffer import _ParamAndGradBuffer
 from megabuf.comm_hooks.torch_adapter import hook_of_call
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.engine import Engine
-from megabuf.join import JoinConfigSlot, UnevenInputs, refuse_unsupported
-from megabuf.process_groups import ProcessGroups, resolve_split
+from megabuf.core import pickling
+from megabuf.core.engine import Engine
+from megabuf.core.join import JoinConfigSlot, UnevenInputs, refuse_unsupported
+from megabuf.transport import torch_compat
+from megabuf.transport.collectives import Collectives
+from megabuf.transport.process_groups import ProcessGroups, resolve_split
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -153,7 +154,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def enable_timeline(self) -> Timeline:
         """Record when every bucket group became ready, was dispatched and finished, and a
         "backward_end" marker (group id -1) at the start of each finish_grad_sync(), into one
-        shared `Timeline` (also `self.timeline`); `megabuf.overlap` turns it into a report.
+        shared `Timeline` (also `self.timeline`); `megabuf.pure.overlap` turns it into a report.
         On CUDA params the events are timed CUDA events, resolved when `timeline.events` is
         read: see [Note: timeline on CUDA] in timeline.py."""
         return self.engine.enable_timeline()

@@ -1,7 +1,7 @@
 """`megabuf inspect`: the buffers, buckets and bucket groups megabuf would build for a model.
 
-A thin layer over `megabuf.plan`, the planner `DistributedDataParallel` allocates from: it turns
-a model's trainable params into `ParamSpec`s, plans them at a given fake `dp_size` (no process
+A thin layer over `megabuf.planning.plan`, the planner `DistributedDataParallel` allocates from: it
+turns a model's trainable params into `ParamSpec`s, plans them at a given fake `dp_size` (no process
 group) and formats the result. `tests/test_inspect.py` checks it against a real wrapped model.
 Under optim_grads_params it also plans the shard units (`megabuf.sharding.units.plan_units`) and
 shows each unit: its owned params, padded elements, gathered bytes, buckets and bucket group.
@@ -20,13 +20,13 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from megabuf.bucket_planner import format_bucket_ends
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.hybrid import HybridSplit, describe_split, planned_split
-from megabuf.layout import BufferLayout
-from megabuf.model_plan import plan_model
-from megabuf.plan import BufferPlan, ParamSpec, Plan
-from megabuf.replicas import param_specs
+from megabuf.planning.model_plan import plan_model
+from megabuf.planning.plan import BufferPlan, ParamSpec, Plan
+from megabuf.planning.replicas import param_specs
+from megabuf.pure.bucket_planner import format_bucket_ends
+from megabuf.pure.hybrid import HybridSplit, describe_split, planned_split
+from megabuf.pure.layout import BufferLayout
 from megabuf.sharding.memory_table import StrategyMemory, format_memory_table, memory_per_strategy
 from megabuf.sharding.units import UnitPlan, plan_units
 

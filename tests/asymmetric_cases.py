@@ -24,8 +24,8 @@ from moe_cases import CFG, GLOBAL_BATCH, _loss, groups, reference_name
 from torch import nn
 
 import megabuf
-from megabuf.finalize import finalize_model_grads
 from megabuf.testing.moe import MoEModel, moe_batch
+from megabuf.training.finalize import finalize_model_grads
 
 DIM = 8
 ROWS = 4  # rows per rank per micro-batch

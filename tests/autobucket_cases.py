@@ -19,16 +19,16 @@ import torch.distributed as dist
 from torch import nn
 
 import megabuf
-import megabuf.engine
-import megabuf.warmup
-from megabuf.autobucket import choose_buckets, current_choices, ends_of
-from megabuf.bucket_planner import CollectiveModel, worth_changing
+import megabuf.core.engine
+import megabuf.replan.warmup
 from megabuf.comm_hooks import build as build_hook
-from megabuf.overlap import analyze
-from megabuf.replicas import param_specs
+from megabuf.planning.replicas import param_specs
+from megabuf.pure.bucket_planner import CollectiveModel, worth_changing
+from megabuf.pure.overlap import analyze
+from megabuf.replan.autobucket import choose_buckets, current_choices, ends_of
+from megabuf.replan.warmup import Measurement, agree
 from megabuf.sharding.walk import storage_walk
 from megabuf.testing.models import build_model, loss_fn, make_batch
-from megabuf.warmup import Measurement, agree
 
 MODEL = "gpt_tiny"
 STEPS = 6
@@ -342,7 +342,7 @@ def quiet_step_case(quiet_backward_s: float, flags: dict[str, Any] | None = None
     real: dict[str, Any] = {}
 
     def measure(dtype: Any) -> Measurement:
-        got = megabuf.warmup.measured(auto.timeline.events, n, CollectiveModel(0.0, 0.0))  # type: ignore[union-attr]
+        got = megabuf.replan.warmup.measured(auto.timeline.events, n, CollectiveModel(0.0, 0.0))  # type: ignore[union-attr]
         real.update(steps=got.steps, quiet=(got.quiet_backward_s, got.quiet_exposed_s))
         return replace(
             fake_measurement(n, rank), backward_s=0.010 - 0.001 * rank,
@@ -408,12 +408,14 @@ ZERO3: dict[str, Any] = {"data_parallel_sharding_strategy": "optim_grads_params"
 def planned_with(bucket_ends: Any) -> Iterator[None]:
     """DistributedDataParallel built inside plans with these boundaries from the start: a fresh
     model on the re-planned plan that never ran the re-plan's code."""
-    original = megabuf.engine.plan_model
-    megabuf.engine.plan_model = lambda *a, **k: original(*a, **{**k, "bucket_ends": bucket_ends})  # type: ignore[assignment]
+    original = megabuf.core.engine.plan_model
+    megabuf.core.engine.plan_model = lambda *a, **k: original(
+        *a, **{**k, "bucket_ends": bucket_ends}
+    )  # type: ignore[assignment]
     try:
         yield
     finally:
-        megabuf.engine.plan_model = original  # type: ignore[assignment]
+        megabuf.core.engine.plan_model = original  # type: ignore[assignment]
 
 
 def zero3_case(
@@ -511,7 +513,7 @@ def memory_kept_case(flags: dict[str, Any]) -> dict[str, Any]:
     collectives alone), says why in a warning, and trains on."""
     import logging
 
-    import megabuf.sharded_replan as sharded_replan
+    import megabuf.replan.sharded_replan as sharded_replan
 
     cfg = megabuf.DistributedDataParallelConfig(
         overlap_grad_reduce=True, bucket_size="auto", auto_bucket_warmup_steps=2, **flags
@@ -528,12 +530,12 @@ def memory_kept_case(flags: dict[str, Any]) -> dict[str, Any]:
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger("megabuf.autobucket").addHandler(handler)
+    logging.getLogger("megabuf.replan.autobucket").addHandler(handler)
     try:
         model.zero_grad_buffer()
     finally:
         sharded_replan.free_device_bytes = original  # type: ignore[assignment]
-        logging.getLogger("megabuf.autobucket").removeHandler(handler)
+        logging.getLogger("megabuf.replan.autobucket").removeHandler(handler)
     auto = model.engine.auto
     kept = model.engine.all_bucket_groups == groups and model.engine.plan == plan
     _step(model, opt, 2, 1)

@@ -1,7 +1,7 @@
 """Rank side of tests/test_autobucket.py's torch-style loops: bucket_size="auto" driven by a
 torch optimizer's `zero_grad()` and backward's own grad sync, never `zero_grad_buffer()` or
 `finish_grad_sync()` ([Note: auto bucket re-plan in a torch-style loop] in
-megabuf/autobucket.py)."""
+megabuf/replan/autobucket.py)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from autobucket_cases import (
 )
 
 import megabuf
-import megabuf.warmup
-from megabuf.bucket_planner import CollectiveModel
+import megabuf.replan.warmup
+from megabuf.pure.bucket_planner import CollectiveModel
 from megabuf.testing.models import build_model, loss_fn, make_batch
 
 GLOBAL_BATCH = 8
@@ -67,8 +67,8 @@ def torch_loop_case(micro: int, in_place_rank: int | None = None) -> dict[str, A
     n, rank = len(model.engine.param_to_name), dist.get_rank()
     real: dict[str, Any] = {}
 
-    def measure(dtype: Any) -> megabuf.warmup.Measurement:
-        got = megabuf.warmup.measured(auto.timeline.events, n, CollectiveModel(0.0, 0.0))
+    def measure(dtype: Any) -> megabuf.replan.warmup.Measurement:
+        got = megabuf.replan.warmup.measured(auto.timeline.events, n, CollectiveModel(0.0, 0.0))
         real.update(steps=got.steps, quiet=(got.quiet_backward_s, got.quiet_exposed_s))
         return replace(fake_measurement(n, rank), quiet_backward_s=0.0)  # overlap: no weighing
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 import megabuf
-from megabuf.collectives import Collectives
-from megabuf.overlap import analyze
+from megabuf.pure.overlap import analyze
+from megabuf.transport.collectives import Collectives
 
 NUMELS = (100, 37, 64, 5)
 STEPS = 3

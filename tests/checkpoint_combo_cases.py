@@ -32,10 +32,10 @@ from pipeline_cases import GCFG, MBS, global_batch
 import megabuf
 from megabuf.checkpoint.files import write_metadata
 from megabuf.comm_hooks import LocalSGD, PeriodicAverager, PowerSGD
-from megabuf.finalize import finalize_model_grads
 from megabuf.testing.models import GPT, gpt_loss
 from megabuf.testing.moe import MoEModel, moe_batch
 from megabuf.testing.stages import split_gpt, stage_index
+from megabuf.training.finalize import finalize_model_grads
 
 SAVE_AFTER = 3
 TOTAL_STEPS = 6

@@ -1,9 +1,9 @@
-"""Rank side of tests/test_counted_arrivals.py: [Note: counted arrivals] (megabuf/arrivals.py) on
-real gloo ranks. Each loop runs twice, once as built (small params' hooks become counters after
-the first sync) and once with counting switched off (a Python hook per param, as before), and
-returns every step's grads and params: the test compares the two bitwise, and the first loop
-also against a single-process reference of the global batch. Rank 1 skips `spare` (a param
-unused on one rank) and sees other data."""
+"""Rank side of tests/test_counted_arrivals.py: [Note: counted arrivals]
+(megabuf/buckets/arrivals.py) on real gloo ranks. Each loop runs twice, once as built (small params'
+hooks become counters after the first sync) and once with counting switched off (a Python hook per
+param, as before), and returns every step's grads and params: the test compares the two bitwise, and
+the first loop also against a single-process reference of the global batch. Rank 1 skips `spare` (a
+param unused on one rank) and sees other data."""
 
 from __future__ import annotations
 

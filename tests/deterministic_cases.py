@@ -15,9 +15,9 @@ from grad_cases import NATIVE_GLOO
 from torch import nn
 
 import megabuf
-from megabuf.collectives import Collectives
 from megabuf.comm_hooks import Compress, Deterministic, GradBucket, Reduce, fixed_order_sum
-from megabuf.reproducible import _param_space_grads
+from megabuf.training.reproducible import _param_space_grads
+from megabuf.transport.collectives import Collectives
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SMALL, LARGE = 300, 100_000  # elements: several buckets (one group each with overlap) vs one

@@ -29,9 +29,9 @@ from case_devices import case_device, race_window, to_device
 from torch import nn
 
 import megabuf
-from megabuf.collective_backends import CollectiveStrategy
-from megabuf.collectives import Collectives
-from megabuf.layout import shard_pieces
+from megabuf.pure.layout import shard_pieces
+from megabuf.transport.collective_backends import CollectiveStrategy
+from megabuf.transport.collectives import Collectives
 
 GLOBAL_BATCH = 16
 DIM = 12

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from grad_cases import Net, local_slice, loss_fn, make_data
 
 import megabuf
-from megabuf.collective_backends import CollectiveStrategy
-from megabuf.collectives import Collectives
 from megabuf.optimizer.distributed import DistributedOptimizer
+from megabuf.transport.collective_backends import CollectiveStrategy
+from megabuf.transport.collectives import Collectives
 
 NATIVE_COALESCED = {
     ("gloo", "cpu"): CollectiveStrategy(

@@ -1,6 +1,7 @@
-"""Rank side of tests/test_inbound_scale.py: [Note: scale on the way in] (megabuf/grad_math.py)
-on gloo ranks, against the bucket pass (the same model with sync_grads_at_backward_end=False,
-which scales whole buckets at dispatch) and a single-process reference of the global batch."""
+"""Rank side of tests/test_inbound_scale.py: [Note: scale on the way in]
+(megabuf/buckets/grad_math.py) on gloo ranks, against the bucket pass (the same model with
+sync_grads_at_backward_end=False, which scales whole buckets at dispatch) and a single-process
+reference of the global batch."""
 
 from __future__ import annotations
 

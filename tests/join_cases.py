@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import megabuf
-from megabuf.collectives import Collectives
 from megabuf.comm_hooks import build as build_hook
+from megabuf.transport.collectives import Collectives
 
 
 def _batch(k: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

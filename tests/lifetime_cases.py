@@ -38,7 +38,8 @@ def dropped_engine_case(strategy: str, gather: bool = False) -> dict[str, Any]:
     opt.step()
     engine, group = weakref.ref(model), weakref.ref(model.engine.all_bucket_groups[0])
     # overlap_param_gather: the step left the gathers in flight ([Note: gathers outlive a
-    # dropped group] in megabuf/dispatch.py); kept here only to see whether they were waited for
+    # dropped group] in megabuf/buckets/dispatch.py); kept here only to see whether they were waited
+    # for
     gathers = [g.param_gather for g in model.engine.all_bucket_groups]
     works = [gather.work for gather in gathers if gather.work is not None]
     in_flight = [p for work in works for p in work.pending]

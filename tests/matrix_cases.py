@@ -28,7 +28,7 @@ import megabuf
 from megabuf.comm_hooks import LocalSGD, PeriodicAverager, Reduce
 from megabuf.optimizer.grad_scaler import DynamicGradScaler
 from megabuf.pipeline import default_schedule_hooks, get_forward_backward_func, wrap_model_chunks
-from megabuf.replicas import is_expert_parallel
+from megabuf.planning.replicas import is_expert_parallel
 from megabuf.testing.moe import MoEModel, moe_batch
 
 BATCH = 48  # 12 rows per dp rank at dp 4: 3 micro-batches of 4

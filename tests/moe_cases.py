@@ -16,9 +16,9 @@ from case_devices import case_device, params_device
 from grad_cases import grad_errors
 
 import megabuf
-from megabuf.finalize import finalize_model_grads
-from megabuf.layout import shard_pieces
+from megabuf.pure.layout import shard_pieces
 from megabuf.testing.moe import MoEConfig, MoEModel, global_expert_index, moe_batch
+from megabuf.training.finalize import finalize_model_grads
 
 CFG = MoEConfig(d_in=8, d_model=16, d_ff=24, d_out=4, num_experts=4, top_k=2)
 GLOBAL_BATCH = 32

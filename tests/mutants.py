@@ -59,7 +59,7 @@ MUTANTS = (
     Mutant(
         "hybrid-replicate-over-wrong-group",
         "hybrid: the second level runs over the replicate group, not the shard group",
-        "megabuf/assembly.py",
+        "megabuf/core/assembly.py",
         "replicate_group=pgs.replicate_group(),",
         "replicate_group=pgs.shard_group(False) if pgs.hybrid else None,",
         ("tests/test_hybrid.py",),
@@ -100,7 +100,7 @@ MUTANTS = (
     Mutant(
         "dispatch-in-readiness-order",
         "bucket groups are dispatched in chain order on every rank",
-        "megabuf/dispatch.py",
+        "megabuf/buckets/dispatch.py",
         "and self.groups[self.next_index].all_ready:\n"
         "            self.groups[self.next_index].start_grad_sync()\n"
         "            self.next_index += 1\n",
@@ -114,7 +114,7 @@ MUTANTS = (
     Mutant(
         "tokens-not-summed-over-dp",
         "per-token loss: the token count is summed over dp",
-        "megabuf/finalize.py",
+        "megabuf/training/finalize.py",
         "    collectives.all_reduce(total, pgs.dp, async_op=False)\n",
         "    total *= pgs.dp_size\n",
         ("tests/test_asymmetric.py", "tests/test_pipeline.py", "tests/test_moe.py"),
@@ -122,7 +122,7 @@ MUTANTS = (
     Mutant(
         "no-grad-copy-for-bf16",
         "grad contract: params whose dtype differs from the grad dtype get a .grad copy",
-        "megabuf/grads.py",
+        "megabuf/sync/grads.py",
         "            param.grad = copy\n",
         "            continue\n",
         ("tests/test_grad_contract.py", "tests/test_ddp_grads.py"),
@@ -130,7 +130,7 @@ MUTANTS = (
     Mutant(
         "set-to-none-keeps-old-grads",
         "a .grad the user set to None starts that param fresh at the next backward",
-        "megabuf/grads.py",
+        "megabuf/sync/grads.py",
         "            if param.grad is None:\n                self._mark_fresh(param)\n"
         "            elif param.grad is not main_grad:",
         "            if param.grad is None:\n                param.grad = main_grad\n"
@@ -140,7 +140,7 @@ MUTANTS = (
     Mutant(
         "no-sync-at-backward-end",
         "with sync_grads_at_backward_end, backward returns with the grads reduced",
-        "megabuf/backward_sync.py",
+        "megabuf/sync/backward_sync.py",
         "        if self.param_grads and self.wanted():\n            self.param_grads = False\n"
         "            self._finish()\n",
         "        pass\n",
@@ -149,7 +149,7 @@ MUTANTS = (
     Mutant(
         "require-backward-grad-sync-ignored",
         "require_backward_grad_sync=False makes backward only accumulate",
-        "megabuf/grad_sync.py",
+        "megabuf/sync/grad_sync.py",
         "        self.backward_end.set_require_sync(bool(value))\n",
         "        pass\n",
         ("tests/test_drop_in.py",),
@@ -157,7 +157,7 @@ MUTANTS = (
     Mutant(
         "dense-scale-not-1-over-dp",
         "gradient scaling: every buffer ends at 1/dp_size",
-        "megabuf/assembly.py",
+        "megabuf/core/assembly.py",
         "    return 1.0 / dp_size, 1.0 / dp_size\n",
         "    return 1.0, 1.0 / dp_size\n",
         ("tests/test_ddp_grads.py",),
@@ -165,7 +165,7 @@ MUTANTS = (
     Mutant(
         "expert-scale-1-over-expt-dp",
         "gradient scaling: expert grads too are scaled by 1/dp_size, not 1/expt_dp_size",
-        "megabuf/assembly.py",
+        "megabuf/core/assembly.py",
         "    return 1.0 / dp_size, 1.0 / dp_size\n",
         "    return 1.0 / dp_size, 1.0 / pgs.topology.expt_dp_size\n",
         ("tests/test_moe.py", "tests/test_accumulate.py"),
@@ -173,7 +173,7 @@ MUTANTS = (
     Mutant(
         "pre-scale-skipped",
         "gradient scaling: all-reduced buckets are scaled before the sum",
-        "megabuf/grad_math.py",
+        "megabuf/buckets/grad_math.py",
         "        torch._foreach_mul_(same, factor)\n",
         "        pass\n",
         ("tests/test_ddp_grads.py",),
@@ -181,7 +181,7 @@ MUTANTS = (
     Mutant(
         "avg-never-divided",
         "an emulated AVG (gloo) is a SUM then a divide by the group size",
-        "megabuf/collectives.py",
+        "megabuf/transport/collectives.py",
         "        return dist.ReduceOp.SUM, size\n",
         "        return dist.ReduceOp.SUM, 1\n",
         ("tests/test_ddp_grads.py", "tests/test_accumulate.py"),
@@ -189,7 +189,7 @@ MUTANTS = (
     Mutant(
         "shard-piece-off-by-one",
         "ranges: a rank's shard pieces cover its shard exactly",
-        "megabuf/layout.py",
+        "megabuf/pure/layout.py",
         "start, end = max(slot.start, lo), min(slot.end, hi)",
         "start, end = max(slot.start, lo), min(slot.end, hi - 1)",
         ("tests/test_layout.py", "tests/test_optimizer_distributed.py"),
@@ -197,7 +197,7 @@ MUTANTS = (
     Mutant(
         "bucket-pad-ignores-dp",
         "padding: sharded buckets are padded to a multiple of lcm(dp_size, 128)",
-        "megabuf/layout.py",
+        "megabuf/pure/layout.py",
         "    multiple = math.lcm(dp_size, BUCKET_ALIGN_NUMEL)\n",
         "    multiple = BUCKET_ALIGN_NUMEL\n",
         ("tests/test_layout.py", "tests/test_plan.py"),
@@ -205,7 +205,7 @@ MUTANTS = (
     Mutant(
         "param-start-not-aligned",
         "padding: with the distributed optimizer each param starts at a multiple of 64",
-        "megabuf/layout.py",
+        "megabuf/pure/layout.py",
         "start = _round_up(cursor, PARAM_ALIGN_NUMEL) if sharded else cursor",
         "start = cursor",
         ("tests/test_layout.py", "tests/test_plan.py"),
@@ -213,7 +213,7 @@ MUTANTS = (
     Mutant(
         "ready-after-first-arrival",
         "readiness: a group is ready after each param's learned number of arrivals",
-        "megabuf/readiness.py",
+        "megabuf/buckets/readiness.py",
         "if expected is None or self.arrivals[i] != expected[i]:",
         "if expected is None or self.arrivals[i] != 1:",
         ("tests/test_grad_contract.py", "tests/test_bucket_state.py"),
@@ -221,7 +221,7 @@ MUTANTS = (
     Mutant(
         "unwritten-grads-not-zeroed",
         "zeroing: a param without a grad this iteration reduces zeros, not stale values",
-        "megabuf/grad_math.py",
+        "megabuf/buckets/grad_math.py",
         "            torch._foreach_zero_(same_dtype)\n",
         "            pass\n",
         ("tests/test_grad_contract.py", "tests/test_bucket_state.py"),
@@ -229,7 +229,7 @@ MUTANTS = (
     Mutant(
         "first-grad-added-not-copied",
         "zeroing: the first grad after zero_grad_buffer() overwrites main_grad",
-        "megabuf/hooks.py",
+        "megabuf/sync/hooks.py",
         "                main_grad.copy_(grad)\n",
         "                main_grad.add_(grad)\n",
         ("tests/test_ddp_grads.py", "tests/test_grad_contract.py"),
@@ -261,7 +261,7 @@ MUTANTS = (
     Mutant(
         "force-sync-returns-on-a-gather-in-flight",
         "start_param_sync(force_sync=True) returns with every param gathered (issue 23)",
-        "megabuf/param_gather.py",
+        "megabuf/buckets/param_gather.py",
         "        if force_sync and self.state is ParamSyncState.DISPATCHED:\n",
         "        if False:\n",
         ("tests/test_param_sync.py",),
@@ -269,7 +269,7 @@ MUTANTS = (
     Mutant(
         "unhooked-forward-reads-mid-gather",
         "a forward with the pre-hooks disabled waits for every param gather in flight",
-        "megabuf/param_sync.py",
+        "megabuf/sync/param_sync.py",
         "        if hooks.at_root or (self.overlap and not hooks.enabled):\n",
         "        if hooks.at_root:\n",
         ("tests/test_param_sync.py",),
@@ -345,7 +345,7 @@ MUTANTS = (
     Mutant(
         "nan-check-agrees-over-expert-dp",
         "NaN check: the flags are agreed over dp, so a NaN in one expert stops every rank",
-        "megabuf/engine.py",
+        "megabuf/core/engine.py",
         "            self.all_bucket_groups, self.collectives, pgs.dp,\n"
         "            dp_rank=pgs.dp_rank, dp_size=pgs.dp_size, rank=self.rank,\n",
         "            self.all_bucket_groups, self.collectives, pgs.expt_dp,\n"
@@ -356,7 +356,7 @@ MUTANTS = (
     Mutant(
         "nan-flags-of-last-microbatch-only",
         "NaN check under reduce_each_microbatch: a NaN in any micro-batch is flagged",
-        "megabuf/grad_math.py",
+        "megabuf/buckets/grad_math.py",
         "            flags = torch.maximum(flags, self.flags)\n",
         "            pass\n",
         ("tests/test_matrix.py",),
@@ -364,7 +364,7 @@ MUTANTS = (
     Mutant(
         "finish-skipped-when-groups-synced",
         "finish_grad_sync runs the NaN/unused agreement once per iteration on every rank",
-        "megabuf/grad_sync.py",
+        "megabuf/sync/grad_sync.py",
         "and self.phase is SyncPhase.SYNCED and self.unsynced_group() is None:\n",
         "and self.unsynced_group() is None:\n",
         ("tests/test_matrix.py",),
@@ -380,7 +380,7 @@ MUTANTS = (
     Mutant(
         "zero3-expert-shard-by-ep-rank",
         "ZeRO-3: an expert param shard is cut at the rank's expert-dp rank",
-        "megabuf/assembly.py",
+        "megabuf/core/assembly.py",
         "        rank=ctx.pgs.topology.rank, poison=ctx.config.verify_param_access,\n"
         "        dp_rank=dp_rank, dp_size=dp_size,\n",
         "        rank=ctx.pgs.topology.rank, poison=ctx.config.verify_param_access,\n"
@@ -406,7 +406,7 @@ MUTANTS = (
     Mutant(
         "deferred-skips-microbatch-reduction",
         "reduce_each_microbatch: a no_sync backward reduces its micro-batch even when deferred",
-        "megabuf/backward_sync.py",
+        "megabuf/sync/backward_sync.py",
         "        return self.every_backward\n",
         "        return self.every_backward and not self.defer_depth\n",
         ("tests/test_matrix.py",),
@@ -422,7 +422,7 @@ MUTANTS = (
     Mutant(
         "nan-check-not-agreed-over-pp",
         "NaN check under a pipeline: every stage raises when one stage saw a non-finite grad",
-        "megabuf/nan_check.py",
+        "megabuf/sync/nan_check.py",
         "    if pp_size == 1:\n",
         "    if True:\n",
         ("tests/test_matrix.py",),
@@ -431,7 +431,7 @@ MUTANTS = (
         "owner-shard-splits-a-matrix",
         "whole-param owners: every param lies whole inside its owner's shard (Muon never "
         "orthogonalises a partial matrix)",
-        "megabuf/owners.py",
+        "megabuf/pure/owners.py",
         "shard = _round_up(max((end for _, end in offsets), default=0), align)",
         "shard = _round_up(-(-sum(end for _, end in offsets) // dp_size), align)",
         ("tests/test_owners.py", "tests/test_muon.py"),
@@ -448,7 +448,7 @@ MUTANTS = (
     Mutant(
         "owner-differs-across-ranks",
         "whole-param owners: every rank chooses the same owner for every param",
-        "megabuf/owners.py",
+        "megabuf/pure/owners.py",
         "        return worst, loads[r], r\n",
         '        return worst, loads[r], (r + __import__("os").getpid()) % len(loads)\n',
         ("tests/test_muon.py",),
@@ -504,7 +504,7 @@ MUTANTS = (
     Mutant(
         "zero3-replan-memory-not-agreed",
         "every dp rank decides alike whether a sharded re-plan fits (MAX of the shortfalls)",
-        "megabuf/sharded_replan.py",
+        "megabuf/replan/sharded_replan.py",
         "    collectives.all_reduce_max(short, group)\n",
         "",
         ("tests/test_autobucket.py",),
@@ -512,7 +512,7 @@ MUTANTS = (
     Mutant(
         "auto-bucket-dp1-rebuilds",
         "at dp 1 the auto re-plan keeps the plan that ran (a rebuild only costs memory)",
-        "megabuf/autobucket.py",
+        "megabuf/replan/autobucket.py",
         "        if dp_size == 1:  # [Note: auto bucket plan at dp 1]\n",
         "        if dp_size == 0:\n",
         ("tests/test_autobucket.py",),
@@ -520,7 +520,7 @@ MUTANTS = (
     Mutant(
         "small-grads-not-zeroed",
         "zero_grad_buffer() zeroes the small grads that the next backward accumulates into",
-        "megabuf/grads.py",
+        "megabuf/sync/grads.py",
         "            torch._foreach_zero_(self._small_runs)\n",
         "            pass\n",
         ("tests/test_small_grads.py",),
@@ -528,7 +528,7 @@ MUTANTS = (
     Mutant(
         "small-grads-link-over-user-grad",
         "a .grad the user set before backward is kept (backward adds to it)",
-        "megabuf/grads.py",
+        "megabuf/sync/grads.py",
         "        for param, main_grad in self.small:\n            if param.grad is None:\n",
         "        for param, main_grad in self.small:\n            if True:\n",
         ("tests/test_small_grads.py",),
@@ -536,7 +536,7 @@ MUTANTS = (
     Mutant(
         "small-grads-run-spans-large",
         "a run of small grads never covers a large param's main_grad",
-        "megabuf/grads.py",
+        "megabuf/sync/grads.py",
         "            if view.numel() <= max_numel:\n",
         "            if True:\n",
         ("tests/test_small_grads.py",),
@@ -544,7 +544,7 @@ MUTANTS = (
     Mutant(
         "bookkeeping-gate-not-reopened-at-backward-end",
         "the engine's per-backward bookkeeping runs again in the next backward over a kept graph",
-        "megabuf/grad_sync.py",
+        "megabuf/sync/grad_sync.py",
         "    def _backward_over(self) -> None:\n        self.in_backward[0] = False\n",
         "    def _backward_over(self) -> None:\n        pass\n",
         ("tests/test_small_grads.py",),
@@ -568,7 +568,7 @@ MUTANTS = (
     Mutant(
         "microbatch-counts-not-compared",
         "ranks of one shard group with different micro-batch counts raise by name, never hang",
-        "megabuf/microbatches.py",
+        "megabuf/sync/microbatches.py",
         'problem = "" if len(set(got)) == 1 else self._describe(got)',
         'problem = ""',
         ("tests/test_hybrid.py",),
@@ -576,7 +576,7 @@ MUTANTS = (
     Mutant(
         "auto-bucket-rank-local-plan",
         "bucket_size=auto plans from numbers agreed over dp, never from rank-local timings",
-        "megabuf/autobucket.py",
+        "megabuf/replan/autobucket.py",
         "agreed = agree(self.measure(grad_dtype), self.collectives, self.group, self.device)",
         "agreed = self.measure(grad_dtype)",
         ("tests/test_autobucket.py",),
@@ -584,7 +584,7 @@ MUTANTS = (
     Mutant(
         "auto-bucket-views-not-relinked",
         "the auto re-plan keeps every main_grad a view of the buffer the buckets reduce",
-        "megabuf/buffer.py",
+        "megabuf/buckets/buffer.py",
         "        self._grad_data.zero_()\n        self.buckets = [self._make_bucket(",
         "        self._grad_data = torch.zeros_like(self._grad_data)\n"
         "        self.buckets = [self._make_bucket(",
@@ -593,7 +593,7 @@ MUTANTS = (
     Mutant(
         "auto-bucket-old-grad-hooks-kept",
         "the auto re-plan removes the grad hooks of the old bucket groups",
-        "megabuf/wiring.py",
+        "megabuf/core/wiring.py",
         "    for handle in old.grad_hook_handles:\n        handle.remove()\n",
         "",
         ("tests/test_autobucket.py",),
@@ -609,7 +609,7 @@ MUTANTS = (
     Mutant(
         "auto-bucket-sharded-old-grad-shards-ledgered",
         "a sharded auto re-plan takes the old groups' grad shards off the memory ledger",
-        "megabuf/sharded_replan.py",
+        "megabuf/replan/sharded_replan.py",
         "            ledger.free(GRAD_SHARD, group.sharded_grads.shard_nbytes)\n",
         "            pass\n",
         ("tests/test_autobucket.py",),
@@ -633,7 +633,7 @@ MUTANTS = (
     Mutant(
         "inbound-scale-never",
         "grads that reach main_grad by the hook's copy take the pre-scale factor on the way in",
-        "megabuf/grad_math.py",
+        "megabuf/buckets/grad_math.py",
         "        if first and allowed and self.factor is not None:\n",
         "        if False:\n",
         ("tests/test_inbound_scale.py",),
@@ -641,7 +641,7 @@ MUTANTS = (
     Mutant(
         "inbound-scale-linked-after-scaled-copy",
         "a param scaled on the way in keeps .grad None until the sync (no unscaled in-place add)",
-        "megabuf/hooks.py",
+        "megabuf/sync/hooks.py",
         "                param.grad = None  # linked at the sync: no unscaled grad added in pl",
         "                param.grad = main_grad if link else None  # in pl",
         ("tests/test_inbound_scale.py",),
@@ -649,7 +649,7 @@ MUTANTS = (
     Mutant(
         "inbound-scale-under-no-sync",
         "grads go in scaled only when this backward's end reduces the group (not under no_sync)",
-        "megabuf/bucket_group.py",
+        "megabuf/buckets/bucket_group.py",
         "        self._inbound_allowed = value and scales and cfg.sync_grads_at_backward_end",
         "        self._inbound_allowed = scales and cfg.sync_grads_at_backward_end",
         ("tests/test_inbound_scale.py",),
@@ -665,7 +665,7 @@ MUTANTS = (
     Mutant(
         "backward-end-syncs-without-param-grads",
         "a backward that reaches no param (autograd.grad of the inputs) does not close the sync",
-        "megabuf/backward_sync.py",
+        "megabuf/sync/backward_sync.py",
         "        if self.param_grads and self.wanted():\n",
         "        if self.wanted():\n",
         ("tests/test_create_graph.py",),
@@ -681,7 +681,7 @@ MUTANTS = (
     Mutant(
         "auto-quiet-step-never",
         "the last of >= 3 auto warm-up steps is quiet (reduced after backward), grads unsharded",
-        "megabuf/autobucket.py",
+        "megabuf/replan/autobucket.py",
         "        return due and self.quiet_allowed and not self.replanned\n",
         "        return False\n",
         ("tests/test_bucket_planner.py", "tests/test_autobucket.py"),
@@ -689,7 +689,7 @@ MUTANTS = (
     Mutant(
         "auto-torch-loop-never-replans",
         "a forward starting an iteration whose grads every rank cleared re-plans (torch loops)",
-        "megabuf/engine.py",
+        "megabuf/core/engine.py",
         "        if pending.item() == 0.0:\n            self.zero_grad_buffer()\n",
         "        if pending.item() == 0.0:\n            pass\n",
         ("tests/test_autobucket.py",),
@@ -697,7 +697,7 @@ MUTANTS = (
     Mutant(
         "auto-cleared-grads-not-agreed",
         "the iteration start is agreed over dp: one rank's uncleared grads stop every rank",
-        "megabuf/engine.py",
+        "megabuf/core/engine.py",
         "        self.collectives.all_reduce_max(pending, auto.group)\n",
         "",
         ("tests/test_autobucket.py",),
@@ -705,7 +705,7 @@ MUTANTS = (
     Mutant(
         "auto-kept-plan-keeps-recording",
         "after the re-plan (kept or not) the warm-up's timeline records nothing more",
-        "megabuf/autobucket.py",
+        "megabuf/replan/autobucket.py",
         "        if not self.replanned:  # a kept plan's grad sync still calls\n",
         "        if True:\n",
         ("tests/test_autobucket.py",),
@@ -713,7 +713,7 @@ MUTANTS = (
     Mutant(
         "auto-never-gives-up",
         "no iteration start in 2 syncs past the warm-up: the default plan kept, with a warning",
-        "megabuf/autobucket.py",
+        "megabuf/replan/autobucket.py",
         "        return not self.replanned and self.syncs >= warmup + OVERDUE_SYNCS\n",
         "        return False\n",
         ("tests/test_autobucket.py",),
@@ -721,7 +721,7 @@ MUTANTS = (
     Mutant(
         "quiet-step-dispatches-in-backward",
         "a deferred (quiet) iteration dispatches nothing in backward, also after a no_sync() exit",
-        "megabuf/grad_sync.py",
+        "megabuf/sync/grad_sync.py",
         "        return (require_sync or self.reduce_each) and not self.defer_dispatch\n",
         "        return require_sync or self.reduce_each\n",
         ("tests/test_grad_sync.py", "tests/test_autobucket.py"),
@@ -729,7 +729,7 @@ MUTANTS = (
     Mutant(
         "quiet-step-counted-as-overlapped",
         "the quiet step's ready times are left out of the overlapped steps' medians",
-        "megabuf/warmup.py",
+        "megabuf/replan/warmup.py",
         "        for s in _steps(events)[skip_steps:]\n        if not s.quiet\n    ]\n",
         "        for s in _steps(events)[skip_steps:]\n    ]\n",
         ("tests/test_bucket_planner.py",),
@@ -737,7 +737,7 @@ MUTANTS = (
     Mutant(
         "counted-arrivals-never-engaged",
         "after the first sync, groups of small params count their arrivals (no Python per grad)",
-        "megabuf/engine.py",
+        "megabuf/core/engine.py",
         "            on_first_sync=weak_callable(self._count_arrivals),",
         "            on_first_sync=lambda: None,",
         ("tests/test_counted_arrivals.py",),
@@ -745,7 +745,7 @@ MUTANTS = (
     Mutant(
         "counted-ready-one-early",
         "a counted group is ready at its learned total of arrivals, not one before",
-        "megabuf/arrivals.py",
+        "megabuf/buckets/arrivals.py",
         "                return self.total - 1\n",
         "                return max(1, self.total - 2)\n",
         ("tests/test_counted_arrivals.py",),
@@ -753,7 +753,7 @@ MUTANTS = (
     Mutant(
         "counted-own-grad-not-copied",
         "reconcile: a .grad that is a tensor of its own is copied into main_grad before dispatch",
-        "megabuf/arrivals.py",
+        "megabuf/buckets/arrivals.py",
         "            main_grad.copy_(grad)\n            param.grad = main_grad\n",
         "            pass\n",
         ("tests/test_counted_arrivals.py",),
@@ -761,7 +761,7 @@ MUTANTS = (
     Mutant(
         "counted-bookkeeping-skipped",
         "a counted group's first arrival runs the backward's bookkeeping (arms the sync)",
-        "megabuf/arrivals.py",
+        "megabuf/buckets/arrivals.py",
         "        if not self._in_backward[0]:\n            on_grad = self._on_grad()\n",
         "        if False:\n            on_grad = self._on_grad()\n",
         ("tests/test_counted_arrivals.py",),
@@ -769,7 +769,7 @@ MUTANTS = (
     Mutant(
         "counted-state-not-checked",
         "a counted arrival after the dispatch raises; after a sync it owes the sync again",
-        "megabuf/arrivals.py",
+        "megabuf/buckets/arrivals.py",
         "        if not group.accepts_grads:\n",
         "        if False:\n",
         ("tests/test_counted_arrivals.py",),
@@ -777,7 +777,7 @@ MUTANTS = (
     Mutant(
         "counted-no-reset-when-synced",
         "a synced group's counter starts over, so the next backward's first arrival runs Python",
-        "megabuf/bucket_group.py",
+        "megabuf/buckets/bucket_group.py",
         "        self.grad_state = GradSyncState.SYNCED\n        self.readiness.counter.reset()",
         "        self.grad_state = GradSyncState.SYNCED\n        pass",
         ("tests/test_counted_arrivals.py",),
@@ -785,7 +785,7 @@ MUTANTS = (
     Mutant(
         "counted-no-reset-on-no-sync-exit",
         "entering or leaving no_sync() starts the counters over (count, or pass a long run)",
-        "megabuf/grad_sync.py",
+        "megabuf/sync/grad_sync.py",
         "            if group.counted is not None:  # the next arrival decides afresh",
         "            if False:  # the next arrival decides afresh",
         ("tests/test_counted_arrivals.py",),
@@ -793,7 +793,7 @@ MUTANTS = (
     Mutant(
         "dropped-gathers-not-waited",
         "a model dropped with param gathers in flight waits for them (gloo pairs stay usable)",
-        "megabuf/param_gather.py",
+        "megabuf/buckets/param_gather.py",
         "        weakref.finalize(self.work, wait_dropped, pending, self.rank)\n",
         "        pass\n",
         ("tests/test_engine_lifetime.py",),
@@ -801,7 +801,7 @@ MUTANTS = (
     Mutant(
         "reduce-at-end-without-min-gain",
         "reducing after backward is chosen only for a predicted gain of MIN_GAIN of the backward",
-        "megabuf/bucket_planner.py",
+        "megabuf/pure/bucket_planner.py",
         "    return at_end_s <= overlapped_s - MIN_GAIN * backward_s\n",
         "    return at_end_s <= overlapped_s\n",
         ("tests/test_bucket_planner.py",),
@@ -809,7 +809,7 @@ MUTANTS = (
     Mutant(
         "sparse-grads-summed-not-averaged",
         "a sparse grad is divided by dp_size before its all-reduce, as torch DDP",
-        "megabuf/sparse_grads.py",
+        "megabuf/sync/sparse_grads.py",
         "                grad.div_(self.dp_size)\n",
         "                pass\n",
         ("tests/test_sparse_grads.py",),
@@ -817,7 +817,7 @@ MUTANTS = (
     Mutant(
         "pickled-copy-groups-by-counter",
         "an unpickled copy builds its groups without a collective or a counted group name",
-        "megabuf/pickling.py",
+        "megabuf/core/pickling.py",
         "    groups = resolve_split(ProcessGroups.default_local(), config)\n",
         "    groups = resolve_split(ProcessGroups.default(), config)\n",
         ("tests/test_pickling.py",),
@@ -825,7 +825,7 @@ MUTANTS = (
     Mutant(
         "join-divides-by-initial-size",
         "under Join with divide_by_initial_world_size=False grads average over the active ranks",
-        "megabuf/grad_sync.py",
+        "megabuf/sync/grad_sync.py",
         "        if self._rescale != 1.0:\n",
         "        if False:\n",
         ("tests/test_join.py",),
@@ -833,7 +833,7 @@ MUTANTS = (
     Mutant(
         "join-buffers-from-dp-rank-0",
         "under Join module buffers come from the highest active rank, not a joined rank 0",
-        "megabuf/join.py",
+        "megabuf/core/join.py",
         "        return self.active[-1]\n",
         "        return 0\n",
         ("tests/test_join.py",),
@@ -841,7 +841,7 @@ MUTANTS = (
     Mutant(
         "join-no-final-sync",
         "when every rank joined, every rank gets the last joiner's params",
-        "megabuf/join.py",
+        "megabuf/core/join.py",
         "                if not torch.equal(theirs, param):\n",
         "                if False:\n",
         ("tests/test_join.py",),

@@ -39,10 +39,10 @@ from grad_cases import NATIVE_GLOO
 from torch import nn
 
 import megabuf
-from megabuf.bucket_group import ParamSyncState
-from megabuf.collectives import Collectives
-from megabuf.layout import shard_pieces
+from megabuf.buckets.bucket_group import ParamSyncState
 from megabuf.optimizer import DynamicGradScaler
+from megabuf.pure.layout import shard_pieces
+from megabuf.transport.collectives import Collectives
 
 GLOBAL_BATCH = 16
 DIM = 12

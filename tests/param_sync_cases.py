@@ -26,7 +26,7 @@ from optimizer_cases import (
     make_data,
 )
 
-from megabuf.bucket_group import ParamSyncState
+from megabuf.buckets.bucket_group import ParamSyncState
 
 SLOW_S = 0.15
 STEPS = 2

@@ -1,6 +1,6 @@
 """Rank-side cases for test_pickling.py: a wrapped model pickled, saved with torch.save or
 deep-copied, then trained in the same gloo ranks against stock torch DDP ([Note: pickling a
-wrapped model] in megabuf/pickling.py)."""
+wrapped model] in megabuf/core/pickling.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from sparse_cases import batch as sparse_batch
 from torch import nn
 
 import megabuf
-from megabuf import process_groups
+from megabuf.transport import process_groups
 
 STEPS = 3
 

@@ -20,7 +20,6 @@ from case_devices import case_device
 from moe_cases import groups
 
 import megabuf
-from megabuf.collectives import Collectives
 from megabuf.pipeline import (
     ScheduleHooks,
     default_schedule_hooks,
@@ -29,6 +28,7 @@ from megabuf.pipeline import (
 )
 from megabuf.testing.models import GPT, GPTConfig, gpt_loss, make_batch
 from megabuf.testing.stages import split_gpt, stage_index
+from megabuf.transport.collectives import Collectives
 
 GCFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=4, n_heads=2, d_ff=32)
 MBS = 2

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from weights_cases import build, params_of, train_step
 
-from megabuf.collectives import Collectives
-from megabuf.process_groups import new_subgroup
+from megabuf.transport.collectives import Collectives
+from megabuf.transport.process_groups import new_subgroup
 from megabuf.weights import Publisher, WeightReceiver, export_weights, publish_group
 
 _DP: dict[str, Any] = {}

@@ -1,5 +1,5 @@
 """Rank side of tests/test_small_grads.py: [Note: small grads accumulate in place] in
-megabuf/grads.py against a single-process reference of the same global batch."""
+megabuf/sync/grads.py against a single-process reference of the same global batch."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import megabuf
-from megabuf.grads import SMALL_GRAD_NUMEL
+from megabuf.sync.grads import SMALL_GRAD_NUMEL
 
 WIDTH = 128  # the Linear weights (16384 elements) are large, the biases and norms small
 

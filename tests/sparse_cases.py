@@ -1,6 +1,6 @@
 """Rank-side cases for test_sparse_grads.py: models with nn.Embedding / nn.EmbeddingBag(sparse=True)
 trained on megabuf and on stock torch DDP in the same ranks, on the same data (gloo, fp32)
-([Note: sparse grads outside the buffer] in megabuf/sparse_grads.py)."""
+([Note: sparse grads outside the buffer] in megabuf/sync/sparse_grads.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""bucket_size="auto" ([Note: auto bucket re-plan] in megabuf/autobucket.py) on 2 gloo ranks: the
-re-plan is bitwise invisible, agreed across ranks with asymmetric timings, and refuses by name."""
+"""bucket_size="auto" ([Note: auto bucket re-plan] in megabuf/replan/autobucket.py) on 2 gloo ranks:
+the re-plan is bitwise invisible, agreed across ranks with asymmetric timings, and refuses by
+name."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from megabuf.bench import mcore
 from megabuf.bench.options import parse_options
 from megabuf.bench.report import Progress, add_ratios, inherited_memory_note
 from megabuf.bench.systems import NotAvailable
-from megabuf.process_groups import ProcessGroups
+from megabuf.transport.process_groups import ProcessGroups
 
 SYSTEMS = "no_comm,torch_ddp_gabv,megabuf_ar_overlap"
 

@@ -1,6 +1,6 @@
-"""The pure bucket planner ([Note: auto bucket plan] in megabuf/bucket_planner.py), the layout's
-explicit boundaries, the measurement helpers of megabuf/warmup.py and the config refusals of
-bucket_size="auto". No process group (agreement runs over a fake MAX)."""
+"""The pure bucket planner ([Note: auto bucket plan] in megabuf/pure/bucket_planner.py), the
+layout's explicit boundaries, the measurement helpers of megabuf/replan/warmup.py and the config
+refusals of bucket_size="auto". No process group (agreement runs over a fake MAX)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import megabuf
-from megabuf.autobucket import AutoBucket, at_end, choose_buckets, current_choices, ends_of, placed
-from megabuf.bucket_planner import (
+from megabuf.planning.model_plan import plan_model
+from megabuf.planning.plan import build_plan
+from megabuf.planning.replicas import param_specs
+from megabuf.pure.bucket_planner import (
     MAX_SLOWDOWN,
     MIN_GAIN,
     BucketChoice,
@@ -28,14 +30,18 @@ from megabuf.bucket_planner import (
     reduce_at_end,
     worth_changing,
 )
-from megabuf.layout import compute_layout
-from megabuf.model_plan import plan_model
-from megabuf.overlap import analyze
-from megabuf.plan import build_plan
-from megabuf.replicas import param_specs
-from megabuf.sharded_replan import ReplanListeners
-from megabuf.testing.models import build_model
-from megabuf.warmup import (
+from megabuf.pure.layout import compute_layout
+from megabuf.pure.overlap import analyze
+from megabuf.replan.autobucket import (
+    AutoBucket,
+    at_end,
+    choose_buckets,
+    current_choices,
+    ends_of,
+    placed,
+)
+from megabuf.replan.sharded_replan import ReplanListeners
+from megabuf.replan.warmup import (
     Measurement,
     agree,
     backward_time,
@@ -44,6 +50,7 @@ from megabuf.warmup import (
     quiet_times,
     ready_times,
 )
+from megabuf.testing.models import build_model
 
 numels_st = st.lists(st.integers(1, 5000), min_size=1, max_size=12)
 
@@ -294,8 +301,8 @@ def test_overlap_report_says_before_which_step_the_buckets_were_replanned() -> N
 
 
 def test_inspect_shows_the_auto_start_plan_and_a_logged_re_plan() -> None:
-    from megabuf.bucket_planner import parse_bucket_ends
     from megabuf.inspect import format_inspection, inspect_model
+    from megabuf.pure.bucket_planner import parse_bucket_ends
 
     cfg = megabuf.DistributedDataParallelConfig(bucket_size="auto", overlap_grad_reduce=True)
     model = build_model("gpt_tiny")
@@ -384,7 +391,7 @@ def test_under_zero3_the_planner_counts_a_unit_ready_with_its_last_grad_and_cuts
     assert len(new.groups) == 3 and new.unit_of_spec == units
 
 
-# ---- [Note: quiet step] (megabuf/warmup.py) -----------------------------------------------------
+# ---- [Note: quiet step] (megabuf/replan/warmup.py) -----------------------------------------------
 QUIET_EVENTS = [
     (0, "param_ready", 1.0), (1, "param_ready", 1.5), (-1, "backward_end", 2.0),  # learns
     (-1, "synced", 2.5),

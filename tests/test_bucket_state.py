@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megabuf.bucket_group import BucketGroup, DispatchChain, GradSyncState, ParamSyncState
-from megabuf.buffer import _ParamAndGradBucket
-from megabuf.collective_backends import CollectiveStrategy
-from megabuf.collectives import Collectives, PendingCollective
+from megabuf.buckets.bucket_group import BucketGroup, DispatchChain, GradSyncState, ParamSyncState
+from megabuf.buckets.buffer import _ParamAndGradBucket
 from megabuf.config import DistributedDataParallelConfig as Config
-from megabuf.hooks import make_grad_hook
-from megabuf.nan_check import raise_on_nonfinite_grads
+from megabuf.sync.hooks import make_grad_hook
+from megabuf.sync.nan_check import raise_on_nonfinite_grads
+from megabuf.transport.collective_backends import CollectiveStrategy
+from megabuf.transport.collectives import Collectives, PendingCollective
 
 RANK = 5  # global rank of every group built here; error messages must name it
 IDLE, DISPATCHED, SYNCED = GradSyncState.IDLE, GradSyncState.DISPATCHED, GradSyncState.SYNCED

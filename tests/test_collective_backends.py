@@ -1,7 +1,8 @@
 """The collective strategy as a function of (backend, tensor device); see
-[Note: collective strategies] in megabuf/collective_backends.py. Pure tests of `choose_strategy`
-from backend strings (no process group), the call sites read the tensor's device (torch.distributed
-faked), and one gloo run: `init_process_group()` without a backend on CPU gets gloo's strategy."""
+[Note: collective strategies] in megabuf/transport/collective_backends.py. Pure tests of
+`choose_strategy` from backend strings (no process group), the call sites read the tensor's device
+(torch.distributed faked), and one gloo run: `init_process_group()` without a backend on CPU gets
+gloo's strategy."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megabuf.collective_backends import (
+from megabuf.testing import spawn
+from megabuf.transport.collective_backends import (
     BACKEND_STRATEGIES,
     FALLBACK_STRATEGY,
     CollectiveStrategy,
     backend_for_device,
     choose_strategy,
 )
-from megabuf.collectives import Collectives
-from megabuf.testing import spawn
+from megabuf.transport.collectives import Collectives
 
 GLOO_CPU = CollectiveStrategy(reduce_scatter="all_to_all", all_gather="p2p", has_avg=False)
 NCCL_CUDA = CollectiveStrategy(

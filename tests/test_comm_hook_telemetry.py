@@ -14,9 +14,9 @@ import torch
 from dist_pool import case_result, run_each
 from hook_wire_cases import STEPS, wire_case
 
-from megabuf.collectives import Collectives, CommStats
 from megabuf.comm_hooks import GradBucket, HookWork, hook_report, wire_formula
 from megabuf.comm_hooks.telemetry import powersgd_factor_numels
+from megabuf.transport.collectives import Collectives, CommStats
 
 MULTI = {"bucket_size": 64, "overlap_grad_reduce": True}
 CASES: dict[str, tuple[Any, ...]] = {

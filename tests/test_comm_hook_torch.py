@@ -27,7 +27,6 @@ from comm_hook_torch_cases import (
 from dist_pool import case_result, run_each
 
 from megabuf import DistributedDataParallelConfig
-from megabuf.collectives import Collectives
 from megabuf.comm_hooks import (
     CommHookTimeoutError,
     GradBucket,
@@ -35,6 +34,7 @@ from megabuf.comm_hooks import (
     TorchGradBucket,
     from_torch,
 )
+from megabuf.transport.collectives import Collectives
 
 MULTI = {"bucket_size": 64, "overlap_grad_reduce": True}
 MULTI_SYNC = {"bucket_size": 64, "overlap_grad_reduce": False}

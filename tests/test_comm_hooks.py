@@ -22,7 +22,6 @@ from comm_hook_cases import (
 from dist_pool import case_result, run_each
 
 from megabuf import DistributedDataParallelConfig
-from megabuf.collectives import Collectives
 from megabuf.comm_hooks import (
     CommHookResultError,
     Compress,
@@ -33,6 +32,7 @@ from megabuf.comm_hooks import (
     Reduce,
     build,
 )
+from megabuf.transport.collectives import Collectives
 
 AR: dict[str, Any] = {}
 RS = {"use_distributed_optimizer": True}

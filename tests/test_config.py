@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megabuf import DistributedDataParallelConfig, OptimizerConfig
-from megabuf.process_groups import rank_layout
+from megabuf.transport.process_groups import rank_layout
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -1,5 +1,5 @@
-"""[Note: counted arrivals] (megabuf/arrivals.py): the counter alone against a fake bucket group
-(when Python runs, what it hands out, raising without losing the chain), and on 2 gloo ranks
+"""[Note: counted arrivals] (megabuf/buckets/arrivals.py): the counter alone against a fake bucket
+group (when Python runs, what it hands out, raising without losing the chain), and on 2 gloo ranks
 (tests/counted_cases.py) every loop bitwise equal to per-param Python hooks, the first also
 against a single-process reference; the refusals and the hooks' lifetime."""
 
@@ -14,7 +14,7 @@ from counted_cases import CASES, LOOPS
 from dist_pool import case_result, run_each
 from torch import nn
 
-from megabuf.arrivals import CountedArrivals
+from megabuf.buckets.arrivals import CountedArrivals
 
 
 class FakeGroup:

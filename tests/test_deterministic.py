@@ -28,10 +28,10 @@ from deterministic_cases import (
 from dist_pool import case_result, run_each
 
 from megabuf import DistributedDataParallelConfig
-from megabuf.collectives import Collectives
 from megabuf.comm_hooks import Compress, Deterministic, build
 from megabuf.optimizer.clip import NormPart, global_grad_norm
 from megabuf.optimizer.exact_norm import exact_grad_norm
+from megabuf.transport.collectives import Collectives
 
 DET = {"deterministic_reduction": True}
 RS = {"use_distributed_optimizer": True}

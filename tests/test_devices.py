@@ -1,5 +1,5 @@
-"""[Note: allocation device] (megabuf/devices.py): every tensor megabuf allocates is on the
-device of the params it serves. Pure tests: the source of `megabuf/` is scanned with `ast` for
+"""[Note: allocation device] (megabuf/transport/devices.py): every tensor megabuf allocates is on
+the device of the params it serves. Pure tests: the source of `megabuf/` is scanned with `ast` for
 tensor factories called without `device=` and for CPU fallbacks, against a small allowlist of
 places that are CPU by design; and `comm_device` / `params_device` are checked without a
 process group."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from megabuf.devices import comm_device, params_device
+from megabuf.transport.devices import comm_device, params_device
 
 ROOT = Path(__file__).resolve().parent.parent / "megabuf"
 
@@ -48,16 +48,19 @@ FACTORY_ALLOWLIST = {
 
 # CPU devices named in code (`torch.device("cpu")`, a "cpu" string) -> why.
 CPU_ALLOWLIST = {
-    ("bucket_planner.py", "_solve"): "the pure planner's DP over a few numbers per param: host "
+    (
+        "pure/bucket_planner.py",
+        "_solve",
+    ): "the pure planner's DP over a few numbers per param: host "
     "arithmetic whatever device the grads are on",
     ("weights/stash.py", "release"): "offload's host copies: the host is the point (pinned on "
     "CUDA)",
     ("weights/publish.py", "receive"): "the consumer's landing buffers for the gloo publish "
     "group (weights travel through host memory)",
-    ("devices.py", "comm_device"): "the one fallback: gloo or no process group",
+    ("transport/devices.py", "comm_device"): "the one fallback: gloo or no process group",
     ("optimizer/grad_scaler.py", "__init__"): "default of a scaler built standalone; "
     "build_optimizer passes the params' device and step() moves inv_scale to it",
-    ("torch_compat.py", "_check_devices"): "only compares the user's device_ids with the "
+    ("transport/torch_compat.py", "_check_devices"): "only compares the user's device_ids with the "
     "params' device; allocates nothing",
     ("testing/models.py", "*"): "seeded CPU generator for reproducible test data",
     ("testing/launch.py", "decode_result"): "spawn's rank results arrive in the parent as CPU "
@@ -71,7 +74,10 @@ CPU_ALLOWLIST = {
     "live on the host by definition ([Note: cpu offload])",
     ("optimizer/builder.py", "build_optimizer"): "cpu_offload: the inner optimizer steps the "
     "host copies, so its kernels are chosen for the CPU",
-    ("distributed_init.py", "init_distributed"): "device='cpu' default: gloo for CPU models "
+    (
+        "transport/distributed_init.py",
+        "init_distributed",
+    ): "device='cpu' default: gloo for CPU models "
     "even where CUDA is visible (the caller says which device its model is on)",
 }
 
@@ -149,8 +155,8 @@ def test_no_cpu_fallbacks_outside_the_allowlist() -> None:
         for func, line in _cpu_defaults(tree):
             if not _allowed(CPU_ALLOWLIST, path, func):
                 offenders.append(f"megabuf/{path}:{line} default 'cpu' of {func}()")
-    assert not offenders, "CPU fallbacks (use megabuf.devices.params_device):\n" + "\n".join(
-        offenders
+    assert not offenders, (
+        "CPU fallbacks (use megabuf.transport.devices.params_device):\n" + "\n".join(offenders)
     )
 
 

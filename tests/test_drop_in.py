@@ -22,7 +22,7 @@ from torch import nn
 
 from megabuf import DistributedDataParallelConfig
 from megabuf.testing.launch import spawn
-from megabuf.torch_compat import resolve
+from megabuf.transport.torch_compat import resolve
 
 GPT = {
     "import_only": ("flag", {}),

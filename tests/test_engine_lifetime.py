@@ -1,6 +1,6 @@
 """An engine dropped by the user is collected ([Note: hooks hold the engine weakly] in
-megabuf/hooks.py): before, every engine lived until the process ended, its buffers (on a GPU its
-memory) with it, because its grad hooks held it from inside autograd's C++ state."""
+megabuf/sync/hooks.py): before, every engine lived until the process ended, its buffers (on a GPU
+its memory) with it, because its grad hooks held it from inside autograd's C++ state."""
 
 from __future__ import annotations
 

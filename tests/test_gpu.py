@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 import megabuf
-from megabuf.collective_backends import BACKEND_STRATEGIES
-from megabuf.collectives import Collectives
-from megabuf.layout import shard_pieces
-from megabuf.overlap import analyze
+from megabuf.pure.layout import shard_pieces
+from megabuf.pure.overlap import analyze
 from megabuf.testing import spawn
+from megabuf.transport.collective_backends import BACKEND_STRATEGIES
+from megabuf.transport.collectives import Collectives
 
 REPO = Path(__file__).resolve().parent.parent
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -1,4 +1,4 @@
-"""The grad contract ([Note: grad contract] in megabuf/grads.py) on real gloo ranks, each case
+"""The grad contract ([Note: grad contract] in megabuf/sync/grads.py) on real gloo ranks, each case
 against a single-process reference: params unused on some ranks, strict mode, reentrant
 checkpointing with overlap, params changed after wrapping, recovery after an exception, fp16
 reduce-scatter overflow, one dispatch chain for a shared group, accumulation over bf16 copies."""
@@ -13,7 +13,7 @@ from contract_cases import DIVERGENT, SINGLE, run_divergent, run_single
 from dist_pool import case_result
 from torch import nn
 
-from megabuf.replicas import ParamStructure
+from megabuf.planning.replicas import ParamStructure
 
 WORLD_SIZES = [2, 4]
 

@@ -1,4 +1,4 @@
-"""Pure tests of `GradSync` ([Note: step phase] in megabuf/grad_sync.py): its phase, its doors
+"""Pure tests of `GradSync` ([Note: step phase] in megabuf/sync/grad_sync.py): its phase, its doors
 and the order of its collectives, with bucket groups over a recording fake of the collectives
 (tests/test_bucket_state.py's) and no process group."""
 
@@ -9,10 +9,10 @@ from collections.abc import Sequence
 import pytest
 from test_bucket_state import OVERLAP, RecordingCollectives, dispatched, grad, make_chain
 
-from megabuf.bucket_group import BucketGroup, GradSyncState
+from megabuf.buckets.bucket_group import BucketGroup, GradSyncState
 from megabuf.config import DistributedDataParallelConfig as Config
-from megabuf.grad_sync import GradSync, SyncPhase
-from megabuf.grads import ExposedGrads
+from megabuf.sync.grad_sync import GradSync, SyncPhase
+from megabuf.sync.grads import ExposedGrads
 
 ACC, OWED, SYNCED = SyncPhase.ACCUMULATING, SyncPhase.MICROBATCH_OWED, SyncPhase.SYNCED
 REDUCE_EACH = Config(
@@ -87,7 +87,7 @@ def test_require_sync_sets_every_groups_last_microbatch_flag() -> None:
 
 
 def test_a_deferred_iteration_reduces_after_backward_even_past_a_no_sync_exit() -> None:
-    """[Note: quiet step] (megabuf/warmup.py): zero(defer_dispatch=True) makes backward only
+    """[Note: quiet step] (megabuf/replan/warmup.py): zero(defer_dispatch=True) makes backward only
     accumulate, also for the last micro-batch after a no_sync() block; finish() then dispatches
     every group in chain order; the next zero() dispatches in backward again."""
     sync, groups, coll, _ = make_sync(order=[2, 0, 1])

@@ -12,7 +12,7 @@ import torch
 from dist_pool import case_result, run_each
 from hotpath_cases import coalesce_case, reverse_wait_case, upcast_case
 
-from megabuf.collectives import adjacent_runs
+from megabuf.transport.collectives import adjacent_runs
 
 CASES: dict[str, tuple[Any, ...]] = {
     "all_reduce": (coalesce_case, {}),

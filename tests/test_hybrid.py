@@ -17,7 +17,7 @@ from hybrid_cases import (
     misuse_errors,
 )
 
-from megabuf.hybrid import HybridSplit, hybrid_layout, node_shard_size, place, split_for
+from megabuf.pure.hybrid import HybridSplit, hybrid_layout, node_shard_size, place, split_for
 
 FP32_BOUND = 1e-6  # 3 AdamW steps at lr 1e-2 on fp32: observed <= 6e-8; a replica that misses
 # the other replica's grads is off by ~1e-3 (half the batch)

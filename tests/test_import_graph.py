@@ -3,81 +3,83 @@ and there are no import cycles, counting every import (module level, inside func
 TYPE_CHECKING alike: a type-only back edge is still a dependency a reader must follow).
 
 [Note: import layers]
-Lowest first; a module may import its own layer and those below:
-    pure        layout, planning inputs and small records with no megabuf dependency
-    plan        the config, the sharding strategy objects' users that stay pure (plan, formula)
-    transport   the one collectives module, process groups, devices, replica checks
-    hook_lib    the communication-hook library (contract, built-in hooks): tensors and
-                collectives only, never the engine
-    storage     buffers and the sharded grad / param storages and the unit runtime
-    group       the bucket group (both lifecycles)
-    engine      what the wrapper is made of: hooks, grads contract, backward-end sync, the
-                grad sync object, NaN check, the comm-hook registry, the ZeRO-3 param units
-    wrapper     ddp.py
-    above       what takes wrapped models: finalize, optimizers, checkpoints, pipelines
-    tools       benchmarks, test models, `megabuf inspect` and the CLI, the package root
-A new module must be given a layer here (the test fails naming it).
+The folder a module is in is its layer: each package directly under megabuf/ is one layer, and
+the few modules users import or run by name stay in megabuf/ itself, each its own layer.
+`LAYERS` is the order, lowest first; a module may import its own layer and those below:
+    pure/         layout math and the small records the config and the plan are made from
+    config.py     `DistributedDataParallelConfig` (user-facing)
+    transport/    every torch.distributed call, process groups and topology, devices
+    planning/     the one planner, `plan_model`, the replica checks and param markers
+    comm_hooks/   the communication-hook library: tensors and collectives, never the engine
+    sharding/     ZeRO's grad and param storages and unit runtime (and see below)
+    buckets/      the contiguous buffers and the bucket groups (both lifecycles)
+    sync/         the grad sync, the param side, the hooks and the parts they drive
+    replan/       bucket_size = "auto": warm-up, agreed plan, rebuild
+    core/         `assemble`, the `Engine` and its `Wiring`, what acts on it whole (pickling, join)
+    ddp.py        `DistributedDataParallel` (user-facing)
+    optimizer/, training/, pipeline/, checkpoint/, weights/: what takes wrapped models
+    __init__.py   the package root: what a training script calls (user-facing)
+    testing/, bench/, inspect.py, cli.py: tools (test models, benchmarks, `megabuf inspect`)
+A new package, or a new module in megabuf/ itself, must be given a place in `LAYERS` (the test
+fails naming it); .ci/relayer.py moves modules into their layer's folder.
+
+One package is a feature, not a layer: `sharding/` holds everything specific to a sharding
+strategy (the strategy objects, the memory formula, ZeRO-2's grad and ZeRO-3's param storages,
+ZeRO-3's units and param side), so that a newcomer finds a strategy in one folder. Its modules sit
+on the layers of what they are, each placed by `SHARDING_LAYERS` (a new module there fails until
+it is placed): the strategies are pure (the config resolves them), the formula plans, the
+storages sit below the buckets, the ZeRO-3 param side beside the syncs.
 """
 
 from __future__ import annotations
 
 import ast
-import fnmatch
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("pure", (
-        "megabuf.sharding.strategies", "megabuf.collective_backends", "megabuf.layout",
-        "megabuf.sharding.units",
-        "megabuf.timeline", "megabuf.overlap", "megabuf.owners", "megabuf.sharding",
-        "megabuf.sharding.ledger", "megabuf.sharding.walk", "megabuf.comm_hooks.lowrank",
-        "megabuf.optimizer.grad_scaler", "megabuf.optimizer.implementation",
-        "megabuf.optimizer.state_layout",
-        "megabuf.pipeline.order", "megabuf.checkpoint.files", "megabuf.hybrid",
-        "megabuf.config_fields", "megabuf.bucket_planner",
-    )),
-    ("plan", (
-        "megabuf.config", "megabuf.plan", "megabuf.sharding.formula",
-        "megabuf.sharding.memory_table", "megabuf.optimizer.config",
-    )),
-    ("transport", (
-        "megabuf.collectives", "megabuf.comm_records", "megabuf.devices",
-        "megabuf.process_groups", "megabuf.replicas", "megabuf.torch_compat",
-        "megabuf.pipeline.p2p", "megabuf.model_plan", "megabuf.distributed_init",
-        "megabuf.dist_autograd", "megabuf.worker_refs",
-    )),
-    ("hook_lib", ("megabuf.comm_hooks", "megabuf.comm_hooks.*")),
-    ("storage", (
-        "megabuf.buffer", "megabuf.sharding.grads", "megabuf.sharding.params",
-        "megabuf.sharding.read_guard", "megabuf.sharding.units_runtime",
-        "megabuf.sharding.replicate", "megabuf.sharding.replica_hooks", "megabuf.full_grads",
-    )),
-    ("group", (
-        "megabuf.bucket_group", "megabuf.dispatch", "megabuf.grad_math", "megabuf.readiness",
-        "megabuf.arrivals", "megabuf.reductions", "megabuf.param_gather",
-    )),
-    ("engine", (
-        "megabuf.nan_check", "megabuf.microbatches", "megabuf.hooks", "megabuf.grads",
-        "megabuf.backward_sync", "megabuf.hook_registry", "megabuf.sharding.param_units",
-        "megabuf.sharding.unit_params", "megabuf.sharding.parts",
-        "megabuf.sharding.unit_params", "megabuf.sharding.parts",
-        "megabuf.grad_sync",
-        "megabuf.param_sync", "megabuf.assembly", "megabuf.sharded_replan", "megabuf.engine",
-        "megabuf.residency", "megabuf.autobucket", "megabuf.warmup", "megabuf.sparse_grads",
-        "megabuf.pickling", "megabuf.wiring",
-    )),
-    ("wrapper", ("megabuf.ddp", "megabuf.join")),
-    ("above", (
-        "megabuf.finalize", "megabuf.reproducible", "megabuf.optimizer", "megabuf.optimizer.*",
-        "megabuf.checkpoint", "megabuf.checkpoint.*", "megabuf.pipeline", "megabuf.pipeline.*",
-        "megabuf.weights", "megabuf.weights.*",
-    )),
-    ("tools", (
-        "megabuf", "megabuf.cli", "megabuf.inspect", "megabuf.bench", "megabuf.bench.*",
-        "megabuf.testing", "megabuf.testing.*",
-    )),
-]  # fmt: skip
+LAYERS: list[str] = [
+    "megabuf.pure",
+    "megabuf.config",
+    "megabuf.transport",
+    "megabuf.planning",
+    "megabuf.comm_hooks",
+    "megabuf.sharding",
+    "megabuf.buckets",
+    "megabuf.sync",
+    "megabuf.replan",
+    "megabuf.core",
+    "megabuf.ddp",
+    "megabuf.optimizer",
+    "megabuf.training",
+    "megabuf.pipeline",
+    "megabuf.checkpoint",
+    "megabuf.weights",
+    "megabuf",
+    "megabuf.testing",
+    "megabuf.bench",
+    "megabuf.inspect",
+    "megabuf.cli",
+]
+
+
+SHARDING_LAYERS: dict[str, str] = {
+    "megabuf.sharding": "megabuf.pure",
+    "megabuf.sharding.strategies": "megabuf.pure",
+    "megabuf.sharding.ledger": "megabuf.pure",
+    "megabuf.sharding.walk": "megabuf.pure",
+    "megabuf.sharding.units": "megabuf.pure",
+    "megabuf.sharding.formula": "megabuf.planning",
+    "megabuf.sharding.memory_table": "megabuf.planning",
+    "megabuf.sharding.grads": "megabuf.sharding",
+    "megabuf.sharding.params": "megabuf.sharding",
+    "megabuf.sharding.read_guard": "megabuf.sharding",
+    "megabuf.sharding.units_runtime": "megabuf.sharding",
+    "megabuf.sharding.replicate": "megabuf.sharding",
+    "megabuf.sharding.replica_hooks": "megabuf.sharding",
+    "megabuf.sharding.parts": "megabuf.sync",
+    "megabuf.sharding.param_units": "megabuf.sync",
+    "megabuf.sharding.unit_params": "megabuf.sync",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -102,13 +104,33 @@ def _imports(path: Path, mods: dict[str, Path]) -> set[str]:
 
 
 def _layer_of(module: str) -> int:
-    hits = [i for i, (_, pats) in enumerate(LAYERS) for p in pats if fnmatch.fnmatch(module, p)]
-    exact = [i for i, (_, pats) in enumerate(LAYERS) if module in pats]
-    return (exact or hits or [-1])[0]
+    """The index in LAYERS of `module`'s folder (in megabuf/ itself: of the module); -1: none."""
+    if module.startswith("megabuf.sharding"):
+        placed = SHARDING_LAYERS.get(module)
+        return LAYERS.index(placed) if placed else -1
+    parts = module.split(".")
+    top = ".".join(parts[:2])
+    return LAYERS.index(top) if top in LAYERS else -1
 
 
 def test_every_module_has_a_layer() -> None:
+    """A module outside the layer folders, other than the user-facing ones, fails by name."""
     assert [m for m in sorted(_modules()) if _layer_of(m) < 0] == []
+
+
+def test_every_layer_names_an_existing_folder_or_module() -> None:
+    mods = _modules()
+    assert [layer for layer in LAYERS if layer not in mods] == []
+
+
+def test_user_facing_modules_in_the_root_are_files_and_layers_are_folders() -> None:
+    root = REPO / "megabuf"
+    wrong = []
+    for layer in [layer for layer in LAYERS if layer != "megabuf"]:
+        name = layer.removeprefix("megabuf.")
+        if not ((root / name).is_dir() or (root / f"{name}.py").is_file()):
+            wrong.append(layer)
+    assert wrong == []
 
 
 def test_no_module_imports_a_higher_layer() -> None:
@@ -118,8 +140,7 @@ def test_no_module_imports_a_higher_layer() -> None:
         for target in sorted(_imports(path, mods)):
             if _layer_of(target) > _layer_of(name):
                 back.append(
-                    f"{name} ({LAYERS[_layer_of(name)][0]}) -> {target} "
-                    f"({LAYERS[_layer_of(target)][0]})"
+                    f"{name} ({LAYERS[_layer_of(name)]}) -> {target} ({LAYERS[_layer_of(target)]})"
                 )
     assert back == []
 
@@ -149,7 +170,12 @@ def test_no_import_cycles() -> None:
 
 
 RANK_CALLS = {"get_rank", "get_world_size", "get_global_rank"}
-RANK_OWNERS = ("megabuf.collectives", "megabuf.process_groups", "megabuf.bench", "megabuf.testing")
+RANK_OWNERS = (
+    "megabuf.transport.collectives",
+    "megabuf.transport.process_groups",
+    "megabuf.bench",
+    "megabuf.testing",
+)
 
 
 def test_only_the_collectives_and_process_group_modules_ask_for_ranks_and_sizes() -> None:

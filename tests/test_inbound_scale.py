@@ -1,6 +1,6 @@
-"""[Note: scale on the way in] (megabuf/grad_math.py): the pure bookkeeping of `InboundScale`,
-and on 2 and 3 gloo ranks (rank 0 leaves a param unused) the grads of a model whose large
-params are scaled on their way into `main_grad` against the bucket pass (bitwise: the same
+"""[Note: scale on the way in] (megabuf/buckets/grad_math.py): the pure bookkeeping of
+`InboundScale`, and on 2 and 3 gloo ranks (rank 0 leaves a param unused) the grads of a model whose
+large params are scaled on their way into `main_grad` against the bucket pass (bitwise: the same
 products reach the all-reduce) and a single-process reference; which params took the path is
 observed (`.grad` None after megabuf's hook), including a param with two arrivals per backward
 (a reentrant checkpoint), micro-batches and a comm hook that wants unscaled grads."""
@@ -15,7 +15,7 @@ import torch
 from dist_pool import case_result, run_each
 from inbound_scale_cases import check_large_grads_scaled, check_unscaled_paths, run_cases
 
-from megabuf.grad_math import InboundScale
+from megabuf.buckets.grad_math import InboundScale
 
 
 def _strategy(reduction: str, prescales: bool) -> Any:

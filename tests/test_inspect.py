@@ -17,7 +17,7 @@ from torch import nn
 from megabuf.cli import main
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.inspect import format_inspection, inspect_model, inspection_to_dict, load_model
-from megabuf.replicas import mark_expert_parallel
+from megabuf.planning.replicas import mark_expert_parallel
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "sync": {},

@@ -1,6 +1,6 @@
 """Uneven inputs under torch's Join (issue 40): real gloo ranks, world size 2, each rank running
 out of data first in turn, one pool run for the whole sweep (the pool's timeout bounds it: a
-hang fails, it does not wait). See [Note: uneven inputs] in megabuf/join.py."""
+hang fails, it does not wait). See [Note: uneven inputs] in megabuf/core/join.py."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megabuf.layout import (
+from megabuf.pure.layout import (
     PARAM_ALIGN_NUMEL,
     compute_layout,
     default_bucket_size,

@@ -12,7 +12,7 @@ import torch
 from megabuf.cli import main as cli_main
 from megabuf.config import SHARDING_STRATEGIES, DistributedDataParallelConfig
 from megabuf.inspect import format_inspection, inspect_model
-from megabuf.plan import ParamSpec, Plan, build_plan
+from megabuf.planning.plan import ParamSpec, Plan, build_plan
 from megabuf.sharding.formula import (
     ADAM,
     SGD,

@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-from megabuf.microbatches import FORWARD, LAST_FORWARD, SYNC, AgreementGroups, MicrobatchAgreement
+from megabuf.sync.microbatches import (
+    FORWARD,
+    LAST_FORWARD,
+    SYNC,
+    AgreementGroups,
+    MicrobatchAgreement,
+)
 
 SHARD, DP = "shard", "dp"
 

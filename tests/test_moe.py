@@ -10,7 +10,7 @@ import pytest
 from dist_pool import case_result, run_each
 from moe_cases import grads_case, norm_case, rank_value_case
 
-from megabuf.process_groups import rank_layout
+from megabuf.transport.process_groups import rank_layout
 
 ATOL = 2e-6
 OVERLAP = {"overlap_grad_reduce": True, "bucket_size": 64}

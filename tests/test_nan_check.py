@@ -1,4 +1,4 @@
-"""[Note: NaN check] (megabuf/nan_check.py): with check_for_nan_in_grad the flags stay on the
+"""[Note: NaN check] (megabuf/sync/nan_check.py): with check_for_nan_in_grad the flags stay on the
 device while backward dispatches the buckets; one MAX all-reduce and one host read per
 finish_grad_sync, whatever the number of buckets, and none from inside backward.
 
@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import megabuf
-from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig as Config
+from megabuf.transport.collectives import Collectives
 
 # ops that copy a value to the host (Tensor.__bool__, .item(), nonzero's output size, ...)
 HOST_READS = {"_local_scalar_dense", "is_nonzero", "item", "nonzero", "equal"}

@@ -1,7 +1,7 @@
 """Layout checked against an independent reference written here, element by element.
 
 `reference_cells` lays a buffer out one element at a time from the rules as documented
-([Note: buffer layout] in megabuf/layout.py, docs/configuration.md "Layout"), sharing no code
+([Note: buffer layout] in megabuf/pure/layout.py, docs/configuration.md "Layout"), sharing no code
 with megabuf:
 - params in reverse registration order, never split across buckets;
 - a bucket closes after the param that brings it to >= bucket_size elements, or around a param
@@ -26,8 +26,8 @@ from bench_cases import memory_figures
 from dist_pool import case_result, run_each
 
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.layout import compute_layout, shard_pieces
-from megabuf.plan import ParamSpec, build_plan
+from megabuf.planning.plan import ParamSpec, build_plan
+from megabuf.pure.layout import compute_layout, shard_pieces
 
 PAD = -1
 

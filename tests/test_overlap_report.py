@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megabuf.overlap import analyze, analyze_step, split_steps
+from megabuf.pure.overlap import analyze, analyze_step, split_steps
 
 
 def overlapped_step(t0: float) -> list[tuple[int, str, float]]:

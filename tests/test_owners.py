@@ -1,6 +1,6 @@
-"""Whole-param owners ([Note: whole-param owners] in megabuf/owners.py), pure: every param owned
-once and whole, inside its owner's shard of its bucket, shards equal, balance within the greedy
-bound, deterministic; and the planner and config around it."""
+"""Whole-param owners ([Note: whole-param owners] in megabuf/pure/owners.py), pure: every param
+owned once and whole, inside its owner's shard of its bucket, shards equal, balance within the
+greedy bound, deterministic; and the planner and config around it."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.layout import PARAM_ALIGN_NUMEL, bucket_pad_multiple, compute_layout, shard_pieces
-from megabuf.owners import assign_owners, owner_aligned_layout, owner_cost
-from megabuf.plan import ParamSpec, build_plan
+from megabuf.planning.plan import ParamSpec, build_plan
+from megabuf.pure.layout import PARAM_ALIGN_NUMEL, bucket_pad_multiple, compute_layout, shard_pieces
+from megabuf.pure.owners import assign_owners, owner_aligned_layout, owner_cost
 
 
 def _random_shapes(seed: int) -> list[tuple[int, ...]]:

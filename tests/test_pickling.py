@@ -1,7 +1,7 @@
 """Pickling and copying a wrapped model (issue 40): `pickle`, `torch.save` + `torch.load(
 weights_only=False)` and `copy.deepcopy` give a model that trains in the same job, its grads
 reduced, bit for bit like stock torch DDP ([Note: pickling a wrapped model] in
-megabuf/pickling.py)."""
+megabuf/core/pickling.py)."""
 
 from __future__ import annotations
 

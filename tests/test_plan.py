@@ -1,4 +1,4 @@
-"""The planner (`megabuf.plan`): pure, no process group, no Parameter objects."""
+"""The planner (`megabuf.planning.plan`): pure, no process group, no Parameter objects."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.layout import compute_layout, default_bucket_size
-from megabuf.plan import ParamSpec, Plan, build_plan
+from megabuf.planning.plan import ParamSpec, Plan, build_plan
+from megabuf.pure.layout import compute_layout, default_bucket_size
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -171,7 +171,7 @@ def test_empty_param_is_named() -> None:
 
 
 def _buffer_with_layout(params: list[torch.nn.Parameter], layout_numels: list[int]) -> Any:
-    from megabuf.buffer import _ParamAndGradBuffer
+    from megabuf.buckets.buffer import _ParamAndGradBuffer
 
     layout = compute_layout(layout_numels, bucket_size=None)
     names = {p: f"p{i}" for i, p in enumerate(params)}

@@ -1,5 +1,5 @@
 """ProcessGroups.build on real gloo ranks, and the pure rank_layout, against rank lists written
-out by hand from [Note: rank order] in megabuf/process_groups.py:
+out by hand from [Note: rank order] in megabuf/transport/process_groups.py:
 rank = pp_rank * dp_size + dp_rank, dp_rank = expt_dp_rank * ep_size + ep_rank (ep fastest).
 Then init_distributed's choice of backend from the model's device (gloo for CPU models, whatever
 the machine; the CUDA path runs in tests/test_gpu.py)."""
@@ -15,10 +15,10 @@ from dist_pool import case_result, run_each
 
 import megabuf
 from megabuf import ProcessGroups
-from megabuf.collective_backends import BACKEND_STRATEGIES
-from megabuf.collectives import Collectives
-from megabuf.process_groups import rank_layout
 from megabuf.testing import spawn
+from megabuf.transport.collective_backends import BACKEND_STRATEGIES
+from megabuf.transport.collectives import Collectives
+from megabuf.transport.process_groups import rank_layout
 
 Groups = list[list[int]]
 # (world, pp_size, ep_size) -> every group of each kind, by hand.

@@ -30,21 +30,30 @@ PUBLIC = {
 }
 
 INTERNALS = {
-    "megabuf.bucket_group": ["BucketGroup", "DispatchChain", "GradSyncState", "ParamSyncState"],
-    "megabuf.buffer": ["_ParamAndGradBuffer", "_ParamAndGradBucket"],
+    "megabuf.buckets.bucket_group": [
+        "BucketGroup",
+        "DispatchChain",
+        "GradSyncState",
+        "ParamSyncState",
+    ],
+    "megabuf.buckets.buffer": ["_ParamAndGradBuffer", "_ParamAndGradBucket"],
     "megabuf.checkpoint": [
         "consolidated_comm_hook_state",
         "consolidated_model_state",
         "consolidated_optimizer_state",
     ],
-    "megabuf.collectives": ["Collectives", "CommStats"],
-    "megabuf.finalize": ["check_scaling_invariant"],
-    "megabuf.layout": ["BufferLayout", "compute_layout", "shard_pieces"],
+    "megabuf.transport.collectives": ["Collectives", "CommStats"],
+    "megabuf.training.finalize": ["check_scaling_invariant"],
+    "megabuf.pure.layout": ["BufferLayout", "compute_layout", "shard_pieces"],
     "megabuf.optimizer": ["ConstantGradScaler", "DynamicGradScaler", "StepResult"],
     "megabuf.pipeline": ["ScheduleHooks", "forward_backward_no_pipelining"],
-    "megabuf.plan": ["Plan", "build_plan"],
-    "megabuf.replicas": ["is_expert_parallel"],
-    "megabuf.reproducible": ["ReproducibilityError", "ReproducibilityReport", "VariantResult"],
+    "megabuf.planning.plan": ["Plan", "build_plan"],
+    "megabuf.planning.replicas": ["is_expert_parallel"],
+    "megabuf.training.reproducible": [
+        "ReproducibilityError",
+        "ReproducibilityReport",
+        "VariantResult",
+    ],
 }
 
 
@@ -70,7 +79,7 @@ DDP_DOORS = {
     "no_sync", "publish_params", "register_comm_hook", "require_backward_grad_sync",
     "reset_iter_state", "reshard_params", "scale_gradients", "start_grad_sync",
     "start_param_sync", "summon_full_params", "timeline", "zero_grad_buffer",
-    # torch's Joinable contract (issue 40), doors into megabuf/join.py
+    # torch's Joinable contract (issue 40), doors into megabuf/core/join.py
     "join", "join_hook", "join_device", "join_process_group",
 }  # fmt: skip
 DDP_ATTRIBUTES = {"module", "ddp_config", "process_groups", "engine"}  # set in __init__

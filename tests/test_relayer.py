@@ -118,3 +118,14 @@ def test_a_package_named_like_a_module_fails(
     monkeypatch.setitem(relayer.MOVES, "megabuf.beta", "megabuf.keep.beta")
     with pytest.raises(relayer.RelayerError, match=r"package megabuf\.keep .*collides"):
         relayer.run(tmp_path, check=True)
+
+
+def test_this_repository_is_relayered(capsys: pytest.CaptureFixture[str]) -> None:
+    """The table and the tree agree: every top-level module is placed, every mapped one is where
+    the table says, and no file names a module by its old path (run the script to fix)."""
+    spec = importlib.util.spec_from_file_location("relayer", REPO / ".ci" / "relayer.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.run(REPO, check=True) == 0
+    assert "0 moves, 0 new packages, would change 0 files" in capsys.readouterr().out

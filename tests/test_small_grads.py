@@ -1,8 +1,8 @@
-"""The grad hooks' hot path. [Note: small grads accumulate in place] (megabuf/grads.py): the
+"""The grad hooks' hot path. [Note: small grads accumulate in place] (megabuf/sync/grads.py): the
 runs zeroed at `zero_grad_buffer()` (pure), and on 2 gloo ranks against a single-process
 reference: small params accumulate into `main_grad` in place, while every visible `.grad` and
 every grad keeps the [Note: grad contract] and [Note: grads the user changed]. [Note: one
-bookkeeping per backward] (megabuf/grad_sync.py): counted per backward."""
+bookkeeping per backward] (megabuf/sync/grad_sync.py): counted per backward."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from small_grad_cases import (
     run_cases,
 )
 
-from megabuf.grads import contiguous_runs
+from megabuf.sync.grads import contiguous_runs
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Sparse grads (issue 40): nn.Embedding / nn.EmbeddingBag(sparse=True) weights live outside the
 buffers and are all-reduced and averaged as torch DDP does ([Note: sparse grads outside the
-buffer] in megabuf/sparse_grads.py). Reference: stock torch DDP in the same gloo ranks."""
+buffer] in megabuf/sync/sparse_grads.py). Reference: stock torch DDP in the same gloo ranks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dist_pool import case_result, run_each
 
 import megabuf
 from megabuf.inspect import inspect_model
-from megabuf.model_plan import plan_model
+from megabuf.planning.model_plan import plan_model
 
 SHARDED = ("optim", "optim_grads", "optim_grads_params")
 VS_TORCH = {

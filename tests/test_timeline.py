@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from megabuf.bucket_group import Timeline as FromBucketGroup
-from megabuf.overlap import analyze
-from megabuf.timeline import Event, PendingMark, Timeline, resolve_marks
+from megabuf.buckets.bucket_group import Timeline as FromBucketGroup
+from megabuf.pure.overlap import analyze
+from megabuf.pure.timeline import Event, PendingMark, Timeline, resolve_marks
 
 
 class FakeClock:

@@ -25,10 +25,10 @@ from torch_conformance_cases import (
 )
 
 import megabuf
-from megabuf import torch_compat
-from megabuf.model_plan import trainable_params
 from megabuf.optimizer import MuonAdamW, OptimizerConfig, muon_param_groups
+from megabuf.planning.model_plan import trainable_params
 from megabuf.testing.launch import spawn
+from megabuf.transport import torch_compat
 
 FORMS = ("builtin", "annotated", "keywords")
 

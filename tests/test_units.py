@@ -1,5 +1,5 @@
-"""Shard units (megabuf/sharding/units.py) and unit-aligned plans (megabuf/plan.py,
-megabuf/layout.py).
+"""Shard units (megabuf/sharding/units.py) and unit-aligned plans (megabuf/planning/plan.py,
+megabuf/pure/layout.py).
 
 Pure: module trees and param specs only, no process group.
 """
@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.layout import shard_pieces
-from megabuf.plan import ParamSpec, Plan, build_plan
-from megabuf.replicas import param_specs
+from megabuf.planning.plan import ParamSpec, Plan, build_plan
+from megabuf.planning.replicas import param_specs
+from megabuf.pure.layout import shard_pieces
 from megabuf.sharding.units import UnitPlan, plan_units
 from megabuf.testing.models import GPT, GPTConfig, MLPStack
 

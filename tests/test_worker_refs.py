@@ -1,5 +1,5 @@
 """Tensors handed to a collective are freed by the main thread, never by the backend's worker
-thread (issue 48, [Note: a backend thread's last reference] in megabuf/worker_refs.py)."""
+thread (issue 48, [Note: a backend thread's last reference] in megabuf/transport/worker_refs.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from dist_pool import case_result, run_each
 from worker_refs_cases import CALLS, freed_on_the_main_thread
 
-from megabuf.worker_refs import HeldTensors, use_count
+from megabuf.transport.worker_refs import HeldTensors, use_count
 
 
 def _held_elsewhere(tensor: torch.Tensor) -> Any:

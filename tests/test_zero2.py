@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megabuf.comm_hooks import PowerSGD
-from megabuf.layout import compute_layout
+from megabuf.pure.layout import compute_layout
 from megabuf.sharding.grads import (
     GradBucketState,
     ShardedGrads,
@@ -470,7 +470,7 @@ def test_reading_a_released_main_grad_never_returns_values() -> None:
 
     code = (
         "import torch\n"
-        "from megabuf.layout import compute_layout\n"
+        "from megabuf.pure.layout import compute_layout\n"
         "from megabuf.sharding.grads import allocate_bucket_grads\n"
         "p = torch.nn.Parameter(torch.ones(10))\n"
         "layout = compute_layout([10], bucket_size=None, dp_size=2, sharded=True)\n"

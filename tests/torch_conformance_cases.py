@@ -161,7 +161,7 @@ def dist_autograd_case() -> dict[str, Any]:
     import torch.distributed.autograd as dist_autograd
     import torch.distributed.rpc as rpc
 
-    from megabuf.dist_autograd import DistAutogradError
+    from megabuf.transport.dist_autograd import DistAutogradError
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megabuf.collectives import Collectives
-from megabuf.worker_refs import HELD
+from megabuf.transport.collectives import Collectives
+from megabuf.transport.worker_refs import HELD
 
 CALLS = 50
 

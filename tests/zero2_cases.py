@@ -313,7 +313,7 @@ def _grad_data() -> None:
 
 
 def _reproducibility() -> None:
-    from megabuf.reproducible import _param_space_grads
+    from megabuf.training.reproducible import _param_space_grads
 
     _param_space_grads(_simple_model())
 

@@ -23,8 +23,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import megabuf
-from megabuf.collectives import Collectives
 from megabuf.testing.models import GPT, GPTConfig, MLPStack, gpt_loss
+from megabuf.transport.collectives import Collectives
 
 GLOBAL_BATCH = 8
 DIM = 16

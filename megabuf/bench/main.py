@@ -37,9 +37,9 @@ from megabuf.bench.report import (
 )
 from megabuf.bench.settings import OPTIMIZER_KWARGS
 from megabuf.bench.worker import Job, run_jobs
-from megabuf.collective_backends import choose_strategy
-from megabuf.distributed_init import DEFAULT_BACKENDS
 from megabuf.testing.launch import spawn
+from megabuf.transport.collective_backends import choose_strategy
+from megabuf.transport.distributed_init import DEFAULT_BACKENDS
 
 
 def machine_description() -> dict[str, Any]:

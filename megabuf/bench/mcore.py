@@ -28,7 +28,7 @@ from torch import nn
 
 from megabuf.bench.settings import OPTIMIZER_KWARGS
 from megabuf.bench.systems import Engine, NotAvailable, param_nbytes
-from megabuf.process_groups import ProcessGroups
+from megabuf.transport.process_groups import ProcessGroups
 
 MCORE_SYSTEMS: tuple[str, ...] = ("mcore_ddp_overlap", "mcore_distopt_overlap")
 MCORE_MODULES = (

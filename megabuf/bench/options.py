@@ -109,7 +109,7 @@ PYHOOKS = "+pyhooks"
 def split_system(spec: str) -> tuple[str, dict[str, object]]:
     """`name@numel` -> (name, {"bucket_size": numel}); `name+pyhooks` -> (name,
     {"python_hooks": True}): a Python grad hook per param, no counted arrivals ([Note: counted
-    arrivals] in megabuf/arrivals.py), to measure them in the same rounds; a plain name ->
+    arrivals] in megabuf/buckets/arrivals.py), to measure them in the same rounds; a plain name ->
     (name, {})."""
     python_hooks = spec.endswith(PYHOOKS)  # other '+' names are systems of their own
     if python_hooks:

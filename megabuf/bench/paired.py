@@ -55,7 +55,7 @@ from megabuf.bench.worker import (
     rank_device,
     train_step,
 )
-from megabuf.overlap import analyze
+from megabuf.pure.overlap import analyze
 from megabuf.testing.launch import spawn
 from megabuf.testing.models import loss_fn, model_from_config
 

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megabuf.bench.settings import OPTIMIZER_KWARGS
-from megabuf.collectives import Collectives
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.ddp import DistributedDataParallel
-from megabuf.process_groups import ProcessGroups
+from megabuf.transport.collectives import Collectives
+from megabuf.transport.process_groups import ProcessGroups
 
 FSDP_MAX_GROUPS = 8  # the main layer list is wrapped in at most this many FSDP2 units
 

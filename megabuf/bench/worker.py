@@ -62,7 +62,7 @@ from megabuf.bench.systems import (
     full_params,
     optimizer_state_nbytes,
 )
-from megabuf.overlap import analyze
+from megabuf.pure.overlap import analyze
 from megabuf.testing.models import loss_fn, model_from_config
 
 PHASES = ("zero_grad", "forward", "backward", "grad_sync", "optimizer")

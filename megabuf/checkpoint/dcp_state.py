@@ -19,7 +19,7 @@ So `dcp_to_torch_save` turns the directory into one file holding `{"model": {nam
 "optimizer": {name: {state: flat tensor}}}`. Each rank builds the ShardedTensor's global shard
 list from every rank's (key, start, end), all-gathered once per save and once per load.
 [Note: hybrid checkpoints]
-Under a hybrid split ([Note: hybrid rank order] in megabuf/hybrid.py) the R replicas hold the
+Under a hybrid split ([Note: hybrid rank order] in megabuf/pure/hybrid.py) the R replicas hold the
 same optimizer shards: only replica 0 hands its pieces to DCP at save, and at load each rank's
 ShardedTensors list the ranges of its own replica's ranks (`replica_ranges`), which cover each
 param once. The checkpoint is in model space as always, so it loads at any other split or

@@ -11,8 +11,8 @@ from torch import Tensor
 from megabuf.checkpoint.files import write_file
 from megabuf.checkpoint.model_state import owned_model_state, parallel_sizes
 from megabuf.checkpoint.save import Chunks
-from megabuf.collectives import Collectives
 from megabuf.optimizer.param_groups import as_chunks
+from megabuf.transport.collectives import Collectives
 
 
 def full_state_dict(

@@ -20,10 +20,10 @@ from megabuf.checkpoint.hook_state import (
     registered_hooks,
     slot_prefix,
 )
-from megabuf.collectives import Collectives
 from megabuf.comm_hooks.contract import hook_name
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.param_groups import scope_prefix
+from megabuf.transport.collectives import Collectives
 
 
 @dataclass

@@ -49,10 +49,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megabuf.collectives import Collectives
 from megabuf.comm_hooks.contract import hook_name
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.param_groups import scope_prefix
+from megabuf.transport.collectives import Collectives
 
 STATE_KEYS = ("replicated", "per_rank", "layout")
 SCALARS = (bool, int, float, str)

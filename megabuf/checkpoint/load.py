@@ -41,12 +41,12 @@ from megabuf.checkpoint.torch_optim import (
     load_torch_optimizer_state,
     plan_torch_load,
 )
-from megabuf.collectives import Collectives
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.model_space import check_common, expected_layouts
 from megabuf.optimizer.param_groups import as_chunks
 from megabuf.optimizer.state_layout import describe_layout_problems, layout_problems
+from megabuf.transport.collectives import Collectives
 
 T = TypeVar("T")
 Wanted = list[tuple[str, int, int, int]]  # (key, start, end, numel of the param)

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megabuf.collectives import Collectives
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.param_groups import scope_prefix
-from megabuf.replicas import is_expert_parallel
+from megabuf.planning.replicas import is_expert_parallel
+from megabuf.transport.collectives import Collectives
 
 Expected = dict[str, tuple[int, str, list[Any]]]  # key -> (chunk index, local name, [shape, dtype])
 

@@ -62,10 +62,10 @@ from megabuf.checkpoint.torch_optim import (
     coordinate,
     torch_optimizer_state,
 )
-from megabuf.collectives import Collectives
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.param_groups import as_chunks
+from megabuf.transport.collectives import Collectives
 
 Chunks = DistributedDataParallel | Sequence[DistributedDataParallel]
 AnyOptimizer = MegabufOptimizer | torch.optim.Optimizer

@@ -37,7 +37,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from megabuf.collectives import Collectives
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.model_space import class_name
 from megabuf.optimizer.param_groups import model_space_keys
@@ -49,7 +48,8 @@ from megabuf.optimizer.state_layout import (
     probe_state,
     restorable,
 )
-from megabuf.replicas import is_expert_parallel
+from megabuf.planning.replicas import is_expert_parallel
+from megabuf.transport.collectives import Collectives
 
 TORCH_FORMAT = "megabuf-torch-optimizer-v1"
 RANK0_COMMON = "common.pt"

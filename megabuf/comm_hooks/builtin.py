@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megabuf.collectives import PendingCollective
 from megabuf.comm_hooks.contract import MODES, GradBucket
 from megabuf.comm_hooks.fixed_order import fixed_order_sum
+from megabuf.transport.collectives import PendingCollective
 
 
 class CompressDtypeError(ValueError):

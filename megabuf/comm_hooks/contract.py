@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megabuf.collectives import Collectives, CommStats, PendingCollective
+from megabuf.transport.collectives import Collectives, CommStats, PendingCollective
 
 Mode = Literal["all_reduce", "reduce_scatter"]
 MODES: frozenset[str] = frozenset({"all_reduce", "reduce_scatter"})

@@ -24,7 +24,7 @@ True` (`Compress(accumulate="fp32")` does: the same sum of low-precision chunks)
 
 [Note: deterministic reduction under hybrid]
 Under a hybrid split (R replicas x S shard ranks, dp_rank = replicate_rank * S + shard_rank:
-[Note: hybrid rank order] in megabuf/hybrid.py) the mode's hook runs on both levels ([Note:
+[Note: hybrid rank order] in megabuf/pure/hybrid.py) the mode's hook runs on both levels ([Note:
 comm hooks under hybrid] in megabuf/sharding/replica_hooks.py), so the sum is defined
 hierarchically: with v_{r,s} the pre-scaled grad of the rank at replicate rank r, shard rank s,
     x_r    = round_g( fp32 sum over s = 0..S-1 in shard-rank order of v_{r,s} [/ S] )
@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from megabuf.collectives import sum_chunks
 from megabuf.comm_hooks.contract import MODES, CommHookError, GradBucket, hook_name
+from megabuf.transport.collectives import sum_chunks
 
 
 class DeterministicReductionError(CommHookError, ValueError):

@@ -28,7 +28,7 @@ the same values, bitwise. The training loop:
   buckets) with the same `subgroup_size` (or `subgroups`, in that group's ranks), so it must
   divide the expert-dp size too; the averager averages expert params over expert-dp.
 - The subgroups are new process groups, created at registration by the subgroup's members
-  (`megabuf.process_groups.new_subgroup`), never inside backward.
+  (`megabuf.transport.process_groups.new_subgroup`), never inside backward.
 - Only params are averaged, as torch's `PeriodicModelAverager` does: the optimizer state
   (moments) stays each rank's own. Between averagings the replicas differ: a checkpoint is
   saved right after an averaging step, when every rank holds the same params; one asked for
@@ -49,9 +49,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from megabuf.collectives import PendingCollective
 from megabuf.comm_hooks.contract import GradBucket
-from megabuf.process_groups import new_subgroup
+from megabuf.transport.collectives import PendingCollective
+from megabuf.transport.process_groups import new_subgroup
 
 _RS_WHY = (
     "local SGD averages grads inside a subgroup only, but in reduce-scatter mode the optimizer "

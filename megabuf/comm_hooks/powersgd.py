@@ -43,10 +43,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megabuf.collectives import PendingCollective
 from megabuf.comm_hooks.contract import GradBucket
 from megabuf.comm_hooks.lowrank import BucketPlan, Unit, orthogonalize_, plan_bucket, shard_rows
 from megabuf.comm_hooks.lowrank_hook import LowRankHook
+from megabuf.transport.collectives import PendingCollective
 
 
 @dataclass

@@ -38,10 +38,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from megabuf.bucket_group import GradSyncState
+from megabuf.buckets.bucket_group import GradSyncState
+from megabuf.core.join import attach_optimizer, optimizer_join_hook, sync_hyperparameters
 from megabuf.ddp import DistributedDataParallel
-from megabuf.devices import params_device
-from megabuf.join import attach_optimizer, optimizer_join_hook, sync_hyperparameters
 from megabuf.optimizer.clip import NormPart, clip_grads_, count_zeros, global_grad_norm
 from megabuf.optimizer.exact_norm import exact_grad_norm
 from megabuf.optimizer.grad_scaler import GradScaler
@@ -69,6 +68,7 @@ from megabuf.optimizer.records import (
     OptimizerParts,
     StepResult,
 )
+from megabuf.transport.devices import params_device
 
 logger = logging.getLogger(__name__)
 _UNSYNCED = {
@@ -131,7 +131,7 @@ class MegabufOptimizer(torch.optim.Optimizer, Joinable):
         self.defaults: dict[str, Any] = (
             dict(self.domains[0].optimizer.defaults) if self.domains else {}
         )
-        Joinable.__init__(self)  # [Note: uneven inputs] in megabuf/join.py
+        Joinable.__init__(self)  # [Note: uneven inputs] in megabuf/core/join.py
         attach_optimizer(self.model_chunks, self)
 
     def _model_wide_kinds(self) -> tuple[DomainKind, ...]:
@@ -174,7 +174,8 @@ class MegabufOptimizer(torch.optim.Optimizer, Joinable):
     # ---- construction helpers -----------------------------------------------------------------
     def _build_domains(self) -> list[Domain]:
         """Main params and inner optimizers on the model chunks' current buffers (again after a
-        sharded re-plan: [Note: sharded auto bucket re-plan] in megabuf/sharded_replan.py)."""
+        sharded re-plan: [Note: sharded auto bucket re-plan] in
+        megabuf/replan/sharded_replan.py)."""
         domains = []
         for kind in DOMAIN_KINDS:
             mains = self._build_main_params(kind)
@@ -276,7 +277,7 @@ class MegabufOptimizer(torch.optim.Optimizer, Joinable):
         return StepResult(False, grad_norm, None)
 
     def _check_resident(self, entry: str) -> None:
-        """[Note: offloaded engine] in megabuf/residency.py."""
+        """[Note: offloaded engine] in megabuf/sync/residency.py."""
         for chunk in self.model_chunks:
             chunk.engine.check_resident(entry)
 
@@ -389,7 +390,7 @@ class MegabufOptimizer(torch.optim.Optimizer, Joinable):
         `param.data`. See [Note: main params follow the model params]."""
         self._versions.reload()
 
-    # ---- uneven inputs: torch's Joinable ([Note: uneven inputs] in megabuf/join.py) ---------
+    # ---- uneven inputs: torch's Joinable ([Note: uneven inputs] in megabuf/core/join.py) ---------
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """In `Join([model, optimizer])` after its model: a joined rank runs `step()` too."""
         return optimizer_join_hook(self, self.model_chunks)

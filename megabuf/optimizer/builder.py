@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from megabuf.ddp import DistributedDataParallel
-from megabuf.devices import params_device
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.config import OptimizerConfig
 from megabuf.optimizer.distributed import DistributedOptimizer
@@ -25,6 +24,7 @@ from megabuf.optimizer.implementation import (
 from megabuf.optimizer.mixed_precision import FP32Optimizer, MixedPrecisionOptimizer
 from megabuf.optimizer.muon import MuonAdamW, muon_param_groups
 from megabuf.optimizer.param_groups import ParamGroupsArg, as_chunks
+from megabuf.transport.devices import params_device
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def build_optimizer(
             "megabuf: build_optimizer got model chunks with different "
             "use_distributed_optimizer settings; build every chunk with the same DDP config"
         )
-    for chunk in chunks:  # [Note: sparse grads outside the buffer] in megabuf/sparse_grads.py
+    for chunk in chunks:  # [Note: sparse grads outside the buffer] in megabuf/sync/sparse_grads.py
         if chunk.engine.sparse_grads.named:
             names = [n for n, _ in chunk.engine.sparse_grads.named]
             raise ValueError(

@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megabuf.collectives import Collectives
-from megabuf.devices import comm_device
+from megabuf.transport.collectives import Collectives
+from megabuf.transport.devices import comm_device
 
 CLIP_EPS = 1e-6  # same as torch.nn.utils.clip_grad_norm_
 

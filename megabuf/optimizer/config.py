@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from megabuf.config_fields import dataclass_from_dict, dataclass_from_toml, document_fields
 from megabuf.optimizer.implementation import IMPLEMENTATIONS
+from megabuf.pure.config_fields import dataclass_from_dict, dataclass_from_toml, document_fields
 
 OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "muon")
 MUON_ADJUST_LR_FNS = (None, "original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn

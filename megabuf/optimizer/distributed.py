@@ -60,7 +60,7 @@ class DistributedOptimizer(MegabufOptimizer):
 
     def _around_replan(self, rebuild: Callable[[], None]) -> None:
         """A model chunk re-plans its buckets: carry this optimizer's state across ([Note:
-        sharded auto bucket re-plan] in megabuf/sharded_replan.py). Collective over dp."""
+        sharded auto bucket re-plan] in megabuf/replan/sharded_replan.py). Collective over dp."""
         if self._offload is not None:
             raise RuntimeError(
                 'megabuf: bucket_size="auto" cannot re-plan the buckets of a model whose '

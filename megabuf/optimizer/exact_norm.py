@@ -26,8 +26,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from megabuf.collectives import Collectives
 from megabuf.optimizer.clip import NormPart, _device_of, _sum_over
+from megabuf.transport.collectives import Collectives
 
 BINS = 2100  # frexp exponents of fp64 values: [-1073, 1024]
 OFFSET = 1075  # bin index = exponent + OFFSET

@@ -4,7 +4,7 @@
 A `MainParam` is one fp32 leaf tensor the inner optimizer steps, standing for elements
 [param_start, param_end) of a flattened model param:
 - distributed optimizer: one per `ShardPiece` of this rank's shards (1-D; param-shaped whole
-  params under [Note: whole-param owners] in megabuf/owners.py). For fp32 params the main
+  params under [Note: whole-param owners] in megabuf/pure/owners.py). For fp32 params the main
   param *is* the `param_data` view and its grad *is* the `grad_data` view, so the inner
   optimizer updates the buffer in place; for bf16/fp16 params it is an fp32 copy, written back
   into `param_data` (rounded) after each step.
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from megabuf.buffer import _ParamAndGradBuffer
-from megabuf.layout import shard_pieces
+from megabuf.buckets.buffer import _ParamAndGradBuffer
+from megabuf.pure.layout import shard_pieces
 
 
 @dataclass

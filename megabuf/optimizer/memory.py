@@ -32,10 +32,10 @@ import torch
 from torch import Tensor
 
 from megabuf.ddp import DistributedDataParallel
-from megabuf.devices import params_device
 from megabuf.optimizer.grad_upcast import is_half_grad, peak_window_nbytes
 from megabuf.optimizer.param_groups import grad_buffers
 from megabuf.optimizer.records import OptimizerParts
+from megabuf.transport.devices import params_device
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from torch.distributed import ProcessGroup
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.main_params import MainParam, whole_main_params
 from megabuf.optimizer.records import DomainKind
-from megabuf.replicas import is_expert_parallel
+from megabuf.planning.replicas import is_expert_parallel
 
 
 class MixedPrecisionOptimizer(MegabufOptimizer):

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megabuf.collectives import Collectives, Group
 from megabuf.optimizer.main_params import MainParam
 from megabuf.optimizer.records import OptimizerParts
 from megabuf.optimizer.state_layout import (
@@ -31,6 +30,7 @@ from megabuf.optimizer.state_layout import (
     probe_state,
     restorable,
 )
+from megabuf.transport.collectives import Collectives, Group
 
 FORMAT = "megabuf-optimizer-v1"
 MAIN = "main"
@@ -218,8 +218,8 @@ def check_keys(parts: OptimizerParts, by_key: dict[str, list[dict[str, Any]]]) -
 
 
 def own_pieces_on_host(parts: OptimizerParts) -> list[dict[str, Any]]:
-    """Step 1 of [Note: sharded auto bucket re-plan] in megabuf/sharded_replan.py: this rank's
-    pieces (fp32 main values and state of the ranges it steps), copied to the host."""
+    """Step 1 of [Note: sharded auto bucket re-plan] in megabuf/replan/sharded_replan.py: this
+    rank's pieces (fp32 main values and state of the ranges it steps), copied to the host."""
     return [{**p, "state": _to_cpu(p["state"])} for p in owned_pieces(parts)]
 
 

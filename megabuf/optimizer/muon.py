@@ -6,7 +6,7 @@ A matrix optimizer (`torch.optim.Muon`, `MuonAdamW`'s Muon groups) orthogonalise
 momentum of a param, so each of its params must be stepped whole and 2-D:
 - the non-distributed optimizers step whole params already;
 - the distributed optimizer needs `DistributedDataParallelConfig(whole_param_owners=True)`
-  ([Note: whole-param owners] in megabuf/owners.py): each param is then one param-shaped main
+  ([Note: whole-param owners] in megabuf/pure/owners.py): each param is then one param-shaped main
   param on its owner. With element shards it raises `MatrixOptimizerError` at construction
   naming that field (torch would fail at the first step on a 1-D piece, or worse, step a
   piece that happens to be 2-D-shaped);
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from megabuf.collectives import Collectives
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.config import MUON_ADJUST_LR_FNS
+from megabuf.transport.collectives import Collectives
 
 MUON_KEY = "use_muon"
 MUON_EPS = 1e-7  # Newton-Schulz stabiliser (torch.optim.Muon's `eps`)

@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from megabuf.ddp import DistributedDataParallel
-from megabuf.devices import params_device
 from megabuf.optimizer.main_params import MainParam
+from megabuf.transport.devices import params_device
 
 HOST = torch.device("cpu")  # where cpu_offload keeps main params, state and grad copies
 

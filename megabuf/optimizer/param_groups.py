@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from megabuf.buffer import _ParamAndGradBuffer
+from megabuf.buckets.buffer import _ParamAndGradBuffer
 from megabuf.ddp import DistributedDataParallel, as_model_chunks
-from megabuf.replicas import is_expert_parallel
+from megabuf.planning.replicas import is_expert_parallel
 
 ParamGroupsArg = Iterable[nn.Parameter] | Iterable[dict[str, Any]] | None
 
@@ -43,7 +43,7 @@ def model_space_keys(chunks: Sequence[DistributedDataParallel]) -> dict[nn.Param
     for i, chunk in enumerate(chunks):
         named = [(n, p) for p, n in chunk.engine.param_to_name.items()]
         # a torch optimizer's checkpoint holds the sparse-grad params too ([Note: sparse grads
-        # outside the buffer] in megabuf/sparse_grads.py)
+        # outside the buffer] in megabuf/sync/sparse_grads.py)
         for name, param in named + chunk.engine.sparse_grads.named:
             keys[param] = scope_prefix(chunk, i, len(chunks), is_expert_parallel(param)) + name
     return keys

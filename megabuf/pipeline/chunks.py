@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.ddp import DistributedDataParallel
-from megabuf.process_groups import ProcessGroups
+from megabuf.transport.process_groups import ProcessGroups
 
 
 def single_bucket_group(pp_rank: int, chunk_index: int) -> bool:

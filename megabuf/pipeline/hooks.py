@@ -25,7 +25,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from megabuf.ddp import DistributedDataParallel
-from megabuf.finalize import finalize_model_grads
+from megabuf.training.finalize import finalize_model_grads
 
 NoSyncFunc = Callable[[], AbstractContextManager[Any]]
 SyncFunc = Callable[[Iterable[nn.Parameter]], Any]

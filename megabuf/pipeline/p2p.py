@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from megabuf.collectives import Collectives, P2PMessage, PendingCollective
 from megabuf.pipeline.order import BACKWARD, FORWARD, Action, P2PStep, Transfer, p2p_steps
-from megabuf.process_groups import ProcessGroups
+from megabuf.transport.collectives import Collectives, P2PMessage, PendingCollective
+from megabuf.transport.process_groups import ProcessGroups
 
 Key = tuple[str, int, int]  # (phase, chunk, micro-batch) of the step that makes / needs a tensor
 

@@ -19,8 +19,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from megabuf.collectives import Collectives
-from megabuf.devices import params_device
 from megabuf.pipeline.chunks import set_input_tensor
 from megabuf.pipeline.hooks import GradSyncSwitch, ScheduleHooks, per_chunk
 from megabuf.pipeline.order import (
@@ -31,7 +29,9 @@ from megabuf.pipeline.order import (
     one_f_one_b_order,
 )
 from megabuf.pipeline.p2p import PipelineP2P
-from megabuf.process_groups import ProcessGroups
+from megabuf.transport.collectives import Collectives
+from megabuf.transport.devices import params_device
+from megabuf.transport.process_groups import ProcessGroups
 
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[Tensor, Callable[[Tensor], Any]]]
 

@@ -13,7 +13,7 @@ each bucket beyond its shard of the fp32 main params and optimizer state:
     optim_grads_params  the param shard persists; a unit's full params  ZeRO-3 / FSDP
                         exist only around its forward and backward
 
-Every strategy uses the same layout (megabuf/layout.py, padded so each bucket splits into dp
+Every strategy uses the same layout (megabuf/pure/layout.py, padded so each bucket splits into dp
 equal shards), the same bucket groups and the same reduce-scatter, so at one micro-batch the
 sharded strategies are bitwise equal to "optim". What changes is which storages are released
 (resized to 0, views kept) and when; `MemoryLedger` records every such allocation so

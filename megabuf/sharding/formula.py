@@ -1,7 +1,7 @@
 """Exact persistent bytes per rank for each sharding strategy, from the padded layout (pure).
 
 [Note: memory formula]
-What one rank keeps for the whole run, per category, for a `Plan` (megabuf/plan.py) under
+What one rank keeps for the whole run, per category, for a `Plan` (megabuf/planning/plan.py) under
 `strategy`. Per buffer: n = its padded numel (every bucket incl. padding), p / g = param / grad
 dtype bytes, d = its dp size (expt_dp for expert buffers), `owned` = the param elements of this
 rank's shards (`layout.shard_pieces`: shard padding excluded; every element when unsharded),
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megabuf.layout import shard_pieces
-from megabuf.plan import BufferPlan, Plan
+from megabuf.planning.plan import BufferPlan, Plan
+from megabuf.pure.layout import shard_pieces
 from megabuf.sharding.strategies import ShardingStrategy, sharding_strategy
 
 FP32_NBYTES = 4

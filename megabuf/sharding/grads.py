@@ -67,7 +67,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megabuf.layout import BufferLayout
+from megabuf.pure.layout import BufferLayout
 from megabuf.sharding.ledger import MemoryLedger
 
 REDUCING_GROUPS_LIMIT = 2  # reductions of one dispatch chain in flight during backward

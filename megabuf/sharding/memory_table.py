@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from megabuf.config import SHARDING_STRATEGIES, DistributedDataParallelConfig
-from megabuf.plan import ParamSpec, build_plan
+from megabuf.planning.plan import ParamSpec, build_plan
 from megabuf.sharding.formula import (
     ADAM,
     OptimizerStateSpec,

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from megabuf.plan import GroupPlan
+from megabuf.planning.plan import GroupPlan
 from megabuf.sharding.params import ParamShardState
 from megabuf.sharding.units_runtime import RuntimeUnit, UnitRuntime
 
 if TYPE_CHECKING:
-    from megabuf.bucket_group import BucketGroup
+    from megabuf.buckets.bucket_group import BucketGroup
     from megabuf.config import DistributedDataParallelConfig
-    from megabuf.plan import Plan
+    from megabuf.planning.plan import Plan
     from megabuf.sharding.ledger import MemoryLedger
     from megabuf.sharding.units import UnitPlan
 

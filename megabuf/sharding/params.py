@@ -2,7 +2,8 @@
 lifecycle. See [Note: sharded param lifecycle].
 
 [Note: sharded param lifecycle]
-Under optim_grads_params every bucket has two param tensors (megabuf/buffer.py allocates them):
+Under optim_grads_params every bucket has two param tensors (megabuf/buckets/buffer.py allocates
+them):
 - `param_shard`: this dp rank's shard of the bucket (1-D, param dtype, padded numel / dp), the
   only persistent copy. The optimizer writes its updated fp32 main shard into it (rounded) and
   nothing is gathered at step time.
@@ -17,9 +18,9 @@ the rank on any other transition:
     UNSHARDED --release_params--> SHARDED
 
 `start_param_gather` resizes the storage back and all-gathers the shards into it in place
-(megabuf.collectives' `all_gather_many`), so tensors autograd saved in forward (the params,
-views of them) see the gathered values again in backward. Which unit gathers when is decided by
-the unit runtime (megabuf/sharding/units_runtime.py); this module only owns the bytes.
+(megabuf.transport.collectives' `all_gather_many`), so tensors autograd saved in forward (the
+params, views of them) see the gathered values again in backward. Which unit gathers when is decided
+by the unit runtime (megabuf/sharding/units_runtime.py); this module only owns the bytes.
 With `verify_param_access` the storage is never resized: a release fills it with NaN, so a stray
 read outside the unit's forward/backward gives NaN instead of stale values (and
 `check_for_nan_in_grad` names the bucket).
@@ -37,8 +38,8 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megabuf.collectives import Collectives, PendingCollective
 from megabuf.sharding.ledger import MemoryLedger
+from megabuf.transport.collectives import Collectives, PendingCollective
 
 PARAM_SHARD = "param_shard"
 UNSHARDED_PARAMS = "unsharded_params"
@@ -163,7 +164,7 @@ class ShardedParams:
 
     def retire(self) -> None:
         """A bucket re-plan replaced this group after copying its gathered params into the new
-        buffers ([Note: sharded auto bucket re-plan] in megabuf/sharded_replan.py): the full
+        buffers ([Note: sharded auto bucket re-plan] in megabuf/replan/sharded_replan.py): the full
         params and the shard leave the ledger and give their memory back. Nothing may read
         them afterwards."""
         self._expect(ParamShardState.UNSHARDED)

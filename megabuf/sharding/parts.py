@@ -10,15 +10,15 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from megabuf.bucket_group import BucketGroup
+from megabuf.buckets.bucket_group import BucketGroup
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.grads import ExposedGrads, refuse_foreign_optimizers
-from megabuf.hooks import ParamGatherHooks
-from megabuf.param_sync import GatheredParams
-from megabuf.plan import Plan
+from megabuf.planning.plan import Plan
 from megabuf.sharding.ledger import MemoryLedger
 from megabuf.sharding.param_units import ParamUnits
 from megabuf.sharding.unit_params import UnitParams
+from megabuf.sync.grads import ExposedGrads, refuse_foreign_optimizers
+from megabuf.sync.hooks import ParamGatherHooks
+from megabuf.sync.param_sync import GatheredParams
 
 
 @dataclass(frozen=True)

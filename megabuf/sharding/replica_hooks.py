@@ -47,7 +47,6 @@ from typing import Any
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megabuf.collectives import Collectives
 from megabuf.comm_hooks.contract import (
     CommHookHybridError,
     GradBucket,
@@ -55,6 +54,7 @@ from megabuf.comm_hooks.contract import (
     check_modes,
     hook_name,
 )
+from megabuf.transport.collectives import Collectives
 
 
 def check_two_level(hook: object, *, group_id: int, rank: int) -> None:

@@ -1,7 +1,7 @@
 """The second level of a hybrid reduction: one bucket group's shards all-reduced across replicas.
 
 [Note: two-level reduction]
-Under a hybrid split ([Note: hybrid rank order] in megabuf/hybrid.py) a bucket group reduces in
+Under a hybrid split ([Note: hybrid rank order] in megabuf/pure/hybrid.py) a bucket group reduces in
 two levels: the reduce-scatter of each bucket inside the shard group (the bucket group's
 `collective_group`, as flat), then an all-reduce of this rank's reduced shard across the
 replicate group: the bucket's local shard of `grad_data` under "optim", the persistent
@@ -26,7 +26,7 @@ shard whole.)
 - A registered comm hook runs on both levels, the second on a view of the reduced shard
   ([Note: comm hooks under hybrid] in megabuf/sharding/replica_hooks.py).
 Flat groups have no second level: only under a hybrid split is their reduction wrapped in
-the two-level one (`TwoLevel`, `reduction_for` in megabuf/reductions.py), which owns a
+the two-level one (`TwoLevel`, `reduction_for` in megabuf/buckets/reductions.py), which owns a
 `ReplicaStage`; a stage without a replicate group is armed never and does nothing.
 """
 
@@ -37,9 +37,9 @@ from collections.abc import Sequence
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megabuf.collectives import Collectives
 from megabuf.comm_hooks.contract import GradBucket, HookWork, Waitable
 from megabuf.sharding.replica_hooks import check_two_level, replica_views
+from megabuf.transport.collectives import Collectives
 
 
 class ReplicaStage:

@@ -3,7 +3,7 @@
 Only a param shard persists between forwards; units gather in forward, in `state_dict()` and in
 `summon_full_params()` ([Note: who gathers when] in sharding/units_runtime.py). The rest of the
 param side's contract is `GatheredParams`' ([Note: who waits for param gathers] in
-megabuf/param_sync.py).
+megabuf/sync/param_sync.py).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 
 from torch import nn
 
-from megabuf.bucket_group import BucketGroup
+from megabuf.buckets.bucket_group import BucketGroup
 from megabuf.config import DistributedDataParallelConfig
-from megabuf.hooks import ParamGatherHooks
-from megabuf.param_sync import GatheredParams
 from megabuf.sharding.param_units import ParamUnits
+from megabuf.sync.hooks import ParamGatherHooks
+from megabuf.sync.param_sync import GatheredParams
 
 
 class UnitParams(GatheredParams):

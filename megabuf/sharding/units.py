@@ -1,8 +1,8 @@
 """Shard units: which modules' params are gathered and released together under ZeRO-3.
 
 Pure: it sees a module tree, the `shard_units` entries and the trainable params (name, param),
-never a process group, and returns a frozen `UnitPlan`. The planner (megabuf/plan.py) turns the
-plan's `unit_of_param` into unit-aligned buckets and one bucket group per unit.
+never a process group, and returns a frozen `UnitPlan`. The planner (megabuf/planning/plan.py) turns
+the plan's `unit_of_param` into unit-aligned buckets and one bucket group per unit.
 
 [Note: shard units]
 Under `data_parallel_sharding_strategy = "optim_grads_params"` a *unit* is a module whose params

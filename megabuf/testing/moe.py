@@ -5,8 +5,8 @@ token is ever dropped and the sharded layer computes exactly what the unsharded 
 Experts are split over the `ep` group: ep rank e holds experts [e * n_local, (e + 1) * n_local).
 Tokens travel to their experts and back with two differentiable all-to-alls. The expert params
 are marked expert-parallel (`param.allreduce = False`), so megabuf keeps them in separate buffers
-reduced over `expt_dp`; see [Note: gradient scaling] in megabuf/finalize.py for why their grads
-still come out averaged over the whole dp group.
+reduced over `expt_dp`; see [Note: gradient scaling] in megabuf/training/finalize.py for why their
+grads still come out averaged over the whole dp group.
 
 Built with `ep_group=None` the same layer holds every expert locally: that is the single-process
 reference. Expert weights are drawn in global expert order from one seeded generator, so ep rank
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from megabuf.collectives import Collectives
-from megabuf.replicas import mark_expert_parallel
+from megabuf.planning.replicas import mark_expert_parallel
+from megabuf.transport.collectives import Collectives
 
 
 @dataclass(frozen=True, kw_only=True)

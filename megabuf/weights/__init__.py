@@ -3,7 +3,7 @@ offload an engine off its device and restore it bitwise (`offload`, `restore`), 
 full weights out bucket by bucket (`export_weights`), and publish them to consumer ranks that
 do not train (`publish`, `WeightReceiver`)."""
 
-from megabuf.residency import EngineOffloadedError
+from megabuf.sync.residency import EngineOffloadedError
 from megabuf.weights.export import WeightBucket, export_weights, weight_version
 from megabuf.weights.offload import OffloadReport, is_offloaded, offload, restore
 from megabuf.weights.publish import Publisher, PublishGroup, WeightReceiver, publish_group

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megabuf.bucket_group import BucketGroup
-from megabuf.collectives import PendingCollective
+from megabuf.buckets.bucket_group import BucketGroup
 from megabuf.ddp import DistributedDataParallel, as_model_chunks
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.sharding.ledger import MemoryLedger
+from megabuf.transport.collectives import PendingCollective
 
 EXPORT_CATEGORY = "weight_export"
 NameMap = Callable[[str, Tensor], Iterable[tuple[str, Tensor]]]

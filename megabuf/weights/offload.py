@@ -20,7 +20,7 @@ optim_grads_params `reshard_params()`); a grad reduction in flight, or a micro-b
 still owed, is refused by name: finish the grad sync first. The engine's ledger drops by the
 bytes it tracks (`SHARDED_CATEGORIES`), and records the host copies as "offloaded_host".
 While offloaded every entry point raises `EngineOffloadedError` ([Note: offloaded engine] in
-megabuf/residency.py).
+megabuf/sync/residency.py).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from megabuf.bucket_group import GradSyncState
+from megabuf.buckets.bucket_group import GradSyncState
 from megabuf.ddp import DistributedDataParallel, as_model_chunks
-from megabuf.grad_sync import SyncPhase
 from megabuf.optimizer.base import MegabufOptimizer
+from megabuf.sync.grad_sync import SyncPhase
 from megabuf.weights.stash import StorageStash
 
 SHARDED_CATEGORIES = (

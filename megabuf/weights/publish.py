@@ -17,11 +17,11 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from megabuf.buffer import _ParamAndGradBucket, _ParamAndGradBuffer
-from megabuf.collectives import Collectives, PendingCollective
+from megabuf.buckets.buffer import _ParamAndGradBucket, _ParamAndGradBuffer
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.base import MegabufOptimizer
-from megabuf.process_groups import new_group_with_timeout
+from megabuf.transport.collectives import Collectives, PendingCollective
+from megabuf.transport.process_groups import new_group_with_timeout
 from megabuf.weights.export import NameMap, resolve_version
 from megabuf.weights.transfer import (
     BucketEntry,

@@ -1,0 +1,3 @@
+"""Re-plan: `bucket_size = "auto"`: the warm-up measurement, the agreed plan and the
+rebuild (dense and sharded).
+"""
