@@ -558,6 +558,14 @@ MUTANTS = (
         ("tests/test_weights_publish.py",),
     ),
     Mutant(
+        "changed-only-ignores-consumer-layout",
+        "changed-only skips a bucket only for consumers holding this publish's dtype and layout",
+        "megabuf/weights/transfer.py",
+        "    return consumer.holds == holding(lead.manifest, lead.dtype)\n",
+        "    return True\n",
+        ("tests/test_weights_publish.py",),
+    ),
+    Mutant(
         "receiver-swaps-trainer-slices",
         "a consumer rebuilds each bucket from every trainer's own slice",
         "megabuf/weights/publish.py",

@@ -116,6 +116,35 @@ def publish_case(strategy: str, dtype_name: str | None, late: bool) -> dict[str,
     return out
 
 
+def dtype_switch_case(strategy: str) -> dict[str, Any]:
+    """Issue 44, defect 1 ([Note: what a consumer holds]): version 1 in fp32, version 2 in
+    bf16 with changed_only (no step between), version 3 back in fp32 with changed_only after a
+    step. The first layer is frozen and bf16 represents its values exactly, so its slices
+    compare equal across each switch; the consumer must still get them (not its fresh zeros)."""
+    rank = dist.get_rank()
+    group = publish_group([0, 1], [2], timeout_s=60)
+    plan = ((1, torch.float32, False), (2, torch.bfloat16, False), (3, torch.float32, True))
+    out: dict[str, Any] = {"versions": [], "sent": []}
+    if rank == 2:
+        receiver = WeightReceiver(group)
+        for v, _, _ in plan:
+            got = receiver.receive(expect_version=v)
+            out["versions"].append({k: t.clone() for k, t in got.items()})
+        return out
+    model, opt = build(strategy, torch.float32, group=_dp_group(), frozen_first=True,
+                       bf16_exact=True)  # fmt: skip
+    publisher = Publisher(model, group, track_changes=True)
+    train_step(model, opt, 0, rank, 2, torch.float32)
+    for v, dtype, step_first in plan:
+        if step_first:
+            train_step(model, opt, v, rank, 2, torch.float32)
+        transfer = publisher.publish(version=v, dtype=dtype, changed_only=v > 1)
+        out["versions"].append({k: t.to(dtype) for k, t in params_of(model).items()})
+        out["sent"].append(transfer.send)
+    out["buckets"] = len(publisher.buckets)
+    return out
+
+
 def failure_case(kind: str) -> dict[str, Any]:
     """kind: "version" (a consumer expects another version) or "death" (trainer 1's link dies
     mid-publish): every rank raises, none hangs."""

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from dist_pool import case_result, run_each
-from publish_cases import export_case, failure_case, publish_case
+from publish_cases import dtype_switch_case, export_case, failure_case, publish_case
 
 from megabuf.weights.transfer import (
     BucketEntry,
@@ -17,6 +17,7 @@ from megabuf.weights.transfer import (
     ParamEntry,
     TrainerHeader,
     decide,
+    holding,
     send_range,
 )
 
@@ -27,6 +28,8 @@ PUBLISH = {
     "optim_grads_params-bf16": (publish_case, "optim_grads_params", "bfloat16", False),
 }
 FAILURES = {k: (failure_case, k) for k in ("version", "death")}
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SWITCH = {f"switch-{s}": (dtype_switch_case, s) for s in STRATEGIES}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,7 @@ def exported(pools: Any) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def published(pools: Any) -> list[dict[str, Any]]:
-    return pools(3).run(run_each, {**PUBLISH, **FAILURES})
+    return pools(3).run(run_each, {**PUBLISH, **FAILURES, **SWITCH})
 
 
 @pytest.mark.parametrize("name", list(EXPORT))
@@ -97,6 +100,26 @@ def test_consumer_receives_every_version_bitwise(published: Any, name: str) -> N
         assert trainer["publish_peak"] == trainer["publish_peak_formula"]
 
 
+@pytest.mark.parametrize("name", list(SWITCH))
+def test_dtype_switch_under_changed_only_sends_every_bucket(published: Any, name: str) -> None:
+    """Issue 44, defect 1 ([Note: what a consumer holds]): fp32, then bf16 with changed_only,
+    then fp32 with changed_only after a step; the frozen first layer's values are exact in
+    bf16, so its slices compare equal across each switch. The consumer's copy is bitwise the
+    trainers' params in the version's dtype every time (never the zeros of its reallocated
+    copy): a switch sends every bucket."""
+    trainer0, trainer1, consumer = case_result(published, name)
+    every = tuple(range(trainer0["buckets"]))
+    for v in range(3):
+        ref = trainer0["versions"][v]
+        assert all(torch.equal(ref[k], trainer1["versions"][v][k]) for k in ref)
+        got = consumer["versions"][v]
+        assert got.keys() == ref.keys()
+        for key, tensor in ref.items():
+            assert got[key].dtype == tensor.dtype, (v, key)
+            assert torch.equal(got[key], tensor), (v, key)
+        assert trainer0["sent"][v] == every, v
+
+
 def test_version_mismatch_raises_on_every_rank(published: Any) -> None:
     for out in case_result(published, "version"):
         assert "consumer rank 2 expects version 99" in out["raised"]
@@ -123,11 +146,29 @@ def _trainer(dp: int, version: int = 2, previous: int | None = 1, **kw: Any) -> 
 
 def test_decide_sends_the_union_of_changed_slices_to_up_to_date_consumers() -> None:
     t0, t1 = _trainer(0), _trainer(1, changed=(False, False, True))
-    assert decide([t0, t1, ConsumerHeader(2, 1, None)]).send == (0, 2)
+    fp32 = holding(_manifest(3), "torch.float32")
+    assert decide([t0, t1, ConsumerHeader(2, 1, None, fp32)]).send == (0, 2)
     assert decide([t1, ConsumerHeader(2, None, None), t0]).send == (0, 1, 2)  # a new consumer
-    assert decide([t0, t1, ConsumerHeader(2, 0, None)]).send == (0, 1, 2)  # a lagging one
+    assert decide([t0, t1, ConsumerHeader(2, 0, None, fp32)]).send == (0, 1, 2)  # a lagging one
     plain = [_trainer(0, changed_only=False), _trainer(1, changed_only=False)]
-    assert decide([*plain, ConsumerHeader(2, 1, None)]).send == (0, 1, 2)
+    assert decide([*plain, ConsumerHeader(2, 1, None, fp32)]).send == (0, 1, 2)
+
+
+def test_decide_skips_only_for_consumers_holding_this_layout() -> None:
+    """[Note: what a consumer holds]: a consumer at the previous version whose copy is in
+    another wire dtype (a dtype switch) or another manifest (a re-plan) gets every bucket; one
+    holding this publish's layout gets the changed ones. "" (each bucket's own dtype) and the
+    same dtype named are one layout."""
+    t0, t1 = _trainer(0), _trainer(1, changed=(False, False, True))
+    fp32 = holding(_manifest(3), "torch.float32")
+    assert fp32 == holding(_manifest(3), "")
+    assert decide([t0, t1, ConsumerHeader(2, 1, None, fp32)]).send == (0, 2)
+    bf16 = holding(_manifest(3), "torch.bfloat16")
+    assert decide([t0, t1, ConsumerHeader(2, 1, None, bf16)]).send == (0, 1, 2)
+    other = holding(_manifest(2), "torch.float32")
+    assert decide([t0, t1, ConsumerHeader(2, 1, None, other)]).send == (0, 1, 2)
+    both = [ConsumerHeader(2, 1, None, fp32), ConsumerHeader(3, 1, None, bf16)]
+    assert decide([t0, t1, *both]).send == (0, 1, 2)
 
 
 @pytest.mark.parametrize(

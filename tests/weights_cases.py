@@ -47,9 +47,15 @@ def build(
     group: Any = None,
     frozen_first: bool = False,
     instances: int = 1,
+    bf16_exact: bool = False,
 ) -> tuple[megabuf.DistributedDataParallel, megabuf.MegabufOptimizer]:
-    """`frozen_first`: the first layer trains with lr 0 (its buckets never change)."""
+    """`frozen_first`: the first layer trains with lr 0 (its buckets never change).
+    `bf16_exact`: the initial values are rounded to bf16 (as if loaded from a bf16 checkpoint)."""
     model = MLPStack(DIM, LAYERS, seed=0, dtype=dtype)
+    if bf16_exact:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16))
     pgs = megabuf.ProcessGroups.for_dp_group(group) if group is not None else None
     ddp = megabuf.DistributedDataParallel(
         model, ddp_config(strategy, overlap=overlap, instances=instances), process_groups=pgs

@@ -30,6 +30,7 @@ from megabuf.weights.transfer import (
     TrainerHeader,
     Transfer,
     decide,
+    holding,
     send_range,
     wire_dtype,
 )
@@ -179,7 +180,9 @@ class Publisher:
 
     def _changed(self, index: int, dtype: torch.dtype | None) -> bool:
         """This rank's slice of bucket `index` differs from the one it sent last (True when
-        not tracked)."""
+        not tracked). `torch.equal` compares across dtypes by value, so after a dtype switch
+        this may say False: `decide` then sends every bucket anyway, which refills the copies
+        ([Note: what a consumer holds])."""
         previous = self._sent[index]
         if previous is None:
             return True
@@ -214,6 +217,7 @@ class WeightReceiver:
         self.collectives = collectives if collectives is not None else Collectives()
         self.rank = self.collectives.rank(None)
         self.version: int | None = None
+        self.holds: str | None = None  # `holding()` of `flats` ([Note: what a consumer holds])
         self.flats: list[Tensor] = []  # one per bucket, the publish dtype
         self.transfer: Transfer | None = None
 
@@ -221,16 +225,17 @@ class WeightReceiver:
         """Join one publish (collective over the publish group); returns every weight under its
         consumer name, as views of this receiver's buffers (overwritten by the next receive)."""
         me = self.group.group_rank(self.rank)
-        header = ConsumerHeader(me, self.version, expect_version)
+        header = ConsumerHeader(me, self.version, expect_version, self.holds)
         transfer = decide(self.collectives.all_gather_object(header, self.group.group))
-        dtypes = [wire_dtype(transfer.dtype or b.dtype) for b in transfer.manifest]
-        if [f.dtype for f in self.flats] != dtypes or (
-            self.transfer is not None and self.transfer.manifest != transfer.manifest
-        ):
+        holds = holding(transfer.manifest, transfer.dtype)
+        if holds != self.holds:  # [Note: what a consumer holds]
+            dtypes = [wire_dtype(transfer.dtype or b.dtype) for b in transfer.manifest]
             self.flats = [
                 torch.zeros(b.numel, dtype=d, device="cpu")
                 for b, d in zip(transfer.manifest, dtypes)
             ]
+        # until every bucket arrived the copy is no version: a failed receive is sent in full
+        self.version, self.holds = None, None
         trainers = [self.group.group_rank(t) for t in self.group.trainers]
         for index in transfer.send:
             flat, pending = self.flats[index], []
@@ -242,7 +247,7 @@ class WeightReceiver:
             _wait(
                 pending, self.group, f"receiving bucket {index} from trainers {trainers}", self.rank
             )
-        self.transfer, self.version = transfer, transfer.version
+        self.transfer, self.version, self.holds = transfer, transfer.version, holds
         return self.named()
 
     def named(self) -> dict[str, Tensor]:

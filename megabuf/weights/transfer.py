@@ -12,7 +12,8 @@ dp-rank order) and consumer ranks (inference workers that do not train):
    mismatch (trainers disagreeing on the version, a version that does not increase, a consumer
    expecting another version) raises the same named error on every rank and nothing hangs.
    Buckets sent: all of them, or with `changed_only` the union of the trainers' changed slices
-   when every consumer holds the previous version (a new or lagging consumer gets everything).
+   when every consumer holds the previous version in this publish's layout ([Note: what a
+   consumer holds]; a new, lagging or re-laid-out consumer gets everything).
 3. data: bucket by bucket, trainer `r` of `n` sends elements [numel*r//n, numel*(r+1)//n) of the
    flat bucket (its own shard under the sharded strategies: nothing is gathered) to every
    consumer, one flat message each, in the publish dtype; consumers receive straight into their
@@ -25,6 +26,7 @@ dp-rank order) and consumer ranks (inference workers that do not train):
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,6 +69,7 @@ class ConsumerHeader:
     rank: int  # group rank, for messages
     have: int | None  # the version it holds
     expect: int | None  # the version it wants, or None for any
+    holds: str | None = None  # `holding()` of its copy's layout; None: nothing held
 
 
 @dataclass(frozen=True)
@@ -113,13 +116,43 @@ def decide(headers: Sequence[TrainerHeader | ConsumerHeader]) -> Transfer:
         raise ValueError("megabuf: weight publish: dp rank 0 sent no manifest")
     every = tuple(range(len(lead.manifest)))
     send = every
-    if lead.changed_only and all(c.have is not None and c.have == lead.previous for c in consumers):
+    if lead.changed_only and all(_current(c, lead) for c in consumers):
         send = tuple(i for i in every if any(t.changed[i] for t in trainers))
     return Transfer(version, lead.manifest, send, lead.dtype, len(trainers))
 
 
 def _dp(header: TrainerHeader) -> int:
     return header.dp_rank
+
+
+def _current(consumer: ConsumerHeader, lead: TrainerHeader) -> bool:
+    """`consumer` holds the version the trainers sent last, laid out as this publish sends it:
+    only then may an unchanged bucket be skipped ([Note: what a consumer holds])."""
+    if lead.manifest is None or consumer.have is None or consumer.have != lead.previous:
+        return False
+    return consumer.holds == holding(lead.manifest, lead.dtype)
+
+
+def holding(manifest: Sequence[BucketEntry], dtype: str) -> str:
+    """A digest of the flat copies a consumer keeps for `manifest` sent in `dtype` (each
+    bucket's wire dtype, numel and params): equal digests, interchangeable copies.
+
+    [Note: what a consumer holds]
+    A changed-only publish skips a bucket whose slices did not change on any trainer, which is
+    right only if every consumer's copy of that bucket *is* the last version sent, in the wire
+    dtype and layout of this publish. A receiver reallocates its flat copies (zeros) whenever
+    the digest of the transfer's manifest and wire dtypes differs from the one it holds, so
+    after a dtype switch (fp32 then bf16) or a new manifest (a bucket re-plan) its copies hold
+    nothing; comparing versions alone would skip the unchanged buckets and leave those zeros
+    (issue 44: a frozen layer whose values bf16 represents exactly compared equal across the
+    switch). So each consumer says which digest it holds and `decide` skips only when every
+    consumer holds the digest of this publish. That also keeps the trainers' host copies
+    (`Publisher._changed`) honest: a switch sends, and so re-copies, every bucket, so a copy is
+    never compared with a slice of another dtype when it matters. A receive that fails midway
+    holds no version and no digest (its next publish is sent in full).
+    """
+    wire = tuple(str(wire_dtype(dtype or b.dtype)) for b in manifest)
+    return hashlib.sha256(repr((wire, tuple(manifest))).encode()).hexdigest()[:32]
 
 
 def wire_dtype(name: str) -> torch.dtype:
