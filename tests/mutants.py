@@ -494,6 +494,15 @@ MUTANTS = (
         ("tests/test_weights_publish.py",),
     ),
     Mutant(
+        "export-frame-holds-previous-group",
+        "a ZeRO-3 export holds at most max_buckets gathered groups in real memory, not only in "
+        "the ledger",
+        "megabuf/weights/export.py",
+        "_item(*groups[index], gathered.pop(index), version,",
+        "_item(*groups[index], (held := gathered.pop(index)), version,",
+        ("tests/test_weights_publish.py",),
+    ),
+    Mutant(
         "replan-exchange-keeps-whole-pieces",
         "a sharded re-plan keeps only the old state overlapping the ranges a rank steps now",
         "megabuf/optimizer/model_space.py",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -65,6 +66,47 @@ def export_case(strategy: str) -> dict[str, Any]:
         "items": items, "twin": params_of(twin), "before": before, "in_flight": in_flight,
         "peak": peak, "formula_peak": max(pairs) if pairs else 0, "cast": cast,
         "export_ledger_now": model.engine.memory_ledger.now("weight_export"),
+    }  # fmt: skip
+
+
+def export_live_case(max_buckets: int) -> dict[str, Any]:
+    """Issue 44, defect 2: real memory, not the ledger, during a ZeRO-3 export whose consumer
+    drops each item before asking for the next. At every group's gather the case counts the
+    earlier groups whose gathered tensors are still alive (weak references to the views the
+    export made over its fresh memory) and their storages' bytes, plus the new group's."""
+    from megabuf.weights import export as export_module
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model, opt = build("optim_grads_params", torch.float32)
+    train_step(model, opt, 0, rank, size, torch.float32)
+    seen: list[tuple[list[Any], int]] = []  # per gathered group: weakrefs, storage bytes
+    worst = {"groups": 0, "nbytes": 0}
+    start = export_module._Gathered.start
+
+    def spy(chunk: Any, group: Any) -> Any:
+        gathered = start(chunk, group)
+        storages = {v.untyped_storage().data_ptr(): v.untyped_storage() for v in gathered.views}
+        nbytes = sum(s.nbytes() for s in storages.values())
+        live = [b for refs, b in seen if any(r() is not None for r in refs)] + [nbytes]
+        worst["groups"] = max(worst["groups"], len(live))
+        worst["nbytes"] = max(worst["nbytes"], sum(live))
+        seen.append(([weakref.ref(v) for v in gathered.views], nbytes))
+        return gathered
+
+    export_module._Gathered.start = spy  # type: ignore[method-assign]
+    try:
+        values: dict[str, torch.Tensor] = {}
+        for item in export_weights(model, optimizer=opt, max_buckets=max_buckets):
+            values.update((n, t.clone()) for n, t in item.named)
+            del item  # this consumer keeps nothing of an item past its turn
+    finally:
+        export_module._Gathered.start = start  # type: ignore[method-assign]
+    full = [g.sharded_params.full_nbytes for g in model.engine.all_bucket_groups]
+    windows = [sum(full[i : i + max_buckets]) for i in range(len(full))]
+    ref = params_of(model)
+    return {
+        "live_groups": worst["groups"], "live_nbytes": worst["nbytes"], "formula": max(windows),
+        "groups": len(full), "bitwise": all(torch.equal(values[k], ref[k]) for k in ref),
     }  # fmt: skip
 
 
