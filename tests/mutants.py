@@ -575,6 +575,14 @@ MUTANTS = (
         ("tests/test_weights_publish.py",),
     ),
     Mutant(
+        "publisher-keeps-pre-replan-buckets",
+        "a Publisher follows a bucket re-plan: it publishes the engine's current buckets",
+        "megabuf/weights/publish.py",
+        "        model.engine.param_side.publish()\n        self._follow_layout()\n",
+        "        model.engine.param_side.publish()\n",
+        ("tests/test_weights_publish.py",),
+    ),
+    Mutant(
         "receiver-swaps-trainer-slices",
         "a consumer rebuilds each bucket from every trainer's own slice",
         "megabuf/weights/publish.py",

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from weights_cases import build, params_of, train_step
+from weights_cases import DIM, LAYERS, build, ddp_config, params_of, train_step
 
+import megabuf
 from megabuf.collectives import Collectives
 from megabuf.process_groups import new_subgroup
+from megabuf.testing.models import MLPStack
 from megabuf.weights import Publisher, WeightReceiver, export_weights, publish_group
 
 _DP: dict[str, Any] = {}
@@ -184,6 +186,43 @@ def dtype_switch_case(strategy: str) -> dict[str, Any]:
         out["versions"].append({k: t.to(dtype) for k, t in params_of(model).items()})
         out["sent"].append(transfer.send)
     out["buckets"] = len(publisher.buckets)
+    return out
+
+
+def relayout_case(strategy: str) -> dict[str, Any]:
+    """[Note: what a consumer holds] for a layout change: version 1 published, then the engine
+    re-plans its buckets (`engine.rebucket`, as bucket_size="auto" does after its warm-up: one
+    bucket for the whole model instead of one per layer; under optim_grads_params each layer
+    stays its own bucket, on new buffers), version 2 with changed_only and no step between,
+    version 3 with changed_only after a step. The Publisher built before the re-plan must
+    follow the new buckets and every consumer get the trainers' params bitwise."""
+    rank = dist.get_rank()
+    group = publish_group([0, 1], [2], timeout_s=60)
+    out: dict[str, Any] = {"versions": [], "sent": [], "buckets": []}
+    if rank == 2:
+        receiver = WeightReceiver(group)
+        for v in (1, 2, 3):
+            got = receiver.receive(expect_version=v)
+            out["versions"].append({k: t.clone() for k, t in got.items()})
+        return out
+    model, opt = build(strategy, torch.float32, group=_dp_group(), frozen_first=True)
+    pgs = megabuf.ProcessGroups.for_dp_group(_dp_group())
+    wide = megabuf.DistributedDataParallel(
+        MLPStack(DIM, LAYERS, seed=0), ddp_config(strategy, bucket_size=10**6),
+        process_groups=pgs,
+    )  # fmt: skip
+    publisher = Publisher(model, group, track_changes=True)
+    train_step(model, opt, 0, rank, 2, torch.float32)
+    for v in (1, 2, 3):
+        if v == 2:
+            opt.zero_grad()
+            model.engine.rebucket(wide.engine.plan)
+        if v == 3:
+            train_step(model, opt, v, rank, 2, torch.float32)
+        transfer = publisher.publish(version=v, changed_only=v > 1)
+        out["versions"].append(params_of(model))
+        out["sent"].append(transfer.send)
+        out["buckets"].append(len(publisher.buckets))
     return out
 
 

@@ -15,6 +15,7 @@ from publish_cases import (
     export_live_case,
     failure_case,
     publish_case,
+    relayout_case,
 )
 
 from megabuf.weights.transfer import (
@@ -37,6 +38,7 @@ PUBLISH = {
 FAILURES = {k: (failure_case, k) for k in ("version", "death")}
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 SWITCH = {f"switch-{s}": (dtype_switch_case, s) for s in STRATEGIES}
+RELAYOUT = {f"relayout-{s}": (relayout_case, s) for s in ("no_shard", "optim", STRATEGIES[3])}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def exported(pools: Any) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def published(pools: Any) -> list[dict[str, Any]]:
-    return pools(3).run(run_each, {**PUBLISH, **FAILURES, **SWITCH})
+    return pools(3).run(run_each, {**PUBLISH, **FAILURES, **SWITCH, **RELAYOUT})
 
 
 @pytest.mark.parametrize("name", list(EXPORT))
@@ -141,6 +143,26 @@ def test_dtype_switch_under_changed_only_sends_every_bucket(published: Any, name
             assert got[key].dtype == tensor.dtype, (v, key)
             assert torch.equal(got[key], tensor), (v, key)
         assert trainer0["sent"][v] == every, v
+
+
+@pytest.mark.parametrize("name", list(RELAYOUT))
+def test_publisher_follows_a_bucket_replan(published: Any, name: str) -> None:
+    """[Note: what a consumer holds], a layout change: a Publisher built before the engine
+    re-planned its buckets (bucket_size="auto" after its warm-up) publishes the new buckets;
+    the consumer's copy is the trainers' params bitwise at every version, the first publish
+    after the re-plan sends every new bucket, and the next changed-only publish sends only
+    changed ones again."""
+    trainer0, trainer1, consumer = case_result(published, name)
+    if "optim_grads_params" not in name:  # ZeRO-3: a bucket per layer either way (new buffers)
+        assert trainer0["buckets"][0] > trainer0["buckets"][1] == 1  # the re-plan took effect
+    for v in range(3):
+        ref = trainer0["versions"][v]
+        assert all(torch.equal(ref[k], trainer1["versions"][v][k]) for k in ref)
+        assert consumer["versions"][v].keys() == ref.keys()
+        for key, tensor in ref.items():
+            assert torch.equal(consumer["versions"][v][key], tensor), (v, key)
+    assert trainer0["sent"][1] == tuple(range(trainer0["buckets"][1]))  # new layout: in full
+    assert trainer0["sent"][2]  # a step: the trainers see their new buckets change
 
 
 def test_version_mismatch_raises_on_every_rank(published: Any) -> None:

@@ -29,12 +29,12 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def ddp_config(
-    strategy: str, *, overlap: bool = False, instances: int = 1
+    strategy: str, *, overlap: bool = False, instances: int = 1, bucket_size: int = 300
 ) -> megabuf.DistributedDataParallelConfig:
     return megabuf.DistributedDataParallelConfig(
         data_parallel_sharding_strategy=strategy,
         num_distributed_optimizer_instances=instances,  # > 1: a hybrid split of the dp group
-        bucket_size=300,  # several buckets
+        bucket_size=bucket_size,  # 300: several buckets
         overlap_param_gather=overlap and strategy in ("optim", "optim_grads"),
         overlap_grad_reduce=overlap,
     )

@@ -125,12 +125,28 @@ class Publisher:
         self.model = model
         self.group = group
         self.collectives = collectives if collectives is not None else model.engine.collectives
-        self.buckets = [(buf, b) for buf in _buffers(model) for b in buf.buckets]
-        self.manifest = tuple(_entry(model, buf, b) for buf, b in self.buckets)
+        self.buckets: list[tuple[_ParamAndGradBuffer, _ParamAndGradBucket]] = []
+        self.manifest: tuple[BucketEntry, ...] = ()
+        self._sent: list[Tensor | None] = []  # host copies, last sent, one per bucket
+        self._follow_layout()
         self.previous: int | None = None
         self.track_changes = track_changes
-        self._sent: list[Tensor | None] = [None] * len(self.buckets)  # host copies, last sent
         self.sent_nbytes = 0  # payload bytes this rank sent in the last publish
+
+    def _follow_layout(self) -> None:
+        """Read the engine's buckets again if they are not the ones last read: a bucket re-plan
+        (bucket_size="auto" after its warm-up, `engine.rebucket`) makes new bucket objects, and
+        under the sharded strategies new buffers, the old ones retired. The host copies of the
+        old layout are dropped, and the new manifest makes every consumer's copy another layout,
+        sent in full ([Note: what a consumer holds] in transfer.py)."""
+        buckets = [(buf, b) for buf in _buffers(self.model) for b in buf.buckets]
+        if len(buckets) == len(self.buckets) and all(
+            new is old for (_, new), (_, old) in zip(buckets, self.buckets)
+        ):
+            return
+        self.buckets = buckets
+        self.manifest = tuple(_entry(self.model, buf, b) for buf, b in buckets)
+        self._sent = [None] * len(buckets)
 
     def publish(
         self,
@@ -150,6 +166,7 @@ class Publisher:
                 "(host copies of what was sent, to compare against)"
             )
         model.engine.param_side.publish()
+        self._follow_layout()
         number = resolve_version(optimizer, version)
         changed = tuple(self._changed(i, dtype) for i in range(len(self.buckets)))
         header = TrainerHeader(

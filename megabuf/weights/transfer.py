@@ -145,7 +145,8 @@ def holding(manifest: Sequence[BucketEntry], dtype: str) -> str:
     after a dtype switch (fp32 then bf16) or a new manifest (a bucket re-plan) its copies hold
     nothing; comparing versions alone would skip the unchanged buckets and leave those zeros
     (issue 44: a frozen layer whose values bf16 represents exactly compared equal across the
-    switch). So each consumer says which digest it holds and `decide` skips only when every
+    switch), and after a bucket re-plan (`Publisher._follow_layout`) the same holds for the new
+    manifest. So each consumer says which digest it holds and `decide` skips only when every
     consumer holds the digest of this publish. That also keeps the trainers' host copies
     (`Publisher._changed`) honest: a switch sends, and so re-copies, every bucket, so a copy is
     never compared with a slice of another dtype when it matters. A receive that fails midway
