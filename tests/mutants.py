@@ -583,6 +583,22 @@ MUTANTS = (
         ("tests/test_weights_publish.py",),
     ),
     Mutant(
+        "delta-anchor-never-due",
+        "with deltas, every anchor_every-th publish is whole (an anchor)",
+        "megabuf/weights/publish.py",
+        "            delta and self._since_anchor >= self.anchor_every - 1,\n",
+        "            False,\n",
+        ("tests/test_weights_publish.py",),
+    ),
+    Mutant(
+        "delta-patch-misplaced",
+        "a consumer writes each delta value at its own index (bitwise the trainer's slice)",
+        "megabuf/weights/delta.py",
+        "    flat.index_copy_(0, indices.to(torch.int64), values)\n",
+        "    flat.index_copy_(0, indices.to(torch.int64).flip(0), values)\n",
+        ("tests/test_weights_delta.py", "tests/test_weights_publish.py"),
+    ),
+    Mutant(
         "receiver-swaps-trainer-slices",
         "a consumer rebuilds each bucket from every trainer's own slice",
         "megabuf/weights/publish.py",

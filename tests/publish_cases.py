@@ -226,6 +226,40 @@ def relayout_case(strategy: str) -> dict[str, Any]:
     return out
 
 
+def delta_case(strategy: str) -> dict[str, Any]:
+    """[Note: element deltas]: bf16 on the wire, a small lr (most bf16 values do not move in a
+    step, as in RL fine-tuning), anchor_every=3. Versions: 1 whole (a new consumer), 2 and 3
+    deltas after a step each, 4 an anchor (whole), 5 whole again (the consumer restarted: a
+    new WeightReceiver), 6 a delta. The consumer returns its copy at every version."""
+    rank = dist.get_rank()
+    group = publish_group([0, 1], [2], timeout_s=60)
+    out: dict[str, Any] = {"versions": [], "deltas": [], "nbytes": [], "density": []}
+    if rank == 2:
+        receiver = WeightReceiver(group)
+        for v in range(1, 7):
+            if v == 5:
+                receiver = WeightReceiver(group)  # a restarted consumer holds nothing
+            got = receiver.receive(expect_version=v)
+            out["versions"].append({k: t.clone() for k, t in got.items()})
+        return out
+    model, opt = build(strategy, torch.float32, group=_dp_group(), lr=3e-5)
+    publisher = Publisher(model, group, track_changes=True, anchor_every=3)
+    before = None
+    for v in range(1, 7):
+        train_step(model, opt, v, rank, 2, torch.float32)
+        now = {k: t.to(torch.bfloat16) for k, t in params_of(model).items()}
+        transfer = publisher.publish(version=v, dtype=torch.bfloat16, delta=True)
+        out["versions"].append(now)
+        out["deltas"].append(transfer.deltas)
+        out["nbytes"].append(publisher.sent_nbytes)
+        if before is not None:
+            moved = sum(int((now[k] != before[k]).sum()) for k in now)
+            out["density"].append(moved / sum(t.numel() for t in now.values()))
+        before = now
+    out["whole_nbytes"] = sum(b.numel // 2 for _, b in publisher.buckets) * 2
+    return out
+
+
 def failure_case(kind: str) -> dict[str, Any]:
     """kind: "version" (a consumer expects another version) or "death" (trainer 1's link dies
     mid-publish): every rank raises, none hangs."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 from dist_pool import case_result, run_each
 from publish_cases import (
+    delta_case,
     dtype_switch_case,
     export_case,
     export_live_case,
@@ -38,6 +39,7 @@ PUBLISH = {
 FAILURES = {k: (failure_case, k) for k in ("version", "death")}
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 SWITCH = {f"switch-{s}": (dtype_switch_case, s) for s in STRATEGIES}
+DELTA = {f"delta-{s}": (delta_case, s) for s in STRATEGIES}
 RELAYOUT = {f"relayout-{s}": (relayout_case, s) for s in ("no_shard", "optim", STRATEGIES[3])}
 
 
@@ -48,7 +50,7 @@ def exported(pools: Any) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def published(pools: Any) -> list[dict[str, Any]]:
-    return pools(3).run(run_each, {**PUBLISH, **FAILURES, **SWITCH, **RELAYOUT})
+    return pools(3).run(run_each, {**PUBLISH, **FAILURES, **SWITCH, **RELAYOUT, **DELTA})
 
 
 @pytest.mark.parametrize("name", list(EXPORT))
@@ -165,6 +167,26 @@ def test_publisher_follows_a_bucket_replan(published: Any, name: str) -> None:
     assert trainer0["sent"][2]  # a step: the trainers see their new buckets change
 
 
+@pytest.mark.parametrize("name", list(DELTA))
+def test_element_deltas_keep_the_consumer_bitwise(published: Any, name: str) -> None:
+    """[Note: element deltas]: the consumer's copy is bitwise the trainers' params (bf16) at
+    every version; versions 2, 3 and 6 go as deltas and send fewer bytes than a whole publish,
+    version 1 (a new consumer), 4 (the anchor, anchor_every=3) and 5 (a restarted consumer)
+    whole."""
+    trainer0, trainer1, consumer = case_result(published, name)
+    for v in range(6):
+        ref = trainer0["versions"][v]
+        assert all(torch.equal(ref[k], trainer1["versions"][v][k]) for k in ref)
+        assert consumer["versions"][v].keys() == ref.keys()
+        for key, tensor in ref.items():
+            assert torch.equal(consumer["versions"][v][key], tensor), (v, key)
+    as_delta = [bool(d) for d in trainer0["deltas"]]
+    assert as_delta == [False, True, True, False, False, True]
+    for v, trainer in itertools.product((1, 2, 5), (trainer0, trainer1)):
+        assert trainer["nbytes"][v] < trainer["whole_nbytes"], v  # this trainer's slices whole
+    assert all(0 < d < 0.5 for d in trainer0["density"]), trainer0["density"]
+
+
 def test_version_mismatch_raises_on_every_rank(published: Any) -> None:
     for out in case_result(published, "version"):
         assert "consumer rank 2 expects version 99" in out["raised"]
@@ -186,7 +208,8 @@ def _trainer(dp: int, version: int = 2, previous: int | None = 1, **kw: Any) -> 
     fields |= kw
     manifest = _manifest(3) if dp == 0 else None
     return TrainerHeader(dp, version, previous, fields["changed"], manifest, "torch.float32",
-                         fields["changed_only"])  # fmt: skip
+                         fields["changed_only"], fields.get("counts", ()),
+                         fields.get("anchor_due", False))  # fmt: skip
 
 
 def test_decide_sends_the_union_of_changed_slices_to_up_to_date_consumers() -> None:
@@ -214,6 +237,24 @@ def test_decide_skips_only_for_consumers_holding_this_layout() -> None:
     assert decide([t0, t1, ConsumerHeader(2, 1, None, other)]).send == (0, 1, 2)
     both = [ConsumerHeader(2, 1, None, fp32), ConsumerHeader(3, 1, None, bf16)]
     assert decide([t0, t1, *both]).send == (0, 1, 2)
+
+
+def test_decide_sends_deltas_only_to_current_consumers_between_anchors() -> None:
+    """[Note: element deltas]: per trainer and bucket a count (k changed elements) or WHOLE;
+    a delta only when it is fewer bytes (8-element fp32 slices of 4 elements: k * 8 < 16), never
+    for a consumer that does not hold the previous version in this layout, nor at an anchor.
+    Buckets nobody changed are not sent."""
+    fp32 = holding(_manifest(3), "torch.float32")
+    t0 = _trainer(0, counts=(1, 0, -1), changed_only=False)
+    t1 = _trainer(1, counts=(2, 0, 0), changed_only=False)
+    got = decide([t0, t1, ConsumerHeader(2, 1, None, fp32)])
+    assert got.deltas == ((1, -1), (0, 0), (-1, 0)) and got.send == (0, 2)
+    assert decide([t0, t1, ConsumerHeader(2, None, None)]).deltas == ()  # a new consumer
+    assert decide([t0, t1, ConsumerHeader(2, 1, None, "other")]).deltas == ()  # other layout
+    due = [_trainer(r, counts=(1, 0, 0), anchor_due=True, changed_only=False) for r in (0, 1)]
+    assert decide([*due, ConsumerHeader(2, 1, None, fp32)]).deltas == ()
+    with pytest.raises(ValueError, match="disagree on changed_only, delta"):
+        decide([t0, _trainer(1, counts=(1, 0, 0), anchor_due=True, changed_only=False)])
 
 
 @pytest.mark.parametrize(

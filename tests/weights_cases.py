@@ -48,6 +48,7 @@ def build(
     frozen_first: bool = False,
     instances: int = 1,
     bf16_exact: bool = False,
+    lr: float = 1e-2,
 ) -> tuple[megabuf.DistributedDataParallel, megabuf.MegabufOptimizer]:
     """`frozen_first`: the first layer trains with lr 0 (its buckets never change).
     `bf16_exact`: the initial values are rounded to bf16 (as if loaded from a bf16 checkpoint)."""
@@ -61,7 +62,7 @@ def build(
         model, ddp_config(strategy, overlap=overlap, instances=instances), process_groups=pgs
     )
     cfg = megabuf.OptimizerConfig(
-        optimizer="adamw", lr=1e-2, weight_decay=0.1, bf16=dtype == torch.bfloat16
+        optimizer="adamw", lr=lr, weight_decay=0.1, bf16=dtype == torch.bfloat16
     )
     groups = None
     if frozen_first:

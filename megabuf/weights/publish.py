@@ -22,6 +22,7 @@ from megabuf.collectives import Collectives, PendingCollective
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.process_groups import new_group_with_timeout
+from megabuf.weights import delta as deltas
 from megabuf.weights.export import NameMap, resolve_version
 from megabuf.weights.transfer import (
     BucketEntry,
@@ -89,10 +90,15 @@ class Publisher:
         group: PublishGroup,
         *,
         track_changes: bool = False,
+        anchor_every: int = 16,
         collectives: Collectives | None = None,
     ) -> None:
         """`track_changes`: keep a host copy of every slice sent (this rank's share of the
-        model, in the publish dtype), which `publish(changed_only=True)` compares against."""
+        model, in the publish dtype), which `publish(changed_only=True)` and
+        `publish(delta=True)` compare against. `anchor_every`: with deltas, every
+        `anchor_every`-th publish is whole ([Note: element deltas] in delta.py)."""
+        if anchor_every < 1:
+            raise ValueError(f"megabuf: Publisher(anchor_every={anchor_every}) must be >= 1")
         topo = model.engine.process_groups.topology
         if topo.pp_size > 1 or topo.ep_size > 1:
             raise ValueError(
@@ -131,6 +137,8 @@ class Publisher:
         self._follow_layout()
         self.previous: int | None = None
         self.track_changes = track_changes
+        self.anchor_every = anchor_every
+        self._since_anchor = 0  # delta publishes since the last whole one
         self.sent_nbytes = 0  # payload bytes this rank sent in the last publish
 
     def _follow_layout(self) -> None:
@@ -155,45 +163,76 @@ class Publisher:
         version: int | None = None,
         dtype: torch.dtype | None = None,
         changed_only: bool = False,
+        delta: bool = False,
     ) -> Transfer:
         """Send the weights of the last completed step (gathers in flight are waited for).
-        Collective over the publish group. Returns what was sent."""
-        model, topo = self.model, self.model.engine.process_groups.topology
+        Collective over the publish group. Returns what was sent. `delta`: changed elements
+        only, where that is smaller ([Note: element deltas] in delta.py)."""
+        model = self.model
         model.engine.residency.check("publish()")
-        if changed_only and not self.track_changes:
+        if (changed_only or delta) and not self.track_changes:
             raise ValueError(
-                "megabuf: publish(changed_only=True) needs Publisher(..., track_changes=True) "
-                "(host copies of what was sent, to compare against)"
+                f"megabuf: publish(changed_only={changed_only}, delta={delta}) needs "
+                "Publisher(..., track_changes=True) (host copies of what was sent, to compare "
+                "against)"
             )
         model.engine.param_side.publish()
         self._follow_layout()
         number = resolve_version(optimizer, version)
-        changed = tuple(self._changed(i, dtype) for i in range(len(self.buckets)))
+        scans = [self._scan(i, dtype, delta) for i in range(len(self.buckets))]
         header = TrainerHeader(
-            self.trainer_rank, number, self.previous, changed,
+            self.trainer_rank, number, self.previous, tuple(c for c, _, _ in scans),
             self.manifest if self.trainer_rank == 0 else None,
             str(dtype) if dtype is not None else "", changed_only,
+            tuple(k for _, k, _ in scans) if delta else (),
+            delta and self._since_anchor >= self.anchor_every - 1,
         )  # fmt: skip
         transfer = decide(self.collectives.all_gather_object(header, self.group.group))
-        consumers = [self.group.group_rank(c) for c in self.group.consumers]
         self.sent_nbytes = 0
         for index in transfer.send:  # one bucket's slice materialised at a time
-            buf, bucket = self.buckets[index]
-            piece = self._slice(buf, bucket, dtype)
-            copied = 0 if _views_model(piece, buf, bucket) else _nbytes(piece)
-            model.engine.memory_ledger.alloc(PUBLISH_CATEGORY, copied)
-            pending = [
-                self.collectives.send(piece, c, self.group.group, tag=index) for c in consumers
-            ]
-            try:
-                _wait(pending, self.group, f"sending bucket {index} to the consumers", topo.rank)
-            finally:
-                model.engine.memory_ledger.free(PUBLISH_CATEGORY, copied)
-            self.sent_nbytes += _nbytes(piece) * len(consumers)
-            if self.track_changes:
-                self._sent[index] = piece.clone()
+            count = transfer.deltas[index][self.trainer_rank] if transfer.deltas else deltas.WHOLE
+            if count != 0:
+                self._send(index, dtype, count, scans[index][2])
+        self._since_anchor = self._since_anchor + 1 if transfer.deltas else 0
         self.previous = number
         return transfer
+
+    def _send(self, index: int, dtype: torch.dtype | None, count: int, at: Tensor | None) -> None:
+        """This trainer's slice of bucket `index` to every consumer: whole (`count` WHOLE) or
+        the `count` elements at `at` (int32 indices, then values; [Note: element deltas])."""
+        buf, bucket = self.buckets[index]
+        engine, topo = self.model.engine, self.model.engine.process_groups.topology
+        piece = self._slice(buf, bucket, dtype)
+        copied = 0 if _views_model(piece, buf, bucket) else _nbytes(piece)
+        engine.memory_ledger.alloc(PUBLISH_CATEGORY, copied)
+        messages = [(piece, index)]
+        if count != deltas.WHOLE and at is not None:
+            messages = [(at, len(self.buckets) + index), (piece[at.to(torch.int64)], index)]
+        consumers = [self.group.group_rank(c) for c in self.group.consumers]
+        pending = [
+            self.collectives.send(t, c, self.group.group, tag=tag)
+            for c in consumers
+            for t, tag in messages
+        ]
+        try:
+            _wait(pending, self.group, f"sending bucket {index} to the consumers", topo.rank)
+        finally:
+            engine.memory_ledger.free(PUBLISH_CATEGORY, copied)
+        self.sent_nbytes += sum(_nbytes(t) for t, _ in messages) * len(consumers)
+        if self.track_changes:
+            self._sent[index] = piece.clone()
+
+    def _scan(
+        self, index: int, dtype: torch.dtype | None, delta: bool
+    ) -> tuple[bool, int, Tensor | None]:
+        """(changed, the header's delta count, the changed indices kept for the send) of this
+        rank's slice of bucket `index`; indices only where a delta is smaller."""
+        if not delta:
+            return self._changed(index, dtype), deltas.WHOLE, None
+        now = self._slice(*self.buckets[index], dtype)
+        at = deltas.changed_indices(self._sent[index], now)
+        count = deltas.count(at, now.numel(), now.element_size())
+        return count != 0, count, at if count not in (0, deltas.WHOLE) else None
 
     def _changed(self, index: int, dtype: torch.dtype | None) -> bool:
         """This rank's slice of bucket `index` differs from the one it sent last (True when
@@ -253,19 +292,33 @@ class WeightReceiver:
             ]
         # until every bucket arrived the copy is no version: a failed receive is sent in full
         self.version, self.holds = None, None
-        trainers = [self.group.group_rank(t) for t in self.group.trainers]
         for index in transfer.send:
-            flat, pending = self.flats[index], []
-            for r, peer in enumerate(trainers):
-                lo, hi = send_range(flat.numel(), r, len(trainers))
+            self._receive(index, transfer)
+        self.transfer, self.version, self.holds = transfer, transfer.version, holds
+        return self.named()
+
+    def _receive(self, index: int, transfer: Transfer) -> None:
+        """Bucket `index` from every trainer: its slice whole, or (indices, values) written
+        into this copy ([Note: element deltas] in delta.py)."""
+        trainers = [self.group.group_rank(t) for t in self.group.trainers]
+        flat, pending, patches = self.flats[index], [], []
+        for r, peer in enumerate(trainers):
+            lo, hi = send_range(flat.numel(), r, len(trainers))
+            count = transfer.deltas[index][r] if transfer.deltas else deltas.WHOLE
+            if count == deltas.WHOLE:
                 pending.append(
                     self.collectives.recv(flat[lo:hi], peer, self.group.group, tag=index)
                 )
-            _wait(
-                pending, self.group, f"receiving bucket {index} from trainers {trainers}", self.rank
-            )
-        self.transfer, self.version, self.holds = transfer, transfer.version, holds
-        return self.named()
+            elif count > 0:
+                at = torch.empty(count, dtype=deltas.INDEX_DTYPE)
+                values = torch.empty(count, dtype=flat.dtype)
+                tag = len(transfer.manifest) + index
+                pending.append(self.collectives.recv(at, peer, self.group.group, tag=tag))
+                pending.append(self.collectives.recv(values, peer, self.group.group, tag=index))
+                patches.append((flat[lo:hi], at, values))
+        _wait(pending, self.group, f"receiving bucket {index} from trainers {trainers}", self.rank)
+        for target, at, values in patches:
+            deltas.apply(target, at, values)
 
     def named(self) -> dict[str, Tensor]:
         if self.transfer is None:

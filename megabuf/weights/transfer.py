@@ -17,10 +17,12 @@ dp-rank order) and consumer ranks (inference workers that do not train):
 3. data: bucket by bucket, trainer `r` of `n` sends elements [numel*r//n, numel*(r+1)//n) of the
    flat bucket (its own shard under the sharded strategies: nothing is gathered) to every
    consumer, one flat message each, in the publish dtype; consumers receive straight into their
-   flat copy of the bucket and rebuild named tensors as views of it. A trainer holds at most
-   one slice copy at a time (when it casts, packs a no_shard bucket or moves it to the host:
-   the ledger's "weight_publish", whose peak is the largest such slice); a view of its own
-   shard is sent as it is. Every wait is bounded by
+   flat copy of the bucket and rebuild named tensors as views of it. With `delta` a slice
+   may instead go as its changed elements, int32 indices then values ([Note: element deltas]
+   in delta.py; the counts travel in the headers, so every message's size is known). A
+   trainer holds at most one slice copy at a time (when it casts, packs a no_shard bucket or
+   moves it to the host: the ledger's "weight_publish", whose peak is the largest such
+   slice); a view of its own shard is sent as it is. Every wait is bounded by
    the group's timeout, and a missing message raises naming the bucket and the trainer.
 """
 
@@ -31,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from megabuf.weights.delta import WHOLE, delta_pays
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,8 @@ class TrainerHeader:
     manifest: tuple[BucketEntry, ...] | None  # dp rank 0 only
     dtype: str  # what goes on the wire; "": each bucket's own param dtype
     changed_only: bool  # send only the buckets that changed, where every consumer can take it
+    counts: tuple[int, ...] = ()  # delta=True: per bucket, changed elements or WHOLE
+    anchor_due: bool = False  # delta=True: this publish must be whole ([Note: element deltas])
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class Transfer:
     send: tuple[int, ...]  # bucket indices sent, ascending
     dtype: str
     trainers: int
+    deltas: tuple[tuple[int, ...], ...] = ()  # per bucket, per trainer: WHOLE or elements sent
 
 
 def decide(headers: Sequence[TrainerHeader | ConsumerHeader]) -> Transfer:
@@ -95,10 +102,13 @@ def decide(headers: Sequence[TrainerHeader | ConsumerHeader]) -> Transfer:
         raise ValueError(
             f"megabuf: weight publish: trainers disagree on the version: {sorted(versions)}"
         )
-    if len({(t.changed_only, t.dtype, t.previous) for t in trainers}) != 1:
+    if (
+        len({(t.changed_only, t.dtype, t.previous, bool(t.counts), t.anchor_due) for t in trainers})
+        != 1
+    ):
         raise ValueError(
-            "megabuf: weight publish: trainers disagree on changed_only, dtype or the last "
-            "version sent; every trainer must call publish() with the same arguments"
+            "megabuf: weight publish: trainers disagree on changed_only, delta, dtype or the "
+            "last version sent; every trainer must call publish() with the same arguments"
         )
     version, lead = versions.pop(), trainers[0]
     if lead.previous is not None and version <= lead.previous:
@@ -116,9 +126,27 @@ def decide(headers: Sequence[TrainerHeader | ConsumerHeader]) -> Transfer:
         raise ValueError("megabuf: weight publish: dp rank 0 sent no manifest")
     every = tuple(range(len(lead.manifest)))
     send = every
-    if lead.changed_only and all(_current(c, lead) for c in consumers):
+    current = all(_current(c, lead) for c in consumers)
+    if lead.changed_only and current:
         send = tuple(i for i in every if any(t.changed[i] for t in trainers))
-    return Transfer(version, lead.manifest, send, lead.dtype, len(trainers))
+    deltas: tuple[tuple[int, ...], ...] = ()
+    if lead.counts and current and not lead.anchor_due:  # [Note: element deltas]
+        deltas = tuple(_deltas(lead.manifest[i], i, lead.dtype, trainers) for i in every)
+        send = tuple(i for i in send if any(k != 0 for k in deltas[i]))
+    return Transfer(version, lead.manifest, send, lead.dtype, len(trainers), deltas)
+
+
+def _deltas(
+    entry: BucketEntry, index: int, dtype: str, trainers: Sequence[TrainerHeader]
+) -> tuple[int, ...]:
+    """Per trainer: the elements of its slice of bucket `index` sent as a delta, or WHOLE."""
+    item = wire_dtype(dtype or entry.dtype).itemsize
+    out = []
+    for r, t in enumerate(trainers):
+        lo, hi = send_range(entry.numel, r, len(trainers))
+        k = t.counts[index]
+        out.append(k if k == 0 or (k != WHOLE and delta_pays(k, hi - lo, item)) else WHOLE)
+    return tuple(out)
 
 
 def _dp(header: TrainerHeader) -> int:
