@@ -226,15 +226,19 @@ def relayout_case(strategy: str) -> dict[str, Any]:
     return out
 
 
-def delta_case(strategy: str) -> dict[str, Any]:
+def delta_case(strategy: str, dp: int = 2) -> dict[str, Any]:
     """[Note: element deltas]: bf16 on the wire, a small lr (most bf16 values do not move in a
-    step, as in RL fine-tuning), anchor_every=3. Versions: 1 whole (a new consumer), 2 and 3
-    deltas after a step each, 4 an anchor (whole), 5 whole again (the consumer restarted: a
-    new WeightReceiver), 6 a delta. The consumer returns its copy at every version."""
+    step, as in RL fine-tuning), anchor_every=3; ranks 0 .. dp - 1 train, rank dp consumes.
+    Versions: 1 whole (a new consumer), 2 and 3 deltas after a step each, 4 an anchor (whole),
+    5 whole again (the consumer restarted: a new WeightReceiver), 6 a delta. The consumer
+    returns its copy at every version."""
     rank = dist.get_rank()
-    group = publish_group([0, 1], [2], timeout_s=60)
+    if f"dp{dp}" not in _DP and dp != 2:  # members-only group first (see hybrid_publish_case)
+        _DP[f"dp{dp}"] = new_subgroup(None, list(range(dp))) if rank < dp else None
+    dp_group = _dp_group() if dp == 2 else _DP[f"dp{dp}"]
+    group = publish_group(list(range(dp)), [dp], timeout_s=60)
     out: dict[str, Any] = {"versions": [], "deltas": [], "nbytes": [], "density": []}
-    if rank == 2:
+    if rank == dp:
         receiver = WeightReceiver(group)
         for v in range(1, 7):
             if v == 5:
@@ -242,11 +246,13 @@ def delta_case(strategy: str) -> dict[str, Any]:
             got = receiver.receive(expect_version=v)
             out["versions"].append({k: t.clone() for k, t in got.items()})
         return out
-    model, opt = build(strategy, torch.float32, group=_dp_group(), lr=3e-5)
+    if rank > dp:
+        return out
+    model, opt = build(strategy, torch.float32, group=dp_group, lr=3e-5)
     publisher = Publisher(model, group, track_changes=True, anchor_every=3)
     before = None
     for v in range(1, 7):
-        train_step(model, opt, v, rank, 2, torch.float32)
+        train_step(model, opt, v, rank, dp, torch.float32)
         now = {k: t.to(torch.bfloat16) for k, t in params_of(model).items()}
         transfer = publisher.publish(version=v, dtype=torch.bfloat16, delta=True)
         out["versions"].append(now)
@@ -256,7 +262,7 @@ def delta_case(strategy: str) -> dict[str, Any]:
             moved = sum(int((now[k] != before[k]).sum()) for k in now)
             out["density"].append(moved / sum(t.numel() for t in now.values()))
         before = now
-    out["whole_nbytes"] = sum(b.numel // 2 for _, b in publisher.buckets) * 2
+    out["whole_nbytes"] = sum(b.numel // dp for _, b in publisher.buckets) * 2
     return out
 
 

@@ -40,12 +40,18 @@ FAILURES = {k: (failure_case, k) for k in ("version", "death")}
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 SWITCH = {f"switch-{s}": (dtype_switch_case, s) for s in STRATEGIES}
 DELTA = {f"delta-{s}": (delta_case, s) for s in STRATEGIES}
+DELTA4 = {f"delta4-{s}": (delta_case, s, 4) for s in STRATEGIES}
 RELAYOUT = {f"relayout-{s}": (relayout_case, s) for s in ("no_shard", "optim", STRATEGIES[3])}
 
 
 @pytest.fixture(scope="module")
 def exported(pools: Any) -> list[dict[str, Any]]:
     return pools(2).run(run_each, {**EXPORT, **LIVE})
+
+
+@pytest.fixture(scope="module")
+def published4(pools: Any) -> list[dict[str, Any]]:
+    return pools(5).run(run_each, dict(DELTA4))
 
 
 @pytest.fixture(scope="module")
@@ -173,18 +179,29 @@ def test_element_deltas_keep_the_consumer_bitwise(published: Any, name: str) -> 
     every version; versions 2, 3 and 6 go as deltas and send fewer bytes than a whole publish,
     version 1 (a new consumer), 4 (the anchor, anchor_every=3) and 5 (a restarted consumer)
     whole."""
-    trainer0, trainer1, consumer = case_result(published, name)
+    _check_deltas(case_result(published, name))
+
+
+@pytest.mark.parametrize("name", list(DELTA4))
+def test_element_deltas_keep_the_consumer_bitwise_at_dp4(published4: Any, name: str) -> None:
+    """The same at dp 4 (4 trainers, each sending its quarter's changed elements)."""
+    _check_deltas(case_result(published4, name))
+
+
+def _check_deltas(ranks: list[dict[str, Any]]) -> None:
+    *trainers, consumer = ranks
+    lead = trainers[0]
     for v in range(6):
-        ref = trainer0["versions"][v]
-        assert all(torch.equal(ref[k], trainer1["versions"][v][k]) for k in ref)
+        ref = lead["versions"][v]
+        assert all(torch.equal(ref[k], t["versions"][v][k]) for t in trainers for k in ref)
         assert consumer["versions"][v].keys() == ref.keys()
         for key, tensor in ref.items():
             assert torch.equal(consumer["versions"][v][key], tensor), (v, key)
-    as_delta = [bool(d) for d in trainer0["deltas"]]
+    as_delta = [bool(d) for d in lead["deltas"]]
     assert as_delta == [False, True, True, False, False, True]
-    for v, trainer in itertools.product((1, 2, 5), (trainer0, trainer1)):
+    for v, trainer in itertools.product((1, 2, 5), trainers):
         assert trainer["nbytes"][v] < trainer["whole_nbytes"], v  # this trainer's slices whole
-    assert all(0 < d < 0.5 for d in trainer0["density"]), trainer0["density"]
+    assert all(0 < d < 0.5 for d in lead["density"]), lead["density"]
 
 
 def test_version_mismatch_raises_on_every_rank(published: Any) -> None:
