@@ -599,6 +599,14 @@ MUTANTS = (
         ("tests/test_weights_delta.py", "tests/test_weights_publish.py"),
     ),
     Mutant(
+        "four-phase-update-loads-nothing",
+        "the four-phase receiver loads every received weight into the engine",
+        "megabuf/weights/weight_transfer.py",
+        "        self.load_weights(iter(weights.items()))\n",
+        "",
+        ("tests/test_weights_publish.py",),
+    ),
+    Mutant(
         "receiver-swaps-trainer-slices",
         "a consumer rebuilds each bucket from every trainer's own slice",
         "megabuf/weights/publish.py",

@@ -266,6 +266,55 @@ def delta_case(strategy: str, dp: int = 2) -> dict[str, Any]:
     return out
 
 
+class _StandInEngine:
+    """A tiny inference engine speaking the four-phase weight-transfer protocol: its model has
+    the trainer's architecture, its loader copies (name, tensor) pairs into the params."""
+
+    def __init__(self, group: Any) -> None:
+        from megabuf.weights.weight_transfer import WeightTransferReceiver
+
+        self.model = MLPStack(DIM, LAYERS, seed=1)  # other values: loading must overwrite them
+        self.transfer = WeightTransferReceiver(group, self.load_weights)
+        self.transfer.init_weight_transfer_engine({})
+
+    def load_weights(self, weights: Any) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights:
+                params[name].copy_(tensor)
+
+    def sync(self, version: int) -> int | None:
+        self.transfer.start_weight_update({"version": version})
+        self.transfer.update_weights()
+        return self.transfer.finish_weight_update()
+
+
+def weight_transfer_case() -> dict[str, Any]:
+    """[Note: four-phase receiver]: rank 2 is a stand-in inference engine; versions 1 (whole)
+    and 2, 3 (deltas, bf16 on the wire: the engine's fp32 model gets the bf16 values) reach
+    its model through the four calls, and a call out of order is refused by name."""
+    rank = dist.get_rank()
+    group = publish_group([0, 1], [2], timeout_s=60)
+    out: dict[str, Any] = {"versions": [], "finished": []}
+    if rank == 2:
+        engine = _StandInEngine(group)
+        for v in (1, 2, 3):
+            out["finished"].append(engine.sync(v))
+            out["versions"].append(params_of(engine.model))
+        try:
+            engine.transfer.update_weights()
+        except RuntimeError as e:
+            out["refused"] = str(e)
+        return out
+    model, opt = build("optim_grads_params", torch.float32, group=_dp_group(), lr=3e-5)
+    publisher = Publisher(model, group, track_changes=True)
+    for v in (1, 2, 3):
+        train_step(model, opt, v, rank, 2, torch.float32)
+        publisher.publish(version=v, dtype=torch.bfloat16, delta=True)
+        out["versions"].append({k: t.to(torch.bfloat16) for k, t in params_of(model).items()})
+    return out
+
+
 def failure_case(kind: str) -> dict[str, Any]:
     """kind: "version" (a consumer expects another version) or "death" (trainer 1's link dies
     mid-publish): every rank raises, none hangs."""

@@ -17,6 +17,7 @@ from publish_cases import (
     failure_case,
     publish_case,
     relayout_case,
+    weight_transfer_case,
 )
 
 from megabuf.weights.transfer import (
@@ -56,7 +57,8 @@ def published4(pools: Any) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def published(pools: Any) -> list[dict[str, Any]]:
-    return pools(3).run(run_each, {**PUBLISH, **FAILURES, **SWITCH, **RELAYOUT, **DELTA})
+    cases = {**PUBLISH, **FAILURES, **SWITCH, **RELAYOUT, **DELTA}
+    return pools(3).run(run_each, {**cases, "transfer": (weight_transfer_case,)})
 
 
 @pytest.mark.parametrize("name", list(EXPORT))
@@ -202,6 +204,19 @@ def _check_deltas(ranks: list[dict[str, Any]]) -> None:
     for v, trainer in itertools.product((1, 2, 5), trainers):
         assert trainer["nbytes"][v] < trainer["whole_nbytes"], v  # this trainer's slices whole
     assert all(0 < d < 0.5 for d in lead["density"]), lead["density"]
+
+
+def test_four_phase_receiver_loads_every_version_into_a_stand_in_engine(published: Any) -> None:
+    """[Note: four-phase receiver]: an engine speaking init / start / update / finish gets the
+    trainers' weights (bf16 values, deltas after the first) in its own model at every version,
+    and a call out of order is refused naming the phase."""
+    trainer0, _, engine = case_result(published, "transfer")
+    assert engine["finished"] == [1, 2, 3]
+    for v in range(3):
+        ref = trainer0["versions"][v]
+        for key, tensor in ref.items():
+            assert torch.equal(engine["versions"][v][key], tensor.float()), (v, key)
+    assert "update_weights() called between updates" in engine["refused"]
 
 
 def test_version_mismatch_raises_on_every_rank(published: Any) -> None:
