@@ -607,6 +607,14 @@ MUTANTS = (
         ("tests/test_weights_publish.py",),
     ),
     Mutant(
+        "async-publish-without-snapshot",
+        "an asynchronous publish sends its version, never the next step's values",
+        "megabuf/weights/publish.py",
+        "        if snapshot and viewed:\n",
+        "        if False:\n",
+        ("tests/test_weights_publish.py",),
+    ),
+    Mutant(
         "receiver-swaps-trainer-slices",
         "a consumer rebuilds each bucket from every trainer's own slice",
         "megabuf/weights/publish.py",

@@ -315,6 +315,35 @@ def weight_transfer_case() -> dict[str, Any]:
     return out
 
 
+def async_case(strategy: str) -> dict[str, Any]:
+    """[Note: asynchronous publish]: a slowed consumer (it sleeps before each receive); the
+    trainers start publishing version v (fp32: under the sharded strategies the slice is a
+    view of the model's own shard), train the next step at once, then wait. The consumer
+    must get version v's weights, not the next step's."""
+    rank = dist.get_rank()
+    group = publish_group([0, 1], [2], timeout_s=60)
+    out: dict[str, Any] = {"versions": [], "after": []}
+    if rank == 2:
+        receiver = WeightReceiver(group)
+        for v in (1, 2):
+            time.sleep(1.0)
+            got = receiver.receive(expect_version=v)
+            out["versions"].append({k: t.clone() for k, t in got.items()})
+        return out
+    model, opt = build(strategy, torch.float32, group=_dp_group())
+    publisher = Publisher(model, group, track_changes=True)
+    train_step(model, opt, 0, rank, 2, torch.float32)
+    for v in (1, 2):
+        out["versions"].append(params_of(model))
+        pending = publisher.start_publish(version=v, delta=v > 1)
+        out.setdefault("held", []).append(model.engine.memory_ledger.now("weight_publish"))
+        train_step(model, opt, v, rank, 2, torch.float32)  # overwrites the params at once
+        out["after"].append(params_of(model))
+        pending.wait()
+        out.setdefault("held_after", []).append(model.engine.memory_ledger.now("weight_publish"))
+    return out
+
+
 def failure_case(kind: str) -> dict[str, Any]:
     """kind: "version" (a consumer expects another version) or "death" (trainer 1's link dies
     mid-publish): every rank raises, none hangs."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 from dist_pool import case_result, run_each
 from publish_cases import (
+    async_case,
     delta_case,
     dtype_switch_case,
     export_case,
@@ -42,6 +43,7 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 SWITCH = {f"switch-{s}": (dtype_switch_case, s) for s in STRATEGIES}
 DELTA = {f"delta-{s}": (delta_case, s) for s in STRATEGIES}
 DELTA4 = {f"delta4-{s}": (delta_case, s, 4) for s in STRATEGIES}
+ASYNC = {f"async-{s}": (async_case, s) for s in STRATEGIES}
 RELAYOUT = {f"relayout-{s}": (relayout_case, s) for s in ("no_shard", "optim", STRATEGIES[3])}
 
 
@@ -57,7 +59,7 @@ def published4(pools: Any) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def published(pools: Any) -> list[dict[str, Any]]:
-    cases = {**PUBLISH, **FAILURES, **SWITCH, **RELAYOUT, **DELTA}
+    cases = {**PUBLISH, **FAILURES, **SWITCH, **RELAYOUT, **DELTA, **ASYNC}
     return pools(3).run(run_each, {**cases, "transfer": (weight_transfer_case,)})
 
 
@@ -217,6 +219,25 @@ def test_four_phase_receiver_loads_every_version_into_a_stand_in_engine(publishe
         for key, tensor in ref.items():
             assert torch.equal(engine["versions"][v][key], tensor.float()), (v, key)
     assert "update_weights() called between updates" in engine["refused"]
+
+
+@pytest.mark.parametrize("name", list(ASYNC))
+def test_asynchronous_publish_sends_the_version_not_the_next_step(
+    published: Any, name: str
+) -> None:
+    """[Note: asynchronous publish]: the trainers ran the next step while a slowed consumer had
+    not received yet; it still gets each version bitwise (whole, then a delta), never the
+    next step's values; the snapshot is in the ledger until wait()."""
+    trainer0, trainer1, consumer = case_result(published, name)
+    for v in range(2):
+        ref = trainer0["versions"][v]
+        assert all(torch.equal(ref[k], trainer1["versions"][v][k]) for k in ref)
+        for key, tensor in ref.items():
+            assert torch.equal(consumer["versions"][v][key], tensor), (v, key)
+        after = trainer0["after"][v]
+        assert any(not torch.equal(after[k], ref[k]) for k in ref)  # the step moved them
+    for trainer in (trainer0, trainer1):
+        assert trainer["held"][0] > 0 and trainer["held_after"] == [0, 0]
 
 
 def test_version_mismatch_raises_on_every_rank(published: Any) -> None:

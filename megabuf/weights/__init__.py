@@ -5,14 +5,16 @@ do not train (`publish`, `WeightReceiver`, or `WeightTransferReceiver` for an in
 speaking the four-phase weight-transfer protocol)."""
 
 from megabuf.residency import EngineOffloadedError
+from megabuf.weights.channel import PendingPublish, PublishGroup, publish_group
 from megabuf.weights.export import WeightBucket, export_weights, weight_version
 from megabuf.weights.offload import OffloadReport, is_offloaded, offload, restore
-from megabuf.weights.publish import Publisher, PublishGroup, WeightReceiver, publish_group
+from megabuf.weights.publish import Publisher, WeightReceiver
 from megabuf.weights.weight_transfer import WeightTransferReceiver
 
 __all__ = [
     "EngineOffloadedError",
     "OffloadReport",
+    "PendingPublish",
     "PublishGroup",
     "Publisher",
     "WeightBucket",

@@ -9,20 +9,22 @@ every trainer its own slice of every bucket; see [Note: publish protocol] in tra
 
 from __future__ import annotations
 
-import datetime
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
 from megabuf.buffer import _ParamAndGradBucket, _ParamAndGradBuffer
-from megabuf.collectives import Collectives, PendingCollective
+from megabuf.collectives import Collectives
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.base import MegabufOptimizer
-from megabuf.process_groups import new_group_with_timeout
 from megabuf.weights import delta as deltas
+from megabuf.weights.channel import (
+    PUBLISH_CATEGORY,
+    PendingPublish,
+    PublishGroup,
+    Sending,
+    publish_group,
+    wait_all,
+)
 from megabuf.weights.export import NameMap, resolve_version
 from megabuf.weights.transfer import (
     BucketEntry,
@@ -36,39 +38,8 @@ from megabuf.weights.transfer import (
     wire_dtype,
 )
 
-PUBLISH_CATEGORY = "weight_publish"
-"""Ledger category: the slice copy (cast, packed or moved to the host) held while it is sent."""
-
-
-@dataclass(frozen=True)
-class PublishGroup:
-    """Trainers (global ranks, in dp-rank order) and consumers, and their process group."""
-
-    group: ProcessGroup
-    trainers: tuple[int, ...]
-    consumers: tuple[int, ...]
-    timeout: datetime.timedelta
-
-    def group_rank(self, global_rank: int) -> int:
-        return sorted(self.trainers + self.consumers).index(global_rank)
-
-
-def publish_group(
-    trainer_ranks: Sequence[int], consumer_ranks: Sequence[int], *, timeout_s: float = 300.0
-) -> PublishGroup:
-    """A gloo group of `trainer_ranks` (the dp ranks of the model, in dp-rank order; under a
-    hybrid split replicate rank 0's shard group, [Note: publishing from replicas]) and
-    `consumer_ranks`; every collective on it fails after `timeout_s`. Collective over the
-    whole world: every rank calls it, in the same order relative to its other group creations."""
-    both = set(trainer_ranks) & set(consumer_ranks)
-    if both or not trainer_ranks or not consumer_ranks:
-        raise ValueError(
-            f"megabuf: publish_group needs disjoint, non-empty trainer and consumer ranks; got "
-            f"trainers {list(trainer_ranks)}, consumers {list(consumer_ranks)}"
-        )
-    timeout = datetime.timedelta(seconds=timeout_s)
-    group = new_group_with_timeout([*trainer_ranks, *consumer_ranks], timeout)
-    return PublishGroup(group, tuple(trainer_ranks), tuple(consumer_ranks), timeout)
+__all__ = ["PUBLISH_CATEGORY", "PendingPublish", "PublishGroup", "Publisher", "WeightReceiver",
+           "publish_group"]  # fmt: skip
 
 
 class Publisher:
@@ -138,6 +109,7 @@ class Publisher:
         self.previous: int | None = None
         self.track_changes = track_changes
         self.anchor_every = anchor_every
+        self._in_flight: PendingPublish | None = None
         self._since_anchor = 0  # delta publishes since the last whole one
         self.sent_nbytes = 0  # payload bytes this rank sent in the last publish
 
@@ -167,7 +139,47 @@ class Publisher:
     ) -> Transfer:
         """Send the weights of the last completed step (gathers in flight are waited for).
         Collective over the publish group. Returns what was sent. `delta`: changed elements
-        only, where that is smaller ([Note: element deltas] in delta.py)."""
+        only, where that is smaller ([Note: element deltas] in delta.py). One slice copy at a
+        time; `start_publish` is the asynchronous form."""
+        transfer, scans = self._decide(optimizer, version, dtype, changed_only, delta)
+        for index in transfer.send:  # one bucket's slice materialised at a time
+            self._start_send(index, transfer, dtype, scans[index][2], snapshot=False).wait()
+        return transfer
+
+    def start_publish(
+        self,
+        *,
+        optimizer: MegabufOptimizer | None = None,
+        version: int | None = None,
+        dtype: torch.dtype | None = None,
+        changed_only: bool = False,
+        delta: bool = False,
+    ) -> PendingPublish:
+        """`publish` whose sends go on while training continues ([Note: asynchronous
+        publish]): the headers are exchanged now, every slice sent is copied to the host now
+        (a snapshot of this version), and the returned record's `wait()` ends the sends."""
+        if self._in_flight is not None and not self._in_flight.finished:
+            raise RuntimeError(
+                f"megabuf: start_publish() on rank {self.model.engine.process_groups.topology.rank}"
+                " while the previous asynchronous publish is in flight: wait() it first"
+            )
+        transfer, scans = self._decide(optimizer, version, dtype, changed_only, delta)
+        sends = [
+            self._start_send(index, transfer, dtype, scans[index][2], snapshot=True)
+            for index in transfer.send
+        ]
+        self._in_flight = PendingPublish(transfer, sends)
+        return self._in_flight
+
+    def _decide(
+        self,
+        optimizer: MegabufOptimizer | None,
+        version: int | None,
+        dtype: torch.dtype | None,
+        changed_only: bool,
+        delta: bool,
+    ) -> tuple[Transfer, list[tuple[bool, int, Tensor | None]]]:
+        """Phases 1 and 2 of [Note: publish protocol]: the headers, and what is sent."""
         model = self.model
         model.engine.residency.check("publish()")
         if (changed_only or delta) and not self.track_changes:
@@ -189,38 +201,48 @@ class Publisher:
         )  # fmt: skip
         transfer = decide(self.collectives.all_gather_object(header, self.group.group))
         self.sent_nbytes = 0
-        for index in transfer.send:  # one bucket's slice materialised at a time
-            count = transfer.deltas[index][self.trainer_rank] if transfer.deltas else deltas.WHOLE
-            if count != 0:
-                self._send(index, dtype, count, scans[index][2])
         self._since_anchor = self._since_anchor + 1 if transfer.deltas else 0
         self.previous = number
-        return transfer
+        return transfer, scans
 
-    def _send(self, index: int, dtype: torch.dtype | None, count: int, at: Tensor | None) -> None:
-        """This trainer's slice of bucket `index` to every consumer: whole (`count` WHOLE) or
-        the `count` elements at `at` (int32 indices, then values; [Note: element deltas])."""
+    def _start_send(
+        self,
+        index: int,
+        transfer: Transfer,
+        dtype: torch.dtype | None,
+        at: Tensor | None,
+        *,
+        snapshot: bool,
+    ) -> Sending:
+        """This trainer's slice of bucket `index` to every consumer: whole, or its changed
+        elements at `at` (int32 indices, then values; [Note: element deltas]). `snapshot`: a
+        view of the model's memory is copied first (the next step may overwrite it)."""
+        count = transfer.deltas[index][self.trainer_rank] if transfer.deltas else deltas.WHOLE
+        engine = self.model.engine
+        if count == 0:  # nothing changed in this slice
+            return Sending(index, [], engine.memory_ledger, 0)
         buf, bucket = self.buckets[index]
-        engine, topo = self.model.engine, self.model.engine.process_groups.topology
         piece = self._slice(buf, bucket, dtype)
-        copied = 0 if _views_model(piece, buf, bucket) else _nbytes(piece)
+        viewed = _views_model(piece, buf, bucket)
+        if snapshot and viewed:
+            piece, viewed = piece.clone(), False
+        copied = 0 if viewed else _nbytes(piece)
         engine.memory_ledger.alloc(PUBLISH_CATEGORY, copied)
         messages = [(piece, index)]
         if count != deltas.WHOLE and at is not None:
             messages = [(at, len(self.buckets) + index), (piece[at.to(torch.int64)], index)]
         consumers = [self.group.group_rank(c) for c in self.group.consumers]
-        pending = [
+        works = [
             self.collectives.send(t, c, self.group.group, tag=tag)
             for c in consumers
             for t, tag in messages
         ]
-        try:
-            _wait(pending, self.group, f"sending bucket {index} to the consumers", topo.rank)
-        finally:
-            engine.memory_ledger.free(PUBLISH_CATEGORY, copied)
         self.sent_nbytes += sum(_nbytes(t) for t, _ in messages) * len(consumers)
         if self.track_changes:
-            self._sent[index] = piece.clone()
+            self._sent[index] = piece if not viewed else piece.clone()
+        sending = Sending(index, works, engine.memory_ledger, copied, self.group)
+        sending.rank = engine.process_groups.topology.rank
+        return sending
 
     def _scan(
         self, index: int, dtype: torch.dtype | None, delta: bool
@@ -316,7 +338,9 @@ class WeightReceiver:
                 pending.append(self.collectives.recv(at, peer, self.group.group, tag=tag))
                 pending.append(self.collectives.recv(values, peer, self.group.group, tag=index))
                 patches.append((flat[lo:hi], at, values))
-        _wait(pending, self.group, f"receiving bucket {index} from trainers {trainers}", self.rank)
+        wait_all(
+            pending, self.group, f"receiving bucket {index} from trainers {trainers}", self.rank
+        )
         for target, at, values in patches:
             deltas.apply(target, at, values)
 
@@ -368,14 +392,3 @@ def _pack(buf: _ParamAndGradBuffer, bucket: _ParamAndGradBucket) -> Tensor:
         slot = buf.param_index_map[p]
         flat[slot.start - bucket.offset : slot.end - bucket.offset].copy_(p.detach().view(-1))
     return flat
-
-
-def _wait(pending: list[PendingCollective], group: PublishGroup, what: str, rank: int) -> None:
-    try:
-        for work in pending:
-            work.wait(group.timeout)
-    except RuntimeError as e:
-        raise RuntimeError(
-            f"megabuf: weight publish on rank {rank}: {what} did not finish within "
-            f"{group.timeout.total_seconds():.0f}s (a peer died or stopped publishing?): {e}"
-        ) from e
