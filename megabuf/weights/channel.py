@@ -83,7 +83,7 @@ class PendingPublish:
     model's own groups, the sends on the publish group's gloo pairs, so they cannot deadlock
     each other. The cost is memory: this rank's whole share of the sent buckets is held (the
     ledger's "weight_publish") until `wait()`, instead of one slice at a time. `wait()` is
-    bounded by the group's timeout; the next `start_publish` refuses while one is in flight.
+    bounded by the group's timeout; a publish refuses while one is in flight.
     """
 
     transfer: Transfer

@@ -158,11 +158,6 @@ class Publisher:
         """`publish` whose sends go on while training continues ([Note: asynchronous
         publish]): the headers are exchanged now, every slice sent is copied to the host now
         (a snapshot of this version), and the returned record's `wait()` ends the sends."""
-        if self._in_flight is not None and not self._in_flight.finished:
-            raise RuntimeError(
-                f"megabuf: start_publish() on rank {self.model.engine.process_groups.topology.rank}"
-                " while the previous asynchronous publish is in flight: wait() it first"
-            )
         transfer, scans = self._decide(optimizer, version, dtype, changed_only, delta)
         sends = [
             self._start_send(index, transfer, dtype, scans[index][2], snapshot=True)
@@ -181,6 +176,11 @@ class Publisher:
     ) -> tuple[Transfer, list[tuple[bool, int, Tensor | None]]]:
         """Phases 1 and 2 of [Note: publish protocol]: the headers, and what is sent."""
         model = self.model
+        if self._in_flight is not None and not self._in_flight.finished:
+            raise RuntimeError(
+                f"megabuf: publish on rank {model.engine.process_groups.topology.rank} while "
+                "the previous start_publish() is in flight: wait() its PendingPublish first"
+            )
         model.engine.residency.check("publish()")
         if (changed_only or delta) and not self.track_changes:
             raise ValueError(
