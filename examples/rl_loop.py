@@ -6,11 +6,13 @@ inference rank, offload, let inference run, restore (docs/rl-and-colocated-train
 
 Ranks 0 .. n-2 train `gpt_tiny` data-parallel under `--strategy` (ZeRO-3 by default); the last
 rank stands for an inference engine: after every step it receives the weights in bf16 (each
-trainer sends its own shard of every bucket: nothing is gathered on rank 0), loads them into
-its own copy of the model and samples a few greedy tokens. Meanwhile the trainers are offloaded
-(their params, grads and optimizer state hold no memory) and restored when inference is done.
-`--check` compares, for every version, the consumer's weights with the trainers' (bitwise, in
-bf16) and says how many bytes each offload released.
+trainer sends its own shard of every bucket: nothing is gathered on rank 0; after the first
+version only the changed elements, where that is smaller), loads them into its own copy of the
+model and samples a few greedy tokens. The publish is asynchronous (`start_publish`: the sends
+go on from a snapshot while the trainers are offloaded; their params, grads and optimizer state
+hold no memory) and the trainers are restored when inference is done. `--check` compares, for
+every version, the consumer's weights with the trainers' (bitwise, in bf16) and says how many
+bytes each offload released and each publish sent.
 """
 
 from __future__ import annotations
@@ -48,24 +50,27 @@ def trainer(args: argparse.Namespace, dp_group: Any, group: Any) -> dict[str, An
         build_model("gpt_tiny", seed=0), config, process_groups=pgs
     )
     opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig(optimizer="adamw", lr=1e-3))
-    publisher = Publisher(model, group)
+    publisher = Publisher(model, group, track_changes=True)  # host copies: element deltas
     cfg = PRESETS["gpt_tiny"]
     tokens = corpus_tokens(10_000, cfg.vocab_size, seed=0)  # type: ignore[union-attr]
     local = args.global_batch // pgs.dp_size
-    versions, released = [], []
+    versions, released, sent = [], [], []
     for step in range(args.steps):
         x, y = lm_batches(tokens, args.global_batch, cfg.seq_len, step)  # type: ignore[union-attr]
         lo = pgs.dp_rank * local
         opt.zero_grad()
         gpt_loss(model(x[lo : lo + local]), y[lo : lo + local]).backward()
         opt.step()
-        publisher.publish(optimizer=opt, dtype=torch.bfloat16)  # 1. fresh weights out
+        # 1. fresh weights out: changed elements only, sent from a snapshot in the background
+        pending = publisher.start_publish(optimizer=opt, dtype=torch.bfloat16, delta=True)
         versions.append({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
         report = offload(model, opt)  # 2. out of the way: inference has the memory
         released.append(report.total_nbytes)
         dist.barrier(group.group)  # 3. inference runs on the consumer
+        pending.wait()  # long done: the consumer received before its barrier
+        sent.append(publisher.sent_nbytes)
         restore(model, opt)  # 4. back, bitwise
-    return {"versions": versions, "released": released}
+    return {"versions": versions, "released": released, "sent": sent}
 
 
 def consumer(args: argparse.Namespace, group: Any) -> dict[str, Any]:
@@ -106,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer0, last = results[0], results[-1]
     print(f"consumer received versions 1..{last['version']}; samples {last['samples']}")
     print(f"each offload released {trainer0['released'][0]} bytes on trainer rank 0")
+    print(f"trainer rank 0 sent {trainer0['sent']} bytes per version (a delta only where smaller)")
     if not args.check:
         return 0
     same = all(

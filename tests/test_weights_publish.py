@@ -9,7 +9,17 @@ from typing import Any
 import pytest
 import torch
 from dist_pool import case_result, run_each
-from publish_cases import export_case, failure_case, publish_case
+from publish_cases import (
+    async_case,
+    delta_case,
+    dtype_switch_case,
+    export_case,
+    export_live_case,
+    failure_case,
+    publish_case,
+    relayout_case,
+    weight_transfer_case,
+)
 
 from megabuf.weights.transfer import (
     BucketEntry,
@@ -17,26 +27,40 @@ from megabuf.weights.transfer import (
     ParamEntry,
     TrainerHeader,
     decide,
+    holding,
     send_range,
 )
 
 EXPORT = {s: (export_case, s) for s in ("optim", "optim_grads", "optim_grads_params")}
+LIVE = {f"live-{m}": (export_live_case, m) for m in (1, 2)}
 PUBLISH = {
     "no_shard": (publish_case, "no_shard", None, False),
     "optim-late": (publish_case, "optim", None, True),
     "optim_grads_params-bf16": (publish_case, "optim_grads_params", "bfloat16", False),
 }
 FAILURES = {k: (failure_case, k) for k in ("version", "death")}
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SWITCH = {f"switch-{s}": (dtype_switch_case, s) for s in STRATEGIES}
+DELTA = {f"delta-{s}": (delta_case, s) for s in STRATEGIES}
+DELTA4 = {f"delta4-{s}": (delta_case, s, 4) for s in STRATEGIES}
+ASYNC = {f"async-{s}": (async_case, s) for s in STRATEGIES}
+RELAYOUT = {f"relayout-{s}": (relayout_case, s) for s in ("no_shard", "optim", STRATEGIES[3])}
 
 
 @pytest.fixture(scope="module")
 def exported(pools: Any) -> list[dict[str, Any]]:
-    return pools(2).run(run_each, dict(EXPORT))
+    return pools(2).run(run_each, {**EXPORT, **LIVE})
+
+
+@pytest.fixture(scope="module")
+def published4(pools: Any) -> list[dict[str, Any]]:
+    return pools(5).run(run_each, dict(DELTA4))
 
 
 @pytest.fixture(scope="module")
 def published(pools: Any) -> list[dict[str, Any]]:
-    return pools(3).run(run_each, {**PUBLISH, **FAILURES})
+    cases = {**PUBLISH, **FAILURES, **SWITCH, **RELAYOUT, **DELTA, **ASYNC}
+    return pools(3).run(run_each, {**cases, "transfer": (weight_transfer_case,)})
 
 
 @pytest.mark.parametrize("name", list(EXPORT))
@@ -59,6 +83,22 @@ def test_export_after_overlapped_step_is_the_fresh_params(exported: Any, name: s
         assert out["peak"] == out["formula_peak"]  # ZeRO-3: at most 2 groups gathered
         assert out["export_ledger_now"] == 0
         assert set(out["states_after_close"]) <= {"SHARDED"}
+
+
+@pytest.mark.parametrize("name", list(LIVE))
+def test_zero3_export_holds_at_most_max_buckets_groups_in_real_memory(
+    exported: Any, name: str
+) -> None:
+    """Issue 44, defect 2 ([Note: streamed export]): with a consumer that keeps nothing past its
+    turn, at every gather of a ZeRO-3 export the gathered groups still alive (weak references,
+    not the ledger) number at most `max_buckets`, their storages' bytes at most the largest
+    `max_buckets` consecutive groups; the values are the params bitwise."""
+    max_buckets = int(name.split("-")[1])
+    for out in case_result(exported, name):
+        assert out["groups"] > max_buckets  # several gathers, so a held group would show
+        assert out["live_groups"] == max_buckets
+        assert out["live_nbytes"] <= out["formula"]
+        assert out["bitwise"]
 
 
 @pytest.mark.parametrize("name", list(EXPORT))
@@ -97,6 +137,109 @@ def test_consumer_receives_every_version_bitwise(published: Any, name: str) -> N
         assert trainer["publish_peak"] == trainer["publish_peak_formula"]
 
 
+@pytest.mark.parametrize("name", list(SWITCH))
+def test_dtype_switch_under_changed_only_sends_every_bucket(published: Any, name: str) -> None:
+    """Issue 44, defect 1 ([Note: what a consumer holds]): fp32, then bf16 with changed_only,
+    then fp32 with changed_only after a step; the frozen first layer's values are exact in
+    bf16, so its slices compare equal across each switch. The consumer's copy is bitwise the
+    trainers' params in the version's dtype every time (never the zeros of its reallocated
+    copy): a switch sends every bucket."""
+    trainer0, trainer1, consumer = case_result(published, name)
+    every = tuple(range(trainer0["buckets"]))
+    for v in range(3):
+        ref = trainer0["versions"][v]
+        assert all(torch.equal(ref[k], trainer1["versions"][v][k]) for k in ref)
+        got = consumer["versions"][v]
+        assert got.keys() == ref.keys()
+        for key, tensor in ref.items():
+            assert got[key].dtype == tensor.dtype, (v, key)
+            assert torch.equal(got[key], tensor), (v, key)
+        assert trainer0["sent"][v] == every, v
+
+
+@pytest.mark.parametrize("name", list(RELAYOUT))
+def test_publisher_follows_a_bucket_replan(published: Any, name: str) -> None:
+    """[Note: what a consumer holds], a layout change: a Publisher built before the engine
+    re-planned its buckets (bucket_size="auto" after its warm-up) publishes the new buckets;
+    the consumer's copy is the trainers' params bitwise at every version, the first publish
+    after the re-plan sends every new bucket, and the next changed-only publish sends only
+    changed ones again."""
+    trainer0, trainer1, consumer = case_result(published, name)
+    if "optim_grads_params" not in name:  # ZeRO-3: a bucket per layer either way (new buffers)
+        assert trainer0["buckets"][0] > trainer0["buckets"][1] == 1  # the re-plan took effect
+    for v in range(3):
+        ref = trainer0["versions"][v]
+        assert all(torch.equal(ref[k], trainer1["versions"][v][k]) for k in ref)
+        assert consumer["versions"][v].keys() == ref.keys()
+        for key, tensor in ref.items():
+            assert torch.equal(consumer["versions"][v][key], tensor), (v, key)
+    assert trainer0["sent"][1] == tuple(range(trainer0["buckets"][1]))  # new layout: in full
+    assert trainer0["sent"][2]  # a step: the trainers see their new buckets change
+
+
+@pytest.mark.parametrize("name", list(DELTA))
+def test_element_deltas_keep_the_consumer_bitwise(published: Any, name: str) -> None:
+    """[Note: element deltas]: the consumer's copy is bitwise the trainers' params (bf16) at
+    every version; versions 2, 3 and 6 go as deltas and send fewer bytes than a whole publish,
+    version 1 (a new consumer), 4 (the anchor, anchor_every=3) and 5 (a restarted consumer)
+    whole."""
+    _check_deltas(case_result(published, name))
+
+
+@pytest.mark.parametrize("name", list(DELTA4))
+def test_element_deltas_keep_the_consumer_bitwise_at_dp4(published4: Any, name: str) -> None:
+    """The same at dp 4 (4 trainers, each sending its quarter's changed elements)."""
+    _check_deltas(case_result(published4, name))
+
+
+def _check_deltas(ranks: list[dict[str, Any]]) -> None:
+    *trainers, consumer = ranks
+    lead = trainers[0]
+    for v in range(6):
+        ref = lead["versions"][v]
+        assert all(torch.equal(ref[k], t["versions"][v][k]) for t in trainers for k in ref)
+        assert consumer["versions"][v].keys() == ref.keys()
+        for key, tensor in ref.items():
+            assert torch.equal(consumer["versions"][v][key], tensor), (v, key)
+    as_delta = [bool(d) for d in lead["deltas"]]
+    assert as_delta == [False, True, True, False, False, True]
+    for v, trainer in itertools.product((1, 2, 5), trainers):
+        assert trainer["nbytes"][v] < trainer["whole_nbytes"], v  # this trainer's slices whole
+    assert all(0 < d < 0.5 for d in lead["density"]), lead["density"]
+
+
+def test_four_phase_receiver_loads_every_version_into_a_stand_in_engine(published: Any) -> None:
+    """[Note: four-phase receiver]: an engine speaking init / start / update / finish gets the
+    trainers' weights (bf16 values, deltas after the first) in its own model at every version,
+    and a call out of order is refused naming the phase."""
+    trainer0, _, engine = case_result(published, "transfer")
+    assert engine["finished"] == [1, 2, 3]
+    for v in range(3):
+        ref = trainer0["versions"][v]
+        for key, tensor in ref.items():
+            assert torch.equal(engine["versions"][v][key], tensor.float()), (v, key)
+    assert "update_weights() called between updates" in engine["refused"]
+
+
+@pytest.mark.parametrize("name", list(ASYNC))
+def test_asynchronous_publish_sends_the_version_not_the_next_step(
+    published: Any, name: str
+) -> None:
+    """[Note: asynchronous publish]: the trainers ran the next step while a slowed consumer had
+    not received yet; it still gets each version bitwise (whole, then a delta), never the
+    next step's values; the snapshot is in the ledger until wait()."""
+    trainer0, trainer1, consumer = case_result(published, name)
+    for v in range(2):
+        ref = trainer0["versions"][v]
+        assert all(torch.equal(ref[k], trainer1["versions"][v][k]) for k in ref)
+        for key, tensor in ref.items():
+            assert torch.equal(consumer["versions"][v][key], tensor), (v, key)
+        after = trainer0["after"][v]
+        assert any(not torch.equal(after[k], ref[k]) for k in ref)  # the step moved them
+    for trainer in (trainer0, trainer1):
+        assert trainer["held"][0] > 0 and trainer["held_after"] == [0, 0]
+
+
 def test_version_mismatch_raises_on_every_rank(published: Any) -> None:
     for out in case_result(published, "version"):
         assert "consumer rank 2 expects version 99" in out["raised"]
@@ -118,16 +261,53 @@ def _trainer(dp: int, version: int = 2, previous: int | None = 1, **kw: Any) -> 
     fields |= kw
     manifest = _manifest(3) if dp == 0 else None
     return TrainerHeader(dp, version, previous, fields["changed"], manifest, "torch.float32",
-                         fields["changed_only"])  # fmt: skip
+                         fields["changed_only"], fields.get("counts", ()),
+                         fields.get("anchor_due", False))  # fmt: skip
 
 
 def test_decide_sends_the_union_of_changed_slices_to_up_to_date_consumers() -> None:
     t0, t1 = _trainer(0), _trainer(1, changed=(False, False, True))
-    assert decide([t0, t1, ConsumerHeader(2, 1, None)]).send == (0, 2)
+    fp32 = holding(_manifest(3), "torch.float32")
+    assert decide([t0, t1, ConsumerHeader(2, 1, None, fp32)]).send == (0, 2)
     assert decide([t1, ConsumerHeader(2, None, None), t0]).send == (0, 1, 2)  # a new consumer
-    assert decide([t0, t1, ConsumerHeader(2, 0, None)]).send == (0, 1, 2)  # a lagging one
+    assert decide([t0, t1, ConsumerHeader(2, 0, None, fp32)]).send == (0, 1, 2)  # a lagging one
     plain = [_trainer(0, changed_only=False), _trainer(1, changed_only=False)]
-    assert decide([*plain, ConsumerHeader(2, 1, None)]).send == (0, 1, 2)
+    assert decide([*plain, ConsumerHeader(2, 1, None, fp32)]).send == (0, 1, 2)
+
+
+def test_decide_skips_only_for_consumers_holding_this_layout() -> None:
+    """[Note: what a consumer holds]: a consumer at the previous version whose copy is in
+    another wire dtype (a dtype switch) or another manifest (a re-plan) gets every bucket; one
+    holding this publish's layout gets the changed ones. "" (each bucket's own dtype) and the
+    same dtype named are one layout."""
+    t0, t1 = _trainer(0), _trainer(1, changed=(False, False, True))
+    fp32 = holding(_manifest(3), "torch.float32")
+    assert fp32 == holding(_manifest(3), "")
+    assert decide([t0, t1, ConsumerHeader(2, 1, None, fp32)]).send == (0, 2)
+    bf16 = holding(_manifest(3), "torch.bfloat16")
+    assert decide([t0, t1, ConsumerHeader(2, 1, None, bf16)]).send == (0, 1, 2)
+    other = holding(_manifest(2), "torch.float32")
+    assert decide([t0, t1, ConsumerHeader(2, 1, None, other)]).send == (0, 1, 2)
+    both = [ConsumerHeader(2, 1, None, fp32), ConsumerHeader(3, 1, None, bf16)]
+    assert decide([t0, t1, *both]).send == (0, 1, 2)
+
+
+def test_decide_sends_deltas_only_to_current_consumers_between_anchors() -> None:
+    """[Note: element deltas]: per trainer and bucket a count (k changed elements) or WHOLE;
+    a delta only when it is fewer bytes (8-element fp32 slices of 4 elements: k * 8 < 16), never
+    for a consumer that does not hold the previous version in this layout, nor at an anchor.
+    Buckets nobody changed are not sent."""
+    fp32 = holding(_manifest(3), "torch.float32")
+    t0 = _trainer(0, counts=(1, 0, -1), changed_only=False)
+    t1 = _trainer(1, counts=(2, 0, 0), changed_only=False)
+    got = decide([t0, t1, ConsumerHeader(2, 1, None, fp32)])
+    assert got.deltas == ((1, -1), (0, 0), (-1, 0)) and got.send == (0, 2)
+    assert decide([t0, t1, ConsumerHeader(2, None, None)]).deltas == ()  # a new consumer
+    assert decide([t0, t1, ConsumerHeader(2, 1, None, "other")]).deltas == ()  # other layout
+    due = [_trainer(r, counts=(1, 0, 0), anchor_due=True, changed_only=False) for r in (0, 1)]
+    assert decide([*due, ConsumerHeader(2, 1, None, fp32)]).deltas == ()
+    with pytest.raises(ValueError, match="disagree on changed_only, delta"):
+        decide([t0, _trainer(1, counts=(1, 0, 0), anchor_due=True, changed_only=False)])
 
 
 @pytest.mark.parametrize(

@@ -29,12 +29,12 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def ddp_config(
-    strategy: str, *, overlap: bool = False, instances: int = 1
+    strategy: str, *, overlap: bool = False, instances: int = 1, bucket_size: int = 300
 ) -> megabuf.DistributedDataParallelConfig:
     return megabuf.DistributedDataParallelConfig(
         data_parallel_sharding_strategy=strategy,
         num_distributed_optimizer_instances=instances,  # > 1: a hybrid split of the dp group
-        bucket_size=300,  # several buckets
+        bucket_size=bucket_size,  # 300: several buckets
         overlap_param_gather=overlap and strategy in ("optim", "optim_grads"),
         overlap_grad_reduce=overlap,
     )
@@ -47,15 +47,22 @@ def build(
     group: Any = None,
     frozen_first: bool = False,
     instances: int = 1,
+    bf16_exact: bool = False,
+    lr: float = 1e-2,
 ) -> tuple[megabuf.DistributedDataParallel, megabuf.MegabufOptimizer]:
-    """`frozen_first`: the first layer trains with lr 0 (its buckets never change)."""
+    """`frozen_first`: the first layer trains with lr 0 (its buckets never change).
+    `bf16_exact`: the initial values are rounded to bf16 (as if loaded from a bf16 checkpoint)."""
     model = MLPStack(DIM, LAYERS, seed=0, dtype=dtype)
+    if bf16_exact:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16))
     pgs = megabuf.ProcessGroups.for_dp_group(group) if group is not None else None
     ddp = megabuf.DistributedDataParallel(
         model, ddp_config(strategy, overlap=overlap, instances=instances), process_groups=pgs
     )
     cfg = megabuf.OptimizerConfig(
-        optimizer="adamw", lr=1e-2, weight_decay=0.1, bf16=dtype == torch.bfloat16
+        optimizer="adamw", lr=lr, weight_decay=0.1, bf16=dtype == torch.bfloat16
     )
     groups = None
     if frozen_first:

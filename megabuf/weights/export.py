@@ -15,12 +15,19 @@ never read mid-gather. At most `max_buckets` groups are materialised at once:
   peak during the export is the largest sum of `max_buckets` consecutive groups' full bytes.
   Because an item owns its tensors, one the consumer keeps (`list(export_weights(...))`) stays
   valid and correct; it is then memory the ledger no longer counts.
+  Real memory: the export's own references to a group end before the next group is gathered
+  (each item is yielded from its own short generator, `_item`, and the iterator's frame never
+  binds a group), so with a consumer that keeps nothing past its turn at most `max_buckets`
+  groups are alive at any gather, as the ledger says (issue 44: the iterator's locals used to
+  keep the previous group alive while the next was allocated, one group more than the ledger).
+  A `for item in export_weights(...)` loop still binds the previous item while the next is
+  gathered: end the body with `del item` to keep within `max_buckets`.
 - the other strategies hold whole params already: an item's tensors are views of the model's
   memory (no copy) unless `dtype` differs from the params' or `name_map` makes new tensors;
   copies made by the cast are counted in the ledger as "weight_export" while the item is
   current. Views change with the params (the next step writes them): copy what you keep across
   a step.
-keep. The weight version is the optimizer's count of applied updates (`weight_version`;
+The weight version is the optimizer's count of applied updates (`weight_version`;
 skipped steps do not count), or the `version` given.
 """
 
@@ -103,23 +110,39 @@ def _stream(
 ) -> Iterator[WeightBucket]:
     gathered: dict[int, _Gathered] = {}
     try:
-        for index, (chunk, group) in enumerate(groups):
+        for index in range(len(groups)):
             for ahead in range(index, min(index + max_buckets, len(groups))):
                 if ahead not in gathered:
                     gathered[ahead] = _Gathered.start(*groups[ahead])
-            current = gathered[index]
-            named = _named(chunk, group, current.wait(), dtype, name_map)
-            copied = sum(t.numel() * t.element_size() for t in _copies(current.views, named))
-            chunk.engine.memory_ledger.alloc(EXPORT_CATEGORY, copied)
-            try:
-                yield WeightBucket(version, index, named)
-            finally:
-                chunk.engine.memory_ledger.free(EXPORT_CATEGORY, copied)
-                gathered.pop(index).done()
+            # handed over, never bound in this frame ([Note: streamed export], real memory)
+            yield from _item(*groups[index], gathered.pop(index), version, index, dtype, name_map)
     finally:  # a consumer that stopped early (close(), break): nothing stays gathered
         for ahead in sorted(gathered):
             gathered[ahead].wait()
             gathered[ahead].done()
+
+
+def _item(
+    chunk: DistributedDataParallel,
+    group: BucketGroup,
+    gathered: _Gathered,
+    version: int,
+    index: int,
+    dtype: torch.dtype | None,
+    name_map: NameMap | None,
+) -> Iterator[WeightBucket]:
+    """Yields group `index`'s item. This frame is the export's only holder of the group's memory
+    and ends before the next group is gathered ([Note: streamed export], real memory)."""
+    try:
+        named = _named(chunk, group, gathered.wait(), dtype, name_map)
+        copied = sum(t.numel() * t.element_size() for t in _copies(gathered.views, named))
+        chunk.engine.memory_ledger.alloc(EXPORT_CATEGORY, copied)
+        try:
+            yield WeightBucket(version, index, named)
+        finally:
+            chunk.engine.memory_ledger.free(EXPORT_CATEGORY, copied)
+    finally:
+        gathered.done()
 
 
 @dataclass

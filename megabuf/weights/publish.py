@@ -9,19 +9,22 @@ every trainer its own slice of every bucket; see [Note: publish protocol] in tra
 
 from __future__ import annotations
 
-import datetime
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
 from megabuf.buckets.buffer import _ParamAndGradBucket, _ParamAndGradBuffer
 from megabuf.ddp import DistributedDataParallel
 from megabuf.optimizer.base import MegabufOptimizer
-from megabuf.transport.collectives import Collectives, PendingCollective
-from megabuf.transport.process_groups import new_group_with_timeout
+from megabuf.transport.collectives import Collectives
+from megabuf.weights import delta as deltas
+from megabuf.weights.channel import (
+    PUBLISH_CATEGORY,
+    PendingPublish,
+    PublishGroup,
+    Sending,
+    publish_group,
+    wait_all,
+)
 from megabuf.weights.export import NameMap, resolve_version
 from megabuf.weights.transfer import (
     BucketEntry,
@@ -30,43 +33,13 @@ from megabuf.weights.transfer import (
     TrainerHeader,
     Transfer,
     decide,
+    holding,
     send_range,
     wire_dtype,
 )
 
-PUBLISH_CATEGORY = "weight_publish"
-"""Ledger category: the slice copy (cast, packed or moved to the host) held while it is sent."""
-
-
-@dataclass(frozen=True)
-class PublishGroup:
-    """Trainers (global ranks, in dp-rank order) and consumers, and their process group."""
-
-    group: ProcessGroup
-    trainers: tuple[int, ...]
-    consumers: tuple[int, ...]
-    timeout: datetime.timedelta
-
-    def group_rank(self, global_rank: int) -> int:
-        return sorted(self.trainers + self.consumers).index(global_rank)
-
-
-def publish_group(
-    trainer_ranks: Sequence[int], consumer_ranks: Sequence[int], *, timeout_s: float = 300.0
-) -> PublishGroup:
-    """A gloo group of `trainer_ranks` (the dp ranks of the model, in dp-rank order; under a
-    hybrid split replicate rank 0's shard group, [Note: publishing from replicas]) and
-    `consumer_ranks`; every collective on it fails after `timeout_s`. Collective over the
-    whole world: every rank calls it, in the same order relative to its other group creations."""
-    both = set(trainer_ranks) & set(consumer_ranks)
-    if both or not trainer_ranks or not consumer_ranks:
-        raise ValueError(
-            f"megabuf: publish_group needs disjoint, non-empty trainer and consumer ranks; got "
-            f"trainers {list(trainer_ranks)}, consumers {list(consumer_ranks)}"
-        )
-    timeout = datetime.timedelta(seconds=timeout_s)
-    group = new_group_with_timeout([*trainer_ranks, *consumer_ranks], timeout)
-    return PublishGroup(group, tuple(trainer_ranks), tuple(consumer_ranks), timeout)
+__all__ = ["PUBLISH_CATEGORY", "PendingPublish", "PublishGroup", "Publisher", "WeightReceiver",
+           "publish_group"]  # fmt: skip
 
 
 class Publisher:
@@ -88,10 +61,15 @@ class Publisher:
         group: PublishGroup,
         *,
         track_changes: bool = False,
+        anchor_every: int = 16,
         collectives: Collectives | None = None,
     ) -> None:
         """`track_changes`: keep a host copy of every slice sent (this rank's share of the
-        model, in the publish dtype), which `publish(changed_only=True)` compares against."""
+        model, in the publish dtype), which `publish(changed_only=True)` and
+        `publish(delta=True)` compare against. `anchor_every`: with deltas, every
+        `anchor_every`-th publish is whole ([Note: element deltas] in delta.py)."""
+        if anchor_every < 1:
+            raise ValueError(f"megabuf: Publisher(anchor_every={anchor_every}) must be >= 1")
         topo = model.engine.process_groups.topology
         if topo.pp_size > 1 or topo.ep_size > 1:
             raise ValueError(
@@ -124,12 +102,31 @@ class Publisher:
         self.model = model
         self.group = group
         self.collectives = collectives if collectives is not None else model.engine.collectives
-        self.buckets = [(buf, b) for buf in _buffers(model) for b in buf.buckets]
-        self.manifest = tuple(_entry(model, buf, b) for buf, b in self.buckets)
+        self.buckets: list[tuple[_ParamAndGradBuffer, _ParamAndGradBucket]] = []
+        self.manifest: tuple[BucketEntry, ...] = ()
+        self._sent: list[Tensor | None] = []  # host copies, last sent, one per bucket
+        self._follow_layout()
         self.previous: int | None = None
         self.track_changes = track_changes
-        self._sent: list[Tensor | None] = [None] * len(self.buckets)  # host copies, last sent
+        self.anchor_every = anchor_every
+        self._in_flight: PendingPublish | None = None
+        self._since_anchor = 0  # delta publishes since the last whole one
         self.sent_nbytes = 0  # payload bytes this rank sent in the last publish
+
+    def _follow_layout(self) -> None:
+        """Read the engine's buckets again if they are not the ones last read: a bucket re-plan
+        (bucket_size="auto" after its warm-up, `engine.rebucket`) makes new bucket objects, and
+        under the sharded strategies new buffers, the old ones retired. The host copies of the
+        old layout are dropped, and the new manifest makes every consumer's copy another layout,
+        sent in full ([Note: what a consumer holds] in transfer.py)."""
+        buckets = [(buf, b) for buf in _buffers(self.model) for b in buf.buckets]
+        if len(buckets) == len(self.buckets) and all(
+            new is old for (_, new), (_, old) in zip(buckets, self.buckets)
+        ):
+            return
+        self.buckets = buckets
+        self.manifest = tuple(_entry(self.model, buf, b) for buf, b in buckets)
+        self._sent = [None] * len(buckets)
 
     def publish(
         self,
@@ -138,48 +135,132 @@ class Publisher:
         version: int | None = None,
         dtype: torch.dtype | None = None,
         changed_only: bool = False,
+        delta: bool = False,
     ) -> Transfer:
         """Send the weights of the last completed step (gathers in flight are waited for).
-        Collective over the publish group. Returns what was sent."""
-        model, topo = self.model, self.model.engine.process_groups.topology
+        Collective over the publish group. Returns what was sent. `delta`: changed elements
+        only, where that is smaller ([Note: element deltas] in delta.py). One slice copy at a
+        time; `start_publish` is the asynchronous form."""
+        transfer, scans = self._decide(optimizer, version, dtype, changed_only, delta)
+        for index in transfer.send:  # one bucket's slice materialised at a time
+            self._start_send(index, transfer, dtype, scans[index][2], snapshot=False).wait()
+        return transfer
+
+    def start_publish(
+        self,
+        *,
+        optimizer: MegabufOptimizer | None = None,
+        version: int | None = None,
+        dtype: torch.dtype | None = None,
+        changed_only: bool = False,
+        delta: bool = False,
+    ) -> PendingPublish:
+        """`publish` whose sends go on while training continues ([Note: asynchronous
+        publish]): the headers are exchanged now, every slice sent is copied to the host now
+        (a snapshot of this version), and the returned record's `wait()` ends the sends."""
+        transfer, scans = self._decide(optimizer, version, dtype, changed_only, delta)
+        sends = [
+            self._start_send(index, transfer, dtype, scans[index][2], snapshot=True)
+            for index in transfer.send
+        ]
+        self._in_flight = PendingPublish(transfer, sends)
+        return self._in_flight
+
+    def _decide(
+        self,
+        optimizer: MegabufOptimizer | None,
+        version: int | None,
+        dtype: torch.dtype | None,
+        changed_only: bool,
+        delta: bool,
+    ) -> tuple[Transfer, list[tuple[bool, int, Tensor | None]]]:
+        """Phases 1 and 2 of [Note: publish protocol]: the headers, and what is sent."""
+        model = self.model
+        if self._in_flight is not None and not self._in_flight.finished:
+            raise RuntimeError(
+                f"megabuf: publish on rank {model.engine.process_groups.topology.rank} while "
+                "the previous start_publish() is in flight: wait() its PendingPublish first"
+            )
         model.engine.check_resident("publish()")
-        if changed_only and not self.track_changes:
+        if (changed_only or delta) and not self.track_changes:
             raise ValueError(
-                "megabuf: publish(changed_only=True) needs Publisher(..., track_changes=True) "
-                "(host copies of what was sent, to compare against)"
+                f"megabuf: publish(changed_only={changed_only}, delta={delta}) needs "
+                "Publisher(..., track_changes=True) (host copies of what was sent, to compare "
+                "against)"
             )
         model.engine.param_side.publish()
+        self._follow_layout()
         number = resolve_version(optimizer, version)
-        changed = tuple(self._changed(i, dtype) for i in range(len(self.buckets)))
+        scans = [self._scan(i, dtype, delta) for i in range(len(self.buckets))]
         header = TrainerHeader(
-            self.trainer_rank, number, self.previous, changed,
+            self.trainer_rank, number, self.previous, tuple(c for c, _, _ in scans),
             self.manifest if self.trainer_rank == 0 else None,
             str(dtype) if dtype is not None else "", changed_only,
+            tuple(k for _, k, _ in scans) if delta else (),
+            delta and self._since_anchor >= self.anchor_every - 1,
         )  # fmt: skip
         transfer = decide(self.collectives.all_gather_object(header, self.group.group))
-        consumers = [self.group.group_rank(c) for c in self.group.consumers]
         self.sent_nbytes = 0
-        for index in transfer.send:  # one bucket's slice materialised at a time
-            buf, bucket = self.buckets[index]
-            piece = self._slice(buf, bucket, dtype)
-            copied = 0 if _views_model(piece, buf, bucket) else _nbytes(piece)
-            model.engine.memory_ledger.alloc(PUBLISH_CATEGORY, copied)
-            pending = [
-                self.collectives.send(piece, c, self.group.group, tag=index) for c in consumers
-            ]
-            try:
-                _wait(pending, self.group, f"sending bucket {index} to the consumers", topo.rank)
-            finally:
-                model.engine.memory_ledger.free(PUBLISH_CATEGORY, copied)
-            self.sent_nbytes += _nbytes(piece) * len(consumers)
-            if self.track_changes:
-                self._sent[index] = piece.clone()
+        self._since_anchor = self._since_anchor + 1 if transfer.deltas else 0
         self.previous = number
-        return transfer
+        return transfer, scans
+
+    def _start_send(
+        self,
+        index: int,
+        transfer: Transfer,
+        dtype: torch.dtype | None,
+        at: Tensor | None,
+        *,
+        snapshot: bool,
+    ) -> Sending:
+        """This trainer's slice of bucket `index` to every consumer: whole, or its changed
+        elements at `at` (int32 indices, then values; [Note: element deltas]). `snapshot`: a
+        view of the model's memory is copied first (the next step may overwrite it)."""
+        count = transfer.deltas[index][self.trainer_rank] if transfer.deltas else deltas.WHOLE
+        engine = self.model.engine
+        if count == 0:  # nothing changed in this slice
+            return Sending(index, [], engine.memory_ledger, 0)
+        buf, bucket = self.buckets[index]
+        piece = self._slice(buf, bucket, dtype)
+        viewed = _views_model(piece, buf, bucket)
+        if snapshot and viewed:
+            piece, viewed = piece.clone(), False
+        copied = 0 if viewed else _nbytes(piece)
+        engine.memory_ledger.alloc(PUBLISH_CATEGORY, copied)
+        messages = [(piece, index)]
+        if count != deltas.WHOLE and at is not None:
+            messages = [(at, len(self.buckets) + index), (piece[at.to(torch.int64)], index)]
+        consumers = [self.group.group_rank(c) for c in self.group.consumers]
+        works = [
+            self.collectives.send(t, c, self.group.group, tag=tag)
+            for c in consumers
+            for t, tag in messages
+        ]
+        self.sent_nbytes += sum(_nbytes(t) for t, _ in messages) * len(consumers)
+        if self.track_changes:
+            self._sent[index] = piece if not viewed else piece.clone()
+        sending = Sending(index, works, engine.memory_ledger, copied, self.group)
+        sending.rank = engine.process_groups.topology.rank
+        return sending
+
+    def _scan(
+        self, index: int, dtype: torch.dtype | None, delta: bool
+    ) -> tuple[bool, int, Tensor | None]:
+        """(changed, the header's delta count, the changed indices kept for the send) of this
+        rank's slice of bucket `index`; indices only where a delta is smaller."""
+        if not delta:
+            return self._changed(index, dtype), deltas.WHOLE, None
+        now = self._slice(*self.buckets[index], dtype)
+        at = deltas.changed_indices(self._sent[index], now)
+        count = deltas.count(at, now.numel(), now.element_size())
+        return count != 0, count, at if count not in (0, deltas.WHOLE) else None
 
     def _changed(self, index: int, dtype: torch.dtype | None) -> bool:
         """This rank's slice of bucket `index` differs from the one it sent last (True when
-        not tracked)."""
+        not tracked). `torch.equal` compares across dtypes by value, so after a dtype switch
+        this may say False: `decide` then sends every bucket anyway, which refills the copies
+        ([Note: what a consumer holds])."""
         previous = self._sent[index]
         if previous is None:
             return True
@@ -214,6 +295,7 @@ class WeightReceiver:
         self.collectives = collectives if collectives is not None else Collectives()
         self.rank = self.collectives.rank(None)
         self.version: int | None = None
+        self.holds: str | None = None  # `holding()` of `flats` ([Note: what a consumer holds])
         self.flats: list[Tensor] = []  # one per bucket, the publish dtype
         self.transfer: Transfer | None = None
 
@@ -221,29 +303,46 @@ class WeightReceiver:
         """Join one publish (collective over the publish group); returns every weight under its
         consumer name, as views of this receiver's buffers (overwritten by the next receive)."""
         me = self.group.group_rank(self.rank)
-        header = ConsumerHeader(me, self.version, expect_version)
+        header = ConsumerHeader(me, self.version, expect_version, self.holds)
         transfer = decide(self.collectives.all_gather_object(header, self.group.group))
-        dtypes = [wire_dtype(transfer.dtype or b.dtype) for b in transfer.manifest]
-        if [f.dtype for f in self.flats] != dtypes or (
-            self.transfer is not None and self.transfer.manifest != transfer.manifest
-        ):
+        holds = holding(transfer.manifest, transfer.dtype)
+        if holds != self.holds:  # [Note: what a consumer holds]
+            dtypes = [wire_dtype(transfer.dtype or b.dtype) for b in transfer.manifest]
             self.flats = [
                 torch.zeros(b.numel, dtype=d, device="cpu")
                 for b, d in zip(transfer.manifest, dtypes)
             ]
-        trainers = [self.group.group_rank(t) for t in self.group.trainers]
+        # until every bucket arrived the copy is no version: a failed receive is sent in full
+        self.version, self.holds = None, None
         for index in transfer.send:
-            flat, pending = self.flats[index], []
-            for r, peer in enumerate(trainers):
-                lo, hi = send_range(flat.numel(), r, len(trainers))
+            self._receive(index, transfer)
+        self.transfer, self.version, self.holds = transfer, transfer.version, holds
+        return self.named()
+
+    def _receive(self, index: int, transfer: Transfer) -> None:
+        """Bucket `index` from every trainer: its slice whole, or (indices, values) written
+        into this copy ([Note: element deltas] in delta.py)."""
+        trainers = [self.group.group_rank(t) for t in self.group.trainers]
+        flat, pending, patches = self.flats[index], [], []
+        for r, peer in enumerate(trainers):
+            lo, hi = send_range(flat.numel(), r, len(trainers))
+            count = transfer.deltas[index][r] if transfer.deltas else deltas.WHOLE
+            if count == deltas.WHOLE:
                 pending.append(
                     self.collectives.recv(flat[lo:hi], peer, self.group.group, tag=index)
                 )
-            _wait(
-                pending, self.group, f"receiving bucket {index} from trainers {trainers}", self.rank
-            )
-        self.transfer, self.version = transfer, transfer.version
-        return self.named()
+            elif count > 0:
+                at = torch.empty(count, dtype=deltas.INDEX_DTYPE)
+                values = torch.empty(count, dtype=flat.dtype)
+                tag = len(transfer.manifest) + index
+                pending.append(self.collectives.recv(at, peer, self.group.group, tag=tag))
+                pending.append(self.collectives.recv(values, peer, self.group.group, tag=index))
+                patches.append((flat[lo:hi], at, values))
+        wait_all(
+            pending, self.group, f"receiving bucket {index} from trainers {trainers}", self.rank
+        )
+        for target, at, values in patches:
+            deltas.apply(target, at, values)
 
     def named(self) -> dict[str, Tensor]:
         if self.transfer is None:
@@ -293,14 +392,3 @@ def _pack(buf: _ParamAndGradBuffer, bucket: _ParamAndGradBucket) -> Tensor:
         slot = buf.param_index_map[p]
         flat[slot.start - bucket.offset : slot.end - bucket.offset].copy_(p.detach().view(-1))
     return flat
-
-
-def _wait(pending: list[PendingCollective], group: PublishGroup, what: str, rank: int) -> None:
-    try:
-        for work in pending:
-            work.wait(group.timeout)
-    except RuntimeError as e:
-        raise RuntimeError(
-            f"megabuf: weight publish on rank {rank}: {what} did not finish within "
-            f"{group.timeout.total_seconds():.0f}s (a peer died or stopped publishing?): {e}"
-        ) from e
