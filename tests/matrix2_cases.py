@@ -266,22 +266,56 @@ class GroupsReference(muon_cases.Reference):
         self.adamw = torch.optim.AdamW(_torch_groups(groups, False), **CTOR)
 
 
-def muon_groups_case(strategy: str) -> dict[str, Any]:
+def _muon_step(model: Any, opt: Any, step: int, inf: bool) -> bool:
+    """One step on this rank's slice, the loss scaled by the optimizer's loss scale; with
+    `inf`, rank 1's grad of up.weight is made inf (a tensor hook: before megabuf sees it)."""
+    x, y = muon_cases.make_data(step)
+    n = x.shape[0] // dist.get_world_size()
+    lo = dist.get_rank() * n
+    opt.zero_grad()
+    handle = None
+    if inf and dist.get_rank() == 1:
+        param = model.module.get_parameter("up.weight")
+        handle = param.register_hook(lambda g: torch.full_like(g, math.inf))
+    opt.scale_loss(muon_cases.loss_fn(model(x[lo : lo + n]), y[lo : lo + n], 1)).backward()
+    if handle is not None:
+        handle.remove()
+    model.finish_grad_sync()
+    return bool(opt.step()[0])
+
+
+def muon_groups_case(strategy: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """STEPS steps of MuonAdamW with _muon_groups against GroupsReference; per-param max
-    deviation, and the settings each inner group ended with."""
+    deviation. `extra`: "ddp" fields, "hook" (Reduce() on every buffer), "scaler" (a
+    DynamicGradScaler, and an inf on rank 1 at step 1: skipped, the reference skips it too)."""
+    extra = extra or {}
     torch.manual_seed(0)
     net = muon_cases.MuonNet()
     cfg = megabuf.DistributedDataParallelConfig(
-        data_parallel_sharding_strategy=strategy, whole_param_owners=strategy != "no_shard"
-    )
+        data_parallel_sharding_strategy=strategy, whole_param_owners=strategy != "no_shard",
+        **extra.get("ddp", {}),
+    )  # fmt: skip
     model = megabuf.DistributedDataParallel(net, cfg)
+    if extra.get("hook"):
+        model.register_comm_hook(Reduce())
     named = {n: p for n, p in net.named_parameters() if p.requires_grad}
     cls = megabuf.DistributedOptimizer if strategy != "no_shard" else megabuf.FP32Optimizer
-    opt = cls(model, MuonAdamW, _muon_groups(named), **CTOR)
+    scaler = DynamicGradScaler(FP16_SCALE, hysteresis=1) if extra.get("scaler") else None
+    opt = cls(model, MuonAdamW, _muon_groups(named), grad_scaler=scaler, **CTOR)
     ref = GroupsReference({})
+    applied = []
     for step in range(STEPS):
-        ok, _, _ = muon_cases.train_step(model, opt, step, 1)
-        if not ok:
-            raise RuntimeError(f"step {step} unexpectedly skipped")
-        ref.step(step, dist.get_world_size())
-    return {"errors": muon_cases.compare(model, ref)}
+        skip = bool(extra.get("scaler")) and step == 1
+        applied.append(_muon_step(model, opt, step, skip))
+        if not skip:
+            ref.step(step, dist.get_world_size())
+    return {"errors": muon_cases.compare(model, ref), "applied": applied}
+
+
+# ---- the auto re-plan with the options that move the 1/dp --------------------------------------
+def replan_options_case(flags: dict[str, Any]) -> dict[str, Any]:
+    """autobucket_cases.replan_case (the re-plan at step k bitwise N steps on that plan from the
+    start) with `flags`."""
+    from autobucket_cases import replan_case
+
+    return replan_case(flags, "megabuf", 2)

@@ -9,12 +9,16 @@ from typing import Any
 
 import pytest
 from dist_pool import case_result, run_each
+from hybrid_cases import lifecycle_case
 from matrix2_cases import (
     hybrid_scaling_case,
     muon_groups_case,
     offload_expert_case,
+    replan_options_case,
     version_skip_case,
 )
+
+import megabuf
 
 FP32_GRAD_BOUND = 1e-5  # relative; fp32 sums in another order, 3 steps apart from the reference
 BF16_GRAD_BOUND = 1e-2  # bf16 grads of each rank's slice (the reference's too), summed in fp32
@@ -27,6 +31,7 @@ MUON_BOUND = 1e-5  # muon_cases: bitwise at dp 2; at dp 4 the owner's sum order 
 AVG = {"average_in_collective": True}
 FP32 = {"grad_reduce_in_fp32": True}
 DET = {"deterministic_reduction": True}
+ZERO2 = {"data_parallel_sharding_strategy": "optim_grads"}
 HYBRID: dict[str, dict[str, Any]] = {
     "avg-optim": {"strategy": "optim", "micro": 2, "ddp": AVG},
     "avg-optim_grads": {"strategy": "optim_grads", "micro": 2, "ddp": AVG},
@@ -45,7 +50,22 @@ HYBRID: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 OFFLOAD = ("no_shard", "optim", "optim_grads_params")
 VERSIONS = ("no_shard", "optim_grads")
-MUON = ("no_shard", "optim")
+MUON: dict[str, tuple[str, dict[str, Any]]] = {
+    "no_shard": ("no_shard", {}),
+    "optim": ("optim", {}),
+    "optim-avg": ("optim", {"ddp": AVG}),
+    "optim-hook": ("optim", {"hook": True}),
+    "optim-scaler-skip": ("optim", {"scaler": True}),
+    "no_shard-scaler-skip": ("no_shard", {"scaler": True}),
+}
+LIFECYCLE: dict[str, dict[str, Any]] = {  # hybrid_cases.lifecycle_case at 2 x 2 with options
+    "avg-optim_grads": {"strategy": "optim_grads", "ddp": AVG},
+    "fp32-optim": {"strategy": "optim", "bf16": True, "ddp": FP32},
+    "det-optim_grads_params": {"strategy": "optim_grads_params", "ddp": DET},
+}
+REPLAN = {"avg": AVG, "avg-zero2": {**AVG, **ZERO2}}  # on 2 ranks: as test_autobucket, the
+# re-plan only regroups 2-rank sums, so it is bitwise (at dp 4 gloo's ring order follows the
+# bucket sizes)
 
 
 def _cases() -> dict[str, tuple[Any, ...]]:
@@ -54,7 +74,10 @@ def _cases() -> dict[str, tuple[Any, ...]]:
     }
     cases |= {f"offload-{s}": (offload_expert_case, s) for s in OFFLOAD}
     cases |= {f"versions-{s}": (version_skip_case, s) for s in VERSIONS}
-    cases |= {f"muon-{s}": (muon_groups_case, s) for s in MUON}
+    cases |= {f"muon-{n}": (muon_groups_case, *args) for n, args in MUON.items()}
+    cases |= {
+        f"lifecycle-{n}": (lifecycle_case, {**c, "split": "2x2"}) for n, c in LIFECYCLE.items()
+    }
     return cases
 
 
@@ -123,12 +146,56 @@ def test_the_weight_version_counts_applied_updates_across_a_skipped_step(
         assert steps[1]["digest"] == steps[0]["digest"] != steps[2]["digest"], rank
 
 
-@pytest.mark.parametrize("strategy", MUON)
-def test_muon_adamw_per_group_settings_override_the_constructors(
-    results: Any, strategy: str
-) -> None:
+@pytest.mark.parametrize("name", list(MUON))
+def test_muon_adamw_per_group_settings_override_the_constructors(results: Any, name: str) -> None:
     """Four groups (two Muon, two AdamW) with lr, weight decay, momentum, nesterov, betas, eps of
-    their own: every param equals torch.optim.Muon + AdamW given the same groups."""
-    for rank, res in enumerate(case_result(results, f"muon-{strategy}")):
+    their own: every param equals torch.optim.Muon + AdamW given the same groups; also with
+    average_in_collective, the Reduce() hook, and a DynamicGradScaler whose step 1 (an inf on
+    rank 1) is skipped everywhere (the reference skips it)."""
+    for rank, res in enumerate(case_result(results, f"muon-{name}")):
+        want = [True, False, True] if "skip" in name else [True] * 3
+        assert res["applied"] == want, (rank, res["applied"])
         worst = max(res["errors"].items(), key=lambda kv: kv[1])
         assert worst[1] < MUON_BOUND, (rank, worst)
+
+
+@pytest.mark.parametrize("name", list(LIFECYCLE))
+def test_lifecycle_under_2x2_with_scaling_options(results: Any, name: str) -> None:
+    """As test_hybrid's lifecycle test, with average_in_collective, grad_reduce_in_fp32 (bf16
+    params) or deterministic_reduction: offload / restore bitwise, the twin matched after one
+    more step, export_weights the whole params at version 3 (fp32: near the reference)."""
+    for out in case_result(results, f"lifecycle-{name}"):
+        assert out["offloaded"] and out["restored_bitwise"] and out["matches_twin"], out
+        assert out["export_is_state"] and out["versions"] == [3]
+        assert set(out["ref_names"]) <= set(out["names"])
+        if not LIFECYCLE[name].get("bf16"):
+            assert out["error"] < FP32_PARAM_BOUND, out["error"]
+
+
+@pytest.fixture(scope="module")
+def replans(pools: Any) -> list[dict[str, Any]]:
+    cases = {f"replan-{n}": (replan_options_case, flags) for n, flags in REPLAN.items()}
+    return pools(2).run(run_each, cases)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", list(REPLAN))
+def test_auto_replan_is_bitwise_invisible_with_average_in_collective(
+    replans: Any, name: str
+) -> None:
+    """As test_autobucket's re-plan test (dp 2), with average_in_collective (optim, optim_grads):
+    the re-plan at step k is bitwise N steps on that plan from the start, the same plan on
+    every rank, and not a no-op."""
+    per_rank = case_result(replans, f"replan-{name}")
+    for rank, res in enumerate(per_rank):
+        assert res["auto_done"] and res["moved"] > 1e-3, (rank, res)
+        assert res["max_diff"] == 0.0, (rank, res)
+        assert res["views_ok"] and res["ledger_ok"], (rank, res)
+        assert res["groups"] != res["default_groups"], res
+    assert all(r["ends"] == per_rank[0]["ends"] for r in per_rank), per_rank
+
+
+def test_auto_replan_with_deterministic_reduction_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match='bucket_size="auto" cannot be used with deterministic'):
+        megabuf.DistributedDataParallelConfig(
+            overlap_grad_reduce=True, bucket_size="auto", deterministic_reduction=True
+        )
