@@ -26,11 +26,11 @@ import hashlib
 import math
 from typing import Any
 
-import torch
-import torch.distributed as dist
 import hybrid_cases
 import matrix_cases
 import muon_cases
+import torch
+import torch.distributed as dist
 from moe_cases import CFG
 from optimizer_cases import GLOBAL_BATCH, Net, Reference, loss_fn, make_data, param_groups
 
@@ -52,9 +52,7 @@ def _build_fp16(case: dict[str, Any]) -> tuple[megabuf.DistributedDataParallel, 
         data_parallel_sharding_strategy=case["strategy"], overlap_grad_reduce=True,
         bucket_size=40, **case.get("ddp", {}),
     )  # fmt: skip
-    model = megabuf.DistributedDataParallel(
-        net, cfg, process_groups=hybrid_cases.groups("2x2")
-    )
+    model = megabuf.DistributedDataParallel(net, cfg, process_groups=hybrid_cases.groups("2x2"))
     scaler = DynamicGradScaler(FP16_SCALE, hysteresis=1, growth_interval=1000)
     opt = megabuf.DistributedOptimizer(
         model, torch.optim.AdamW, param_groups(net, 1e-2), lr=1e-2, grad_scaler=scaler
