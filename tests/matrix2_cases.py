@@ -60,18 +60,27 @@ def _build_fp16(case: dict[str, Any]) -> tuple[megabuf.DistributedDataParallel, 
     return model, opt
 
 
-def _sync(model: megabuf.DistributedDataParallel, opt: Any, step: int, micro: int) -> None:
+def _sync(
+    model: megabuf.DistributedDataParallel, opt: Any, step: int, micro: int, inf: bool = False
+) -> None:
     """This rank's slice of the global batch in `micro` micro-batches (all but the last under
-    no_sync), the loss scaled by the optimizer's loss scale, then finish_grad_sync()."""
+    no_sync), the loss scaled by the optimizer's loss scale, then finish_grad_sync(). With
+    `inf`, rank 3's grad of block.weight in its last micro-batch is made inf (a tensor hook)."""
     x, y = make_data(step)
     n = GLOBAL_BATCH // dist.get_world_size()
     x, y = x[dist.get_rank() * n :][:n], y[dist.get_rank() * n :][:n]
     m = n // micro
     opt.zero_grad()
     for i in range(micro):
+        handle = None
+        if inf and i == micro - 1 and dist.get_rank() == 3:
+            param = model.module.get_parameter("block.weight")
+            handle = param.register_hook(lambda g: torch.full_like(g, math.inf))
         loss = opt.scale_loss(loss_fn(model(x[i * m : (i + 1) * m]), y[i * m : (i + 1) * m]))
         with model.no_sync() if i < micro - 1 else contextlib.nullcontext():
             (loss / micro).backward()
+        if handle is not None:
+            handle.remove()
     model.finish_grad_sync()
 
 
@@ -122,10 +131,13 @@ def hybrid_scaling_case(case: dict[str, Any]) -> dict[str, Any]:
     for step in range(STEPS):
         factor = float(opt.get_loss_scale())
         want = dict(zip(ref.names, ref._grads(*make_data(step)), strict=True))
-        _sync(model, opt, step, case.get("micro", 1))
-        out["grad_errors"].append(_shard_error(model, want, factor))
+        skip = step == case.get("inf_at")  # an inf on rank 3: skipped, the reference skips it
+        _sync(model, opt, step, case.get("micro", 1), inf=skip)
+        if not skip:
+            out["grad_errors"].append(_shard_error(model, want, factor))
         out["applied"].append(bool(opt.step()[0]))
-        ref.step(step)
+        if not skip:
+            ref.step(step)
     out["digest"] = _digest(model)
     state, ref_params = model.state_dict(), dict(ref.model.named_parameters())
     out["error"] = max(
@@ -173,13 +185,16 @@ def _model_step(model: Any, opt: Any, step: int) -> bool:
     return bool(opt.step()[0])
 
 
-def offload_expert_case(strategy: str) -> dict[str, Any]:
+def offload_expert_case(strategy: str, hook: bool = False) -> dict[str, Any]:
     """ep 2: a step, offload(model, opt), the storage walk and the ledger, restore (bitwise),
-    two more steps; the params against the whole model's three clipped SGD steps."""
+    two more steps; the params against the whole model's three clipped SGD steps. `hook`:
+    Reduce() on every buffer."""
     from megabuf.weights import offload, restore
     from megabuf.weights.offload import SHARDED_CATEGORIES
 
     model, opt = matrix_cases._build(strategy, ep=2)
+    if hook:  # every buffer, dense and expert, through the comm-hook path
+        model.register_comm_hook(Reduce())
     ref = MoEModel(CFG, seed=3)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=matrix_cases.LR)
     applied = [_model_step(model, opt, 0)]

@@ -47,8 +47,16 @@ HYBRID: dict[str, dict[str, Any]] = {
     "fp16-avg-optim": {"strategy": "optim", "fp16": True, "ddp": AVG},
     "det-avg-optim_grads": {"strategy": "optim_grads", "micro": 2, "ddp": {**DET, **AVG}},
     "det-avg-optim_grads_params": {"strategy": "optim_grads_params", "ddp": {**DET, **AVG}},
+    "fp16-skip-optim_grads": {"strategy": "optim_grads", "fp16": True, "micro": 2, "inf_at": 1},
+    "fp16-skip-avg-optim_grads_params": {"strategy": "optim_grads_params", "fp16": True,
+                                         "inf_at": 1, "ddp": AVG},
 }  # fmt: skip
-OFFLOAD = ("no_shard", "optim", "optim_grads_params")
+OFFLOAD: dict[str, tuple[str, bool]] = {
+    "no_shard": ("no_shard", False),
+    "optim": ("optim", False),
+    "optim_grads_params": ("optim_grads_params", False),
+    "optim_grads-hook": ("optim_grads", True),
+}
 VERSIONS = ("no_shard", "optim_grads")
 MUON: dict[str, tuple[str, dict[str, Any]]] = {
     "no_shard": ("no_shard", {}),
@@ -72,7 +80,7 @@ def _cases() -> dict[str, tuple[Any, ...]]:
     cases: dict[str, tuple[Any, ...]] = {
         f"hybrid-{name}": (hybrid_scaling_case, case) for name, case in HYBRID.items()
     }
-    cases |= {f"offload-{s}": (offload_expert_case, s) for s in OFFLOAD}
+    cases |= {f"offload-{n}": (offload_expert_case, *args) for n, args in OFFLOAD.items()}
     cases |= {f"versions-{s}": (version_skip_case, s) for s in VERSIONS}
     cases |= {f"muon-{n}": (muon_groups_case, *args) for n, args in MUON.items()}
     cases |= {
@@ -97,19 +105,21 @@ def test_hybrid_reduced_grads_are_the_global_mean_under_every_scaling_option(
     results: Any, name: str
 ) -> None:
     """R = 2 x S = 2: every rank's reduced shard is the global batch's grad (times the loss
-    scale) after every step, the replicas agree, and fp32 params match the reference."""
+    scale) after every step, the replicas agree, and fp32 params match the reference; with
+    `inf_at` an inf on rank 3 skips that step everywhere (the reference skips it)."""
     case = HYBRID[name]
     ranks = case_result(results, f"hybrid-{name}")
     for rank, res in enumerate(ranks):
         assert res["split"] == (2, 2), res["split"]
-        assert all(res["applied"]), (rank, res["applied"])
+        want = [step != case.get("inf_at") for step in range(3)]
+        assert res["applied"] == want, (rank, res["applied"])
         assert max(res["grad_errors"]) < _grad_bound(case), (rank, res["grad_errors"])
     assert len({r["digest"] for r in ranks}) == 1, "replicas differ"
     if not (case.get("bf16") or case.get("fp16")):
         assert max(r["error"] for r in ranks) < FP32_PARAM_BOUND, [r["error"] for r in ranks]
 
 
-@pytest.mark.parametrize("strategy", OFFLOAD)
+@pytest.mark.parametrize("strategy", list(OFFLOAD))
 def test_offload_with_experts_leaves_nothing_live_and_restores_bitwise(
     results: Any, strategy: str
 ) -> None:
