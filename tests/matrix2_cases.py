@@ -104,6 +104,14 @@ def _shard_error(
     return worst / top
 
 
+def counted_turns(model: megabuf.DistributedDataParallel) -> list[int | None]:
+    """[Note: counted arrivals]: each bucket group's Python turns (None: not counting)."""
+    return [
+        None if g.counted is None else g.counted.python_turns
+        for g in model.engine.all_bucket_groups
+    ]
+
+
 def _digest(model: megabuf.DistributedDataParallel) -> str:
     model.publish_params()
     sha = hashlib.sha256()
@@ -216,6 +224,7 @@ def offload_expert_case(strategy: str, hook: bool = False) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(ref.parameters(), matrix_cases.CLIP)
         ref_opt.step()
     out["applied"] = applied
+    out["counted"] = counted_turns(model)
     out["errors"] = matrix_cases._param_errors(model, ref)
     return out
 
@@ -240,7 +249,7 @@ def version_skip_case(strategy: str) -> dict[str, Any]:
             "applied": ok, "version": weight_version(opt), "exported": sorted(stamped),
             "digest": _digest(model),
         })  # fmt: skip
-    return {"steps": steps}
+    return {"steps": steps, "counted": counted_turns(model)}
 
 
 # ---- MuonAdamW with per-group settings ---------------------------------------------------------
@@ -322,7 +331,8 @@ def muon_groups_case(strategy: str, extra: dict[str, Any] | None = None) -> dict
         applied.append(_muon_step(model, opt, step, skip))
         if not skip:
             ref.step(step, dist.get_world_size())
-    return {"errors": muon_cases.compare(model, ref), "applied": applied}
+    counted = counted_turns(model)
+    return {"errors": muon_cases.compare(model, ref), "applied": applied, "counted": counted}
 
 
 # ---- the auto re-plan with the options that move the 1/dp --------------------------------------

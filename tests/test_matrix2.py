@@ -65,6 +65,9 @@ MUON: dict[str, tuple[str, dict[str, Any]]] = {
     "optim-hook": ("optim", {"hook": True}),
     "optim-scaler-skip": ("optim", {"scaler": True}),
     "no_shard-scaler-skip": ("no_shard", {"scaler": True}),
+    "no_shard-avg": ("no_shard", {"ddp": AVG}),
+    "no_shard-hook": ("no_shard", {"hook": True}),
+    "no_shard-det": ("no_shard", {"ddp": DET}),
 }
 LIFECYCLE: dict[str, dict[str, Any]] = {  # hybrid_cases.lifecycle_case at 2 x 2 with options
     "avg-optim_grads": {"strategy": "optim_grads", "ddp": AVG},
@@ -92,6 +95,13 @@ def _cases() -> dict[str, tuple[Any, ...]]:
 @pytest.fixture(scope="module")
 def results(pools: Any) -> list[dict[str, Any]]:
     return pools(4).run(run_each, _cases())  # type: ignore[no-any-return]
+
+
+def _check_counted(name: str, res: dict[str, Any]) -> None:
+    """no_shard: every group of these small models counts its arrivals ([Note: counted
+    arrivals]: small linked params, unsharded grads), so the case runs the counted path."""
+    if name.startswith("no_shard"):
+        assert None not in res["counted"] and sum(res["counted"]) > 0, (name, res["counted"])
 
 
 def _grad_bound(case: dict[str, Any]) -> float:
@@ -137,6 +147,7 @@ def test_offload_with_experts_leaves_nothing_live_and_restores_bitwise(
         assert back == {k: v for k, v in res["before"].items() if k != "other"}, (rank, res)
         assert res["bitwise"], rank
         assert all(res["applied"]), (rank, res["applied"])
+        _check_counted(strategy, res)
         worst = max(res["errors"].items(), key=lambda kv: kv[1])
         assert worst[1] < SGD_BOUND, (rank, worst)
 
@@ -154,6 +165,7 @@ def test_the_weight_version_counts_applied_updates_across_a_skipped_step(
         assert [s["version"] for s in steps] == [1, 1, 2], (rank, steps)
         assert [s["exported"] for s in steps] == [[1], [1], [2]], (rank, steps)
         assert steps[1]["digest"] == steps[0]["digest"] != steps[2]["digest"], rank
+        _check_counted(strategy, res)
 
 
 @pytest.mark.parametrize("name", list(MUON))
@@ -161,10 +173,12 @@ def test_muon_adamw_per_group_settings_override_the_constructors(results: Any, n
     """Four groups (two Muon, two AdamW) with lr, weight decay, momentum, nesterov, betas, eps of
     their own: every param equals torch.optim.Muon + AdamW given the same groups; also with
     average_in_collective, the Reduce() hook, and a DynamicGradScaler whose step 1 (an inf on
-    rank 1) is skipped everywhere (the reference skips it)."""
+    rank 1) is skipped everywhere (the reference skips it); no_shard: with deterministic_reduction
+    too, and through counted arrivals."""
     for rank, res in enumerate(case_result(results, f"muon-{name}")):
         want = [True, False, True] if "skip" in name else [True] * 3
         assert res["applied"] == want, (rank, res["applied"])
+        _check_counted(name, res)
         worst = max(res["errors"].items(), key=lambda kv: kv[1])
         assert worst[1] < MUON_BOUND, (rank, worst)
 
