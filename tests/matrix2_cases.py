@@ -342,3 +342,73 @@ def replan_options_case(flags: dict[str, Any]) -> dict[str, Any]:
     from autobucket_cases import replan_case
 
     return replan_case(flags, "megabuf", 2)
+
+
+def _scaled_replan_step(model: Any, opt: Any, step: int, inf: bool) -> bool:
+    """autobucket_cases' step with the loss scaled; with `inf`, rank 1's grad of the first
+    param is made inf (a tensor hook)."""
+    from autobucket_cases import GLOBAL_BATCH as BATCH
+    from autobucket_cases import MODEL, _agreed, _local
+
+    from megabuf.testing.models import loss_fn as model_loss
+    from megabuf.testing.models import make_batch
+
+    model.zero_grad_buffer()  # with bucket_size="auto", where the re-plan happens
+    if model.ddp_config.bucket_size == "auto":
+        _agreed(model)
+    x, y = make_batch(MODEL, BATCH, seed=100 * step)
+    handle = None
+    if inf and dist.get_rank() == 1:
+        param = next(p for p in model.module.parameters() if p.requires_grad)
+        handle = param.register_hook(lambda g: torch.full_like(g, math.inf))
+    opt.scale_loss(model_loss(MODEL)(model(_local(x)), _local(y))).backward()
+    if handle is not None:
+        handle.remove()
+    model.finish_grad_sync()
+    return bool(opt.step()[0])
+
+
+def replan_scaler_case(flags: dict[str, Any], skips: tuple[int, ...]) -> dict[str, Any]:
+    """The re-plan (autobucket_cases' injected measurements) with a DynamicGradScaler, two param
+    groups whose lr and weight decay differ, and an inf on rank 1 at the steps `skips` (during
+    the warm-up and after the re-plan): bitwise the same steps on that plan from the start."""
+    import copy
+
+    from autobucket_cases import MODEL, STEPS, WARMUP, fake_measurement
+
+    from megabuf.testing.models import build_model
+
+    base = build_model(MODEL, seed=0)
+    out: dict[str, Any] = {}
+    runs = {}
+    for kind in ("auto", "fixed"):
+        auto = kind == "auto"
+        extra = {"bucket_size": "auto", "auto_bucket_warmup_steps": WARMUP} if auto else {}
+        cfg = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True, **extra, **flags)
+        model = megabuf.DistributedDataParallel(copy.deepcopy(base), cfg)
+        if auto:
+            n = len(model.engine.param_to_name)
+            model.engine.auto.measure = lambda dtype, n=n: fake_measurement(n, dist.get_rank())  # type: ignore[union-attr]
+            out["default_groups"] = len(model.engine.all_bucket_groups)
+        else:
+            model.engine.rebucket(runs["auto"][0].engine.plan)  # that plan from the start
+        sharded = model.ddp_config.use_distributed_optimizer
+        cls = megabuf.DistributedOptimizer if sharded else megabuf.MixedPrecisionOptimizer
+        scaler = DynamicGradScaler(FP16_SCALE, hysteresis=1, growth_interval=1000)
+        opt = cls(
+            model, torch.optim.AdamW, param_groups(model.module, 1e-2), lr=1e-2,
+            grad_scaler=scaler,
+        )  # fmt: skip
+        applied = [_scaled_replan_step(model, opt, s, s in skips) for s in range(STEPS)]
+        model.publish_params()
+        runs[kind] = (model, applied)
+    (auto_model, out["applied"]), (fixed_model, out["fixed_applied"]) = runs["auto"], runs["fixed"]
+    pairs = list(zip(auto_model.module.parameters(), fixed_model.module.parameters()))
+    out["max_diff"] = max((a - b).abs().max().item() for a, b in pairs)
+    out["moved"] = max(
+        (a - b).abs().max().item()
+        for a, b in zip(auto_model.module.parameters(), base.parameters())
+    )
+    out["groups"] = len(auto_model.engine.all_bucket_groups)
+    out["ends"] = auto_model.engine.plan.bucket_ends
+    return out

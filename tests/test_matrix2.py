@@ -15,6 +15,7 @@ from matrix2_cases import (
     muon_groups_case,
     offload_expert_case,
     replan_options_case,
+    replan_scaler_case,
     version_skip_case,
 )
 
@@ -73,6 +74,11 @@ LIFECYCLE: dict[str, dict[str, Any]] = {  # hybrid_cases.lifecycle_case at 2 x 2
     "avg-optim_grads": {"strategy": "optim_grads", "ddp": AVG},
     "fp32-optim": {"strategy": "optim", "bf16": True, "ddp": FP32},
     "det-optim_grads_params": {"strategy": "optim_grads_params", "ddp": DET},
+}
+REPLAN_SCALER: dict[str, tuple[dict[str, Any], tuple[int, ...]]] = {  # skipped steps: during
+    # the warm-up (step 1) and after the re-plan (step 4; autobucket_cases.WARMUP = 3)
+    "scaler-skip-groups": ({}, (1, 4)),
+    "scaler-skip-groups-zero2": (ZERO2, (1, 4)),
 }
 REPLAN = {"avg": AVG, "avg-zero2": {**AVG, **ZERO2}}  # on 2 ranks: as test_autobucket, the
 # re-plan only regroups 2-rank sums, so it is bitwise (at dp 4 gloo's ring order follows the
@@ -199,6 +205,7 @@ def test_lifecycle_under_2x2_with_scaling_options(results: Any, name: str) -> No
 @pytest.fixture(scope="module")
 def replans(pools: Any) -> list[dict[str, Any]]:
     cases = {f"replan-{n}": (replan_options_case, flags) for n, flags in REPLAN.items()}
+    cases |= {f"replan-{n}": (replan_scaler_case, *a) for n, a in REPLAN_SCALER.items()}
     return pools(2).run(run_each, cases)  # type: ignore[no-any-return]
 
 
@@ -214,6 +221,22 @@ def test_auto_replan_is_bitwise_invisible_with_average_in_collective(
         assert res["auto_done"] and res["moved"] > 1e-3, (rank, res)
         assert res["max_diff"] == 0.0, (rank, res)
         assert res["views_ok"] and res["ledger_ok"], (rank, res)
+        assert res["groups"] != res["default_groups"], res
+    assert all(r["ends"] == per_rank[0]["ends"] for r in per_rank), per_rank
+
+
+@pytest.mark.parametrize("name", list(REPLAN_SCALER))
+def test_auto_replan_with_skipped_steps_and_param_groups_is_bitwise_invisible(
+    replans: Any, name: str
+) -> None:
+    """A DynamicGradScaler, two param groups (lr and weight decay differ) and an inf on rank 1
+    at steps 1 (warm-up) and 4 (after the re-plan): both skipped everywhere, and the re-planned
+    run is bitwise the run on that plan from the start."""
+    per_rank = case_result(replans, f"replan-{name}")
+    want = [s not in REPLAN_SCALER[name][1] for s in range(6)]
+    for rank, res in enumerate(per_rank):
+        assert res["applied"] == res["fixed_applied"] == want, (rank, res)
+        assert res["moved"] > 1e-3 and res["max_diff"] == 0.0, (rank, res)
         assert res["groups"] != res["default_groups"], res
     assert all(r["ends"] == per_rank[0]["ends"] for r in per_rank), per_rank
 
