@@ -412,3 +412,28 @@ def replan_scaler_case(flags: dict[str, Any], skips: tuple[int, ...]) -> dict[st
     out["groups"] = len(auto_model.engine.all_bucket_groups)
     out["ends"] = auto_model.engine.plan.bucket_ends
     return out
+
+
+# ---- the weight lifecycle and counted arrivals at pp 2 -----------------------------------------
+def pp_lifecycle_case(strategy: str, ep: int) -> dict[str, Any]:
+    """matrix_cases.pp_ep_case with a DynamicGradScaler (step 0: an inf on stage 1 only,
+    skipped on both stages), and after each step the weight version; after step 1 each stage
+    offloads its model and optimizer (the storage walk), restores, and checks the params
+    bitwise. The clean steps must still equal the whole model's."""
+    from megabuf.weights import offload, restore
+    from megabuf.weights.export import weight_version
+
+    seen: dict[str, Any] = {"versions": [], "walk": None, "bitwise": None}
+
+    def after_step(model: Any, opt: Any, step: int) -> None:
+        seen["versions"].append(weight_version(opt))
+        if step == 1:
+            digest = _digest(model)
+            offload(model, opt)
+            seen["walk"] = live_nbytes(model, opt)
+            restore(model, opt)
+            seen["bitwise"] = _digest(model) == digest
+        seen["counted"] = counted_turns(model)
+
+    out = matrix_cases.pp_ep_case(strategy, ep, scaler=True, after_step=after_step)
+    return {**out, **seen}

@@ -14,6 +14,7 @@ from matrix2_cases import (
     hybrid_scaling_case,
     muon_groups_case,
     offload_expert_case,
+    pp_lifecycle_case,
     replan_options_case,
     replan_scaler_case,
     version_skip_case,
@@ -59,6 +60,11 @@ OFFLOAD: dict[str, tuple[str, bool]] = {
     "optim_grads-hook": ("optim_grads", True),
 }
 VERSIONS = ("no_shard", "optim_grads")
+PP_LIFECYCLE: dict[str, tuple[str, int]] = {
+    "no_shard-ep1": ("no_shard", 1),
+    "optim-ep2": ("optim", 2),
+    "optim_grads_params-ep2": ("optim_grads_params", 2),
+}
 MUON: dict[str, tuple[str, dict[str, Any]]] = {
     "no_shard": ("no_shard", {}),
     "optim": ("optim", {}),
@@ -91,6 +97,7 @@ def _cases() -> dict[str, tuple[Any, ...]]:
     }
     cases |= {f"offload-{n}": (offload_expert_case, *args) for n, args in OFFLOAD.items()}
     cases |= {f"versions-{s}": (version_skip_case, s) for s in VERSIONS}
+    cases |= {f"pp-{n}": (pp_lifecycle_case, *a) for n, a in PP_LIFECYCLE.items()}
     cases |= {f"muon-{n}": (muon_groups_case, *args) for n, args in MUON.items()}
     cases |= {
         f"lifecycle-{n}": (lifecycle_case, {**c, "split": "2x2"}) for n, c in LIFECYCLE.items()
@@ -172,6 +179,23 @@ def test_the_weight_version_counts_applied_updates_across_a_skipped_step(
         assert [s["exported"] for s in steps] == [[1], [1], [2]], (rank, steps)
         assert steps[1]["digest"] == steps[0]["digest"] != steps[2]["digest"], rank
         _check_counted(strategy, res)
+
+
+@pytest.mark.parametrize("name", list(PP_LIFECYCLE))
+def test_pipeline_stages_offload_restore_and_count_versions_over_a_skipped_step(
+    results: Any, name: str
+) -> None:
+    """pp 2 (x ep 2: expert dp 1 != dp 2), 1F1B, a DynamicGradScaler: step 0 (an inf on stage 1
+    only) skipped on both stages, the version 0, 1, 2 on every stage; after step 1 each stage's
+    offload leaves no live byte (storage walk) and restore is bitwise; the clean steps equal
+    the whole model's. no_shard: every group counted its arrivals."""
+    for rank, res in enumerate(case_result(results, f"pp-{name}")):
+        assert [n["ok"] for n in res["norms"]] == [False, True, True], (rank, res["norms"])
+        assert res["versions"] == [0, 1, 2], (rank, res["versions"])
+        assert not any(res["walk"].values()) and res["bitwise"], (rank, res["walk"])
+        _check_counted(name, res)
+        worst = max(res["errors"].items(), key=lambda kv: kv[1])
+        assert worst[1] < SGD_BOUND, (rank, worst)
 
 
 @pytest.mark.parametrize("name", list(MUON))
