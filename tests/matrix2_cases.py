@@ -437,3 +437,50 @@ def pp_lifecycle_case(strategy: str, ep: int) -> dict[str, Any]:
 
     out = matrix_cases.pp_ep_case(strategy, ep, scaler=True, after_step=after_step)
     return {**out, **seen}
+
+
+# ---- MuonAdamW with expert-parallel params (ep 2) ----------------------------------------------
+def _moe_groups(named: dict[str, Any]) -> list[dict[str, Any]]:
+    """Muon on the router and the experts' matrices, AdamW on the rest; settings differ."""
+    muon = [n for n, p in named.items() if p.dim() == 2 and n.startswith("moe.")]
+    return [
+        {"params": [named[n] for n in muon], "use_muon": True, "lr": 0.02, "momentum": 0.9},
+        {"params": [named[n] for n in named if n not in muon], "use_muon": False, "lr": 5e-3,
+         "betas": (0.8, 0.95)},
+    ]  # fmt: skip
+
+
+def muon_expert_case(strategy: str) -> dict[str, Any]:
+    """ep 2 (expert dp 2 != dp 4), MuonAdamW with _moe_groups, 3 steps of 3 micro-batches;
+    the params against the whole MoEModel stepped by torch.optim.Muon + AdamW given the same
+    groups on the global batch."""
+    import warnings
+
+    from moe_cases import groups as moe_groups
+
+    pgs = moe_groups(ep_size=2)
+    net = MoEModel(CFG, ep_group=pgs.ep, seed=3)
+    cfg = megabuf.DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=strategy, whole_param_owners=strategy != "no_shard",
+        overlap_grad_reduce=True, bucket_size=64,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
+    net.moe.collectives = model.engine.collectives
+    named = {n: p for n, p in net.named_parameters() if p.requires_grad}
+    cls = megabuf.DistributedOptimizer if strategy != "no_shard" else megabuf.FP32Optimizer
+    opt = cls(model, MuonAdamW, _moe_groups(named), **CTOR)
+    ref = MoEModel(CFG, seed=3)
+    ref_groups = _moe_groups(dict(ref.named_parameters()))
+    ref_muon = torch.optim.Muon(_torch_groups(ref_groups, True), **CTOR)
+    ref_adamw = torch.optim.AdamW(_torch_groups(ref_groups, False), **CTOR)
+    applied = []
+    for step in range(STEPS):
+        applied.append(_model_step(model, opt, step))
+        ref.zero_grad()
+        x, y = moe_batch(CFG, matrix_cases.BATCH, seed=100 + step)
+        ((ref(x) - y) ** 2).mean(dim=1).mean().backward()
+        ref_muon.step()
+        ref_adamw.step()
+    return {"applied": applied, "errors": matrix_cases._param_errors(model, ref)}

@@ -12,6 +12,7 @@ from dist_pool import case_result, run_each
 from hybrid_cases import lifecycle_case
 from matrix2_cases import (
     hybrid_scaling_case,
+    muon_expert_case,
     muon_groups_case,
     offload_expert_case,
     pp_lifecycle_case,
@@ -28,6 +29,7 @@ FP16_GRAD_BOUND = 2e-2  # fp16 grads of the scaled loss vs one fp16 backward on 
 # a level that sums where it should average: off by a factor 2 (relative error >= 1)
 FP32_PARAM_BOUND = 1e-6  # as test_hybrid: 3 AdamW steps at lr 1e-2
 SGD_BOUND = 1e-6  # as test_matrix: clipped SGD on the MoE model
+MUON_EP_BOUND = 1e-4  # as muon_cases.CLIP_ATOL: the bf16 Newton-Schulz input may round apart
 MUON_BOUND = 1e-5  # muon_cases: bitwise at dp 2; at dp 4 the owner's sum order may round
 
 AVG = {"average_in_collective": True}
@@ -76,6 +78,7 @@ MUON: dict[str, tuple[str, dict[str, Any]]] = {
     "no_shard-hook": ("no_shard", {"hook": True}),
     "no_shard-det": ("no_shard", {"ddp": DET}),
 }
+MUON_EP = ("no_shard", "optim")
 LIFECYCLE: dict[str, dict[str, Any]] = {  # hybrid_cases.lifecycle_case at 2 x 2 with options
     "avg-optim_grads": {"strategy": "optim_grads", "ddp": AVG},
     "fp32-optim": {"strategy": "optim", "bf16": True, "ddp": FP32},
@@ -99,6 +102,7 @@ def _cases() -> dict[str, tuple[Any, ...]]:
     cases |= {f"versions-{s}": (version_skip_case, s) for s in VERSIONS}
     cases |= {f"pp-{n}": (pp_lifecycle_case, *a) for n, a in PP_LIFECYCLE.items()}
     cases |= {f"muon-{n}": (muon_groups_case, *args) for n, args in MUON.items()}
+    cases |= {f"muon-ep2-{s}": (muon_expert_case, s) for s in MUON_EP}
     cases |= {
         f"lifecycle-{n}": (lifecycle_case, {**c, "split": "2x2"}) for n, c in LIFECYCLE.items()
     }
@@ -211,6 +215,18 @@ def test_muon_adamw_per_group_settings_override_the_constructors(results: Any, n
         _check_counted(name, res)
         worst = max(res["errors"].items(), key=lambda kv: kv[1])
         assert worst[1] < MUON_BOUND, (rank, worst)
+
+
+@pytest.mark.parametrize("strategy", MUON_EP)
+def test_muon_adamw_with_experts_matches_the_whole_model(results: Any, strategy: str) -> None:
+    """ep 2 (expert dp 2 != dp 4): Muon on the router and every expert's matrices (whole, on
+    their owners among the expert-dp ranks), AdamW on the rest, per-group settings: 3 steps of
+    3 micro-batches equal torch.optim.Muon + AdamW stepping the whole model on the global batch
+    (Newton-Schulz runs in bf16 on grads summed in another order: MUON_EP_BOUND)."""
+    for rank, res in enumerate(case_result(results, f"muon-ep2-{strategy}")):
+        assert all(res["applied"]), (rank, res["applied"])
+        worst = max(res["errors"].items(), key=lambda kv: kv[1])
+        assert worst[1] < MUON_EP_BOUND, (rank, worst)
 
 
 @pytest.mark.parametrize("name", list(LIFECYCLE))
