@@ -121,10 +121,22 @@ def _digest(model: megabuf.DistributedDataParallel) -> str:
     return sha.hexdigest()
 
 
+def _offload_round_trip(model: megabuf.DistributedDataParallel, opt: Any) -> dict[str, Any]:
+    """offload(model, opt), the storage walk, restore: (live bytes offloaded, bitwise back)."""
+    from megabuf.weights import offload, restore
+
+    digest = _digest(model)
+    offload(model, opt)
+    walk = live_nbytes(model, opt)
+    restore(model, opt)
+    return {"walk": walk, "bitwise": _digest(model) == digest}
+
+
 def hybrid_scaling_case(case: dict[str, Any]) -> dict[str, Any]:
-    """STEPS steps at 2 x 2 of `case` (strategy, micro, ddp fields, bf16, fp16, hook): per step
-    the reduced shards' relative error against the global batch's grads and whether the step was
-    applied; at the end the params' largest deviation from the reference and a digest."""
+    """STEPS steps at 2 x 2 of `case` (strategy, micro, ddp fields, bf16, fp16, hook, inf_at,
+    offload_at): per step the reduced shards' relative error against the global batch's grads
+    and whether the step was applied; at the end the params' largest deviation from the
+    reference and a digest. `offload_at`: an offload / restore round trip after that step."""
     if case.get("fp16"):
         model, opt = _build_fp16(case)
         ref = Reference({"optimizer": "adamw", "fp16": True})
@@ -146,6 +158,8 @@ def hybrid_scaling_case(case: dict[str, Any]) -> dict[str, Any]:
         out["applied"].append(bool(opt.step()[0]))
         if not skip:
             ref.step(step)
+        if step == case.get("offload_at"):
+            out["offload"] = _offload_round_trip(model, opt)
     out["digest"] = _digest(model)
     state, ref_params = model.state_dict(), dict(ref.model.named_parameters())
     out["error"] = max(

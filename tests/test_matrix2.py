@@ -51,6 +51,8 @@ HYBRID: dict[str, dict[str, Any]] = {
     "fp16-avg-optim": {"strategy": "optim", "fp16": True, "ddp": AVG},
     "det-avg-optim_grads": {"strategy": "optim_grads", "micro": 2, "ddp": {**DET, **AVG}},
     "det-avg-optim_grads_params": {"strategy": "optim_grads_params", "ddp": {**DET, **AVG}},
+    "fp16-offload-optim_grads": {"strategy": "optim_grads", "fp16": True, "offload_at": 1},
+    "fp16-offload-avg-optim": {"strategy": "optim", "fp16": True, "offload_at": 0, "ddp": AVG},
     "fp16-skip-optim_grads": {"strategy": "optim_grads", "fp16": True, "micro": 2, "inf_at": 1},
     "fp16-skip-avg-optim_grads_params": {"strategy": "optim_grads_params", "fp16": True,
                                          "inf_at": 1, "ddp": AVG},
@@ -133,7 +135,9 @@ def test_hybrid_reduced_grads_are_the_global_mean_under_every_scaling_option(
 ) -> None:
     """R = 2 x S = 2: every rank's reduced shard is the global batch's grad (times the loss
     scale) after every step, the replicas agree, and fp32 params match the reference; with
-    `inf_at` an inf on rank 3 skips that step everywhere (the reference skips it)."""
+    `inf_at` an inf on rank 3 skips that step everywhere (the reference skips it); with
+    `offload_at` an offload after that step leaves no live byte (storage walk) and restore is
+    bitwise, and the later steps' grads are still the reference's."""
     case = HYBRID[name]
     ranks = case_result(results, f"hybrid-{name}")
     for rank, res in enumerate(ranks):
@@ -141,6 +145,9 @@ def test_hybrid_reduced_grads_are_the_global_mean_under_every_scaling_option(
         want = [step != case.get("inf_at") for step in range(3)]
         assert res["applied"] == want, (rank, res["applied"])
         assert max(res["grad_errors"]) < _grad_bound(case), (rank, res["grad_errors"])
+        if "offload_at" in case:  # fp16 params offloaded and restored mid-training
+            offload = res["offload"]
+            assert not any(offload["walk"].values()) and offload["bitwise"], (rank, offload)
     assert len({r["digest"] for r in ranks}) == 1, "replicas differ"
     if not (case.get("bf16") or case.get("fp16")):
         assert max(r["error"] for r in ranks) < FP32_PARAM_BOUND, [r["error"] for r in ranks]
