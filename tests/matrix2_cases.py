@@ -498,3 +498,30 @@ def muon_expert_case(strategy: str) -> dict[str, Any]:
         ref_muon.step()
         ref_adamw.step()
     return {"applied": applied, "errors": matrix_cases._param_errors(model, ref)}
+
+
+# ---- counted arrivals under grad_reduce_in_fp32 ------------------------------------------------
+def counted_fp32_case() -> dict[str, Any]:
+    """no_shard, bf16 params with grad_reduce_in_fp32 (fp32 main_grad): 3 AdamW steps of a
+    MixedPrecisionOptimizer; each group's Python turns (the grads are copies, not linked, so
+    no group may count: [Note: counted arrivals]) and the params against the bf16 reference."""
+    torch.manual_seed(0)
+    net = Net().to(torch.bfloat16)
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size=40, grad_reduce_in_fp32=True
+    )
+    model = megabuf.DistributedDataParallel(net, cfg)
+    opt = megabuf.MixedPrecisionOptimizer(
+        model, torch.optim.AdamW, param_groups(net, 1e-2), lr=1e-2
+    )
+    ref = Reference({"optimizer": "adamw", "bf16": True})
+    for step in range(STEPS):
+        _sync(model, opt, step, 1)
+        opt.step()
+        ref.step(step)
+    state = model.state_dict()
+    named = dict(ref.model.named_parameters())
+    return {
+        "counted": counted_turns(model),
+        "params": {n: (state[n].detach().float(), p.detach().float()) for n, p in named.items()},
+    }

@@ -11,6 +11,7 @@ import pytest
 from dist_pool import case_result, run_each
 from hybrid_cases import lifecycle_case
 from matrix2_cases import (
+    counted_fp32_case,
     hybrid_scaling_case,
     muon_expert_case,
     muon_groups_case,
@@ -105,6 +106,7 @@ def _cases() -> dict[str, tuple[Any, ...]]:
     cases |= {f"pp-{n}": (pp_lifecycle_case, *a) for n, a in PP_LIFECYCLE.items()}
     cases |= {f"muon-{n}": (muon_groups_case, *args) for n, args in MUON.items()}
     cases |= {f"muon-ep2-{s}": (muon_expert_case, s) for s in MUON_EP}
+    cases["counted-fp32"] = (counted_fp32_case,)
     cases |= {
         f"lifecycle-{n}": (lifecycle_case, {**c, "split": "2x2"}) for n, c in LIFECYCLE.items()
     }
@@ -222,6 +224,16 @@ def test_muon_adamw_per_group_settings_override_the_constructors(results: Any, n
         _check_counted(name, res)
         worst = max(res["errors"].items(), key=lambda kv: kv[1])
         assert worst[1] < MUON_BOUND, (rank, worst)
+
+
+def test_bf16_params_with_fp32_grads_never_count_and_train_right(results: Any) -> None:
+    """no_shard, bf16 params over fp32 main_grad: their grads are copies, not linked, so no
+    group counts its arrivals (the per-param hooks run) and 3 AdamW steps stay within 2 bf16
+    ulps + lr / 10 of the reference (as test_hybrid's bf16 bound)."""
+    for rank, res in enumerate(case_result(results, "counted-fp32")):
+        assert res["counted"] and all(c is None for c in res["counted"]), (rank, res["counted"])
+        for name, (got, want) in res["params"].items():
+            assert ((got - want).abs() <= want.abs() * 2.0**-6 + 1e-3).all(), (rank, name)
 
 
 @pytest.mark.parametrize("strategy", MUON_EP)
