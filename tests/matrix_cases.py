@@ -325,6 +325,7 @@ def pp_ep_case(
     hook: bool = False,
     nan_check: bool = False,
     auto: bool = False,
+    after_step: Any = None,
 ) -> dict[str, Any]:
     """1F1B over 2 stages x ep `ep` (experts on stage 0), 3 micro-batches, overlap: two clipped
     SGD steps vs the whole MoEModel on the global batch (norm over both stages, the expert
@@ -334,7 +335,8 @@ def pp_ep_case(
     (check_for_nan_in_grad), first an iteration with an inf on stage 1 only (rank 2,
     micro-batch 1), which must raise on every rank of both stages (the error is recorded);
     then the clean steps. With `auto`, bucket_size="auto" re-planned after 2 steps, 4 steps
-    (tests/test_autobucket.py)."""
+    (tests/test_autobucket.py). `after_step(model, opt, step)` runs after each step()
+    (tests/test_matrix2.py)."""
     pgs = groups(pp_size=2, ep_size=ep)
     whole = MoEModel(CFG, ep_group=pgs.ep, seed=3)
     stage = MoEStage(whole, first=pgs.pp_rank == 0)
@@ -379,6 +381,8 @@ def pp_ep_case(
             raised = str(exc)
             continue
         ok, norm, _ = opt.step()
+        if after_step is not None:
+            after_step(model, opt, step)
         want = None
         if step > 0:
             ref_opt.zero_grad()

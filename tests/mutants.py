@@ -89,6 +89,49 @@ MUTANTS = (
         "        -bucket.group_rank, 0).reshape(-1), total)\n",
         ("tests/test_hybrid_hooks.py",),
     ),
+    Mutant(  # issue 46: the hybrid row of the extended matrix
+        "hybrid-replicate-sums-under-average",
+        "hybrid with average_in_collective: the replicate level averages, it does not sum",
+        "megabuf/sharding/replicate.py",
+        "average=self.average,",
+        "average=False,",
+        ("tests/test_matrix2.py", "tests/test_hybrid.py"),
+    ),
+    Mutant(
+        "hybrid-hook-replica-level-sums-under-average",
+        "hybrid comm hook with average_in_collective: the second level's view averages too",
+        "megabuf/sharding/replica_hooks.py",
+        '        "gradient_scaling_factor": 1.0,\n',
+        '        "gradient_scaling_factor": 1.0, "average": False,\n',
+        ("tests/test_matrix2.py", "tests/test_hybrid_hooks.py"),
+    ),
+    Mutant(  # issue 46: the weight-lifecycle row
+        "offload-leaves-expert-buffers",
+        "offload releases the expert-parallel buffers as well as the dense ones",
+        "megabuf/weights/offload.py",
+        "        buffers = chunk.engine.buffers\n",
+        "        buffers = chunk.engine.dense_buffers\n",
+        ("tests/test_matrix2.py", "tests/test_weights.py"),
+    ),
+    Mutant(
+        "weight-version-counts-skipped-steps",
+        "the weight version counts applied updates: a skipped step does not move it",
+        "megabuf/optimizer/base.py",
+        "        self._release_grads()\n        for chunk in self.model_chunks:\n"
+        "            chunk.engine.hooks.notify_comm_hooks_step_skipped()\n",
+        "        self._release_grads()\n        self._completed_steps += 1\n"
+        "        for chunk in self.model_chunks:\n"
+        "            chunk.engine.hooks.notify_comm_hooks_step_skipped()\n",
+        ("tests/test_matrix2.py", "tests/test_weights_publish.py"),
+    ),
+    Mutant(  # issue 46: the whole-param owners row
+        "muon-adamw-constructor-overrides-group-keys",
+        "MuonAdamW: keys given in a param group override the constructor's",
+        "megabuf/optimizer/muon.py",
+        "                group.setdefault(key, value)\n",
+        "                group[key] = value\n",
+        ("tests/test_matrix2.py", "tests/test_muon.py"),
+    ),
     Mutant(
         "expert-norm-not-over-ep",
         "global grad norm: expert parts are summed over expt_dp, ep and pp",
