@@ -332,8 +332,8 @@ class WeightReceiver:
                     self.collectives.recv(flat[lo:hi], peer, self.group.group, tag=index)
                 )
             elif count > 0:
-                at = torch.empty(count, dtype=deltas.INDEX_DTYPE)
-                values = torch.empty(count, dtype=flat.dtype)
+                at = torch.empty(count, dtype=deltas.INDEX_DTYPE, device=flat.device)
+                values = torch.empty(count, dtype=flat.dtype, device=flat.device)
                 tag = len(transfer.manifest) + index
                 pending.append(self.collectives.recv(at, peer, self.group.group, tag=tag))
                 pending.append(self.collectives.recv(values, peer, self.group.group, tag=index))
