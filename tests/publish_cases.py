@@ -406,14 +406,18 @@ def hybrid_delta_case(strategy: str, asynchronous: bool) -> dict[str, Any]:
     2 replicas x 2 shards, replicate rank 0's shard group (ranks 0, 1) publishes bf16 deltas
     (anchor_every=3) to rank 4. Versions 1 whole, 2 and 3 deltas, 4 the anchor, 5 a delta.
     `asynchronous` ([Note: asynchronous publish]): every version is start_publish()ed, the
-    next step runs on all four trainer ranks at once, then wait(); the consumer is slowed."""
+    next step runs on all four trainer ranks at once, then wait(); the consumer is slowed. It
+    sends fp32 (a whole slice is then a view of the model's own shard: the snapshot matters)
+    with lr 1e-9 (only small-magnitude fp32 values move: sparse deltas)."""
     rank = dist.get_rank()
     if "dp4" not in _DP:  # members-only, before the publish group (see hybrid_publish_case)
         _DP["dp4"] = new_subgroup(None, [0, 1, 2, 3]) if rank < 4 else None
     if rank < 4:
-        model, opt = build(strategy, torch.float32, group=_DP["dp4"], instances=2, lr=3e-5)
+        lr = 1e-9 if asynchronous else 3e-5
+        model, opt = build(strategy, torch.float32, group=_DP["dp4"], instances=2, lr=lr)
+    wire = torch.float32 if asynchronous else torch.bfloat16
     group = publish_group([0, 1], [4], timeout_s=60)
-    out: dict[str, Any] = {"versions": [], "deltas": [], "after": []}
+    out: dict[str, Any] = {"versions": [], "deltas": [], "after": [], "nbytes": []}
     if rank == 4:
         receiver = WeightReceiver(group)
         for v in range(1, 6):
@@ -427,18 +431,21 @@ def hybrid_delta_case(strategy: str, asynchronous: bool) -> dict[str, Any]:
     for v in range(1, 6):
         if v > 1 and not asynchronous:
             train_step(model, opt, v, rank, 4, torch.float32)
-        out["versions"].append(_bf16_params(model))
+        out["versions"].append({k: t.to(wire) for k, t in params_of(model).items()})
         pending = None
         if publisher is not None and asynchronous:
-            pending = publisher.start_publish(version=v, dtype=torch.bfloat16, delta=True)
+            pending = publisher.start_publish(version=v, dtype=wire, delta=True)
         elif publisher is not None:
-            out["deltas"].append(bool(publisher.publish(version=v, dtype=torch.bfloat16,
-                                                        delta=True).deltas))  # fmt: skip
+            out["deltas"].append(publisher.publish(version=v, dtype=wire, delta=True).deltas)
         if asynchronous:
             train_step(model, opt, v + 1, rank, 4, torch.float32)  # overwrites version v
-            out["after"].append(_bf16_params(model))
+            out["after"].append(params_of(model))
         if pending is not None:
-            out["deltas"].append(bool(pending.wait().deltas))
+            out["deltas"].append(pending.wait().deltas)
+        if publisher is not None:
+            out["nbytes"].append(publisher.sent_nbytes)
+    if publisher is not None:
+        out["whole_nbytes"] = sum(b.numel // 2 for _, b in publisher.buckets) * wire.itemsize
     return out
 
 

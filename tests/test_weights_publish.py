@@ -222,9 +222,10 @@ def test_element_deltas_under_a_2x2_split(published4: Any, name: str) -> None:
     """[Note: element deltas] under [Note: publishing from replicas]: ranks 0-3 train as 2
     replicas x 2 shards, ranks 0 and 1 send bf16 deltas of their shards to rank 4, whose copy
     is bitwise every trainer's params at every version: 1 whole, 2 and 3 deltas, 4 the anchor
-    (anchor_every=3), 5 a delta. `-async`: each version start_publish()ed while all four ranks
-    ran the next step at once (which moved the params) and a slowed consumer had not received
-    yet ([Note: asynchronous publish])."""
+    (anchor_every=3), 5 a delta, each delta version fewer bytes than a whole one. `-async`
+    (fp32 on the wire, the whole slices views of the model's shard): each version
+    start_publish()ed while all four ranks ran the next step at once (which moved the params)
+    and a slowed consumer had not received yet ([Note: asynchronous publish])."""
     *trainers, consumer = case_result(published4, name)
     for v in range(5):
         ref = trainers[0]["versions"][v]
@@ -236,7 +237,10 @@ def test_element_deltas_under_a_2x2_split(published4: Any, name: str) -> None:
             after = trainers[0]["after"][v]
             assert any(not torch.equal(after[k], ref[k]) for k in ref), v
     for trainer in trainers[:2]:
-        assert trainer["deltas"] == [False, True, True, False, True]
+        assert [bool(d) for d in trainer["deltas"]] == [False, True, True, False, True]
+        sparse = [v for v in (1, 2, 4) if any(0 < k for row in trainer["deltas"][v] for k in row)]
+        assert sparse == [1, 2, 4], trainer["deltas"]  # element patches, not whole slices
+        assert all(trainer["nbytes"][v] < trainer["whole_nbytes"] for v in (1, 2, 4))
     assert trainers[2]["deltas"] == trainers[3]["deltas"] == []  # replica 1 sends nothing
 
 
