@@ -238,7 +238,7 @@ def test_element_deltas_under_a_2x2_split(published4: Any, name: str) -> None:
             assert any(not torch.equal(after[k], ref[k]) for k in ref), v
     for trainer in trainers[:2]:
         assert [bool(d) for d in trainer["deltas"]] == [False, True, True, False, True]
-        sparse = [v for v in (1, 2, 4) if any(0 < k for row in trainer["deltas"][v] for k in row)]
+        sparse = [v for v in (1, 2, 4) if any(k > 0 for row in trainer["deltas"][v] for k in row)]
         assert sparse == [1, 2, 4], trainer["deltas"]  # element patches, not whole slices
         assert all(trainer["nbytes"][v] < trainer["whole_nbytes"] for v in (1, 2, 4))
     assert trainers[2]["deltas"] == trainers[3]["deltas"] == []  # replica 1 sends nothing
