@@ -409,3 +409,23 @@ def test_publisher_refuses_replicas_past_the_first_by_name() -> None:
         Publisher(model(topo(1, 0)), SimpleNamespace(trainers=(0, 1)))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="must be replicate rank 0's shard group, 2 ranks"):
         Publisher(model(topo(0, 1)), SimpleNamespace(trainers=(0, 1, 2, 3)))  # type: ignore[arg-type]
+
+
+def test_use_group_refuses_other_trainers_and_a_publish_in_flight() -> None:
+    """A consumer joins through a new group with the same trainers (`Publisher.use_group`);
+    other trainers, or a switch while a start_publish() is in flight, are refused by name."""
+    from types import SimpleNamespace
+
+    from megabuf.weights import Publisher
+
+    publisher = object.__new__(Publisher)  # the refusals read only these fields
+    topology = SimpleNamespace(rank=0)
+    publisher.model = SimpleNamespace(  # type: ignore[assignment]
+        engine=SimpleNamespace(process_groups=SimpleNamespace(topology=topology))
+    )
+    publisher.group = SimpleNamespace(trainers=(0, 1))  # type: ignore[assignment]
+    publisher._in_flight = SimpleNamespace(finished=False)  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"trainers \[0, 2\] must be this publisher's \[0, 1\]"):
+        publisher.use_group(SimpleNamespace(trainers=(0, 2)))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="use_group on rank 0 while the previous start_publish"):
+        publisher.use_group(SimpleNamespace(trainers=(0, 1)))  # type: ignore[arg-type]
