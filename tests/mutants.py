@@ -658,6 +658,34 @@ MUTANTS = (
         ("tests/test_weights_publish.py",),
     ),
     Mutant(
+        "hybrid-publish-slices-over-the-dp-world",
+        "under a hybrid split each publishing trainer sends (whole or as a delta) its slice "
+        "of the buffer laid out over its shard group",
+        "megabuf/weights/publish.py",
+        "lo, hi = send_range(bucket.numel, buf.dp_rank, buf.dp_size)",
+        "topo = self.model.engine.process_groups.topology\n"
+        "        lo, hi = send_range(bucket.numel, topo.dp_rank, topo.dp_size)",
+        ("tests/test_weights_publish.py",),
+    ),
+    Mutant(
+        "delta-to-any-current-consumer",
+        "a delta is sent only when every consumer holds the previous version (a late joiner "
+        "gets a whole anchor)",
+        "megabuf/weights/transfer.py",
+        "    current = all(_current(c, lead) for c in consumers)\n",
+        "    current = any(_current(c, lead) for c in consumers)\n",
+        ("tests/test_weights_publish.py",),
+    ),
+    Mutant(
+        "async-publish-misses-views-of-the-model",
+        "an asynchronous publish snapshots every slice that views the model's own shard "
+        "(and keeps a copy, not a view, to detect the next delta against)",
+        "megabuf/weights/publish.py",
+        "    return any(ptr == t.untyped_storage().data_ptr() for t in homes)\n",
+        "    return False\n",
+        ("tests/test_weights_publish.py",),
+    ),
+    Mutant(
         "receiver-swaps-trainer-slices",
         "a consumer rebuilds each bucket from every trainer's own slice",
         "megabuf/weights/publish.py",

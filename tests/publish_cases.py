@@ -395,3 +395,88 @@ def hybrid_publish_case(shards: int) -> dict[str, Any]:
         except ValueError as e:
             out["refused"] = str(e)
     return out
+
+
+def _bf16_params(model: Any) -> dict[str, torch.Tensor]:
+    return {k: t.to(torch.bfloat16) for k, t in params_of(model).items()}
+
+
+def hybrid_delta_case(strategy: str, asynchronous: bool) -> dict[str, Any]:
+    """[Note: element deltas] x [Note: publishing from replicas] (5 ranks): ranks 0-3 train as
+    2 replicas x 2 shards, replicate rank 0's shard group (ranks 0, 1) publishes bf16 deltas
+    (anchor_every=3) to rank 4. Versions 1 whole, 2 and 3 deltas, 4 the anchor, 5 a delta.
+    `asynchronous` ([Note: asynchronous publish]): every version is start_publish()ed, the
+    next step runs on all four trainer ranks at once, then wait(); the consumer is slowed. It
+    sends fp32 (a whole slice is then a view of the model's own shard: the snapshot matters)
+    with lr 1e-9 (only small-magnitude fp32 values move: sparse deltas)."""
+    rank = dist.get_rank()
+    if "dp4" not in _DP:  # members-only, before the publish group (see hybrid_publish_case)
+        _DP["dp4"] = new_subgroup(None, [0, 1, 2, 3]) if rank < 4 else None
+    if rank < 4:
+        lr = 1e-9 if asynchronous else 3e-5
+        model, opt = build(strategy, torch.float32, group=_DP["dp4"], instances=2, lr=lr)
+    wire = torch.float32 if asynchronous else torch.bfloat16
+    group = publish_group([0, 1], [4], timeout_s=60)
+    out: dict[str, Any] = {"versions": [], "deltas": [], "after": [], "nbytes": []}
+    if rank == 4:
+        receiver = WeightReceiver(group)
+        for v in range(1, 6):
+            if asynchronous:
+                time.sleep(0.3)  # the trainers' next step runs meanwhile
+            got = receiver.receive(expect_version=v)
+            out["versions"].append({k: t.clone() for k, t in got.items()})
+        return out
+    publisher = Publisher(model, group, track_changes=True, anchor_every=3) if rank < 2 else None
+    train_step(model, opt, 1, rank, 4, torch.float32)
+    for v in range(1, 6):
+        if v > 1 and not asynchronous:
+            train_step(model, opt, v, rank, 4, torch.float32)
+        out["versions"].append({k: t.to(wire) for k, t in params_of(model).items()})
+        pending = None
+        if publisher is not None and asynchronous:
+            pending = publisher.start_publish(version=v, dtype=wire, delta=True)
+        elif publisher is not None:
+            out["deltas"].append(publisher.publish(version=v, dtype=wire, delta=True).deltas)
+        if asynchronous:
+            train_step(model, opt, v + 1, rank, 4, torch.float32)  # overwrites version v
+            out["after"].append(params_of(model))
+        if pending is not None:
+            out["deltas"].append(pending.wait().deltas)
+        if publisher is not None:
+            out["nbytes"].append(publisher.sent_nbytes)
+    if publisher is not None:
+        out["whole_nbytes"] = sum(b.numel // 2 for _, b in publisher.buckets) * wire.itemsize
+    return out
+
+
+def late_join_case(strategy: str) -> dict[str, Any]:
+    """[Note: element deltas], a consumer joining late (5 ranks): ranks 0, 1 train (dp 2) and
+    publish bf16 deltas to rank 2 from version 1; at version 4 rank 3 joins: a new publish
+    group with both consumers, which the trainers and rank 2 move to (`use_group`). The joiner
+    holds nothing, so version 4 is whole (for both), 5 and 6 deltas again; rank 4 only joins
+    the group creations."""
+    rank = dist.get_rank()
+    dp_group = _dp_group()
+    early = publish_group([0, 1], [2], timeout_s=60)
+    both = publish_group([0, 1], [2, 3], timeout_s=60)
+    out: dict[str, Any] = {"versions": {}, "deltas": []}
+    if rank in (2, 3):
+        receiver = WeightReceiver(early if rank == 2 else both)
+        for v in range(1 if rank == 2 else 4, 7):
+            if v == 4 and rank == 2:
+                receiver.use_group(both)
+            got = receiver.receive(expect_version=v)
+            out["versions"][v] = {k: t.clone() for k, t in got.items()}
+        return out
+    if rank > 3:
+        return out
+    model, opt = build(strategy, torch.float32, group=dp_group, lr=3e-5)
+    publisher = Publisher(model, early, track_changes=True)
+    for v in range(1, 7):
+        train_step(model, opt, v, rank, 2, torch.float32)
+        if v == 4:
+            publisher.use_group(both)
+        transfer = publisher.publish(version=v, dtype=torch.bfloat16, delta=True)
+        out["versions"][v] = _bf16_params(model)
+        out["deltas"].append(bool(transfer.deltas))
+    return out

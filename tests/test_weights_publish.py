@@ -16,6 +16,8 @@ from publish_cases import (
     export_case,
     export_live_case,
     failure_case,
+    hybrid_delta_case,
+    late_join_case,
     publish_case,
     relayout_case,
     weight_transfer_case,
@@ -44,6 +46,13 @@ SWITCH = {f"switch-{s}": (dtype_switch_case, s) for s in STRATEGIES}
 DELTA = {f"delta-{s}": (delta_case, s) for s in STRATEGIES}
 DELTA4 = {f"delta4-{s}": (delta_case, s, 4) for s in STRATEGIES}
 ASYNC = {f"async-{s}": (async_case, s) for s in STRATEGIES}
+HYBRID_STRATEGIES = STRATEGIES[1:]  # a split needs a sharded strategy
+HYBRID = {
+    f"hybrid-{s}{'-async' if a else ''}": (hybrid_delta_case, s, a)
+    for s in HYBRID_STRATEGIES
+    for a in (False, True)
+}
+LATE = {f"late-{s}": (late_join_case, s) for s in STRATEGIES}
 RELAYOUT = {f"relayout-{s}": (relayout_case, s) for s in ("no_shard", "optim", STRATEGIES[3])}
 
 
@@ -54,7 +63,7 @@ def exported(pools: Any) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def published4(pools: Any) -> list[dict[str, Any]]:
-    return pools(5).run(run_each, dict(DELTA4))
+    return pools(5).run(run_each, {**DELTA4, **HYBRID, **LATE})
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +217,51 @@ def _check_deltas(ranks: list[dict[str, Any]]) -> None:
     assert all(0 < d < 0.5 for d in lead["density"]), lead["density"]
 
 
+@pytest.mark.parametrize("name", list(HYBRID))
+def test_element_deltas_under_a_2x2_split(published4: Any, name: str) -> None:
+    """[Note: element deltas] under [Note: publishing from replicas]: ranks 0-3 train as 2
+    replicas x 2 shards, ranks 0 and 1 send bf16 deltas of their shards to rank 4, whose copy
+    is bitwise every trainer's params at every version: 1 whole, 2 and 3 deltas, 4 the anchor
+    (anchor_every=3), 5 a delta, each delta version fewer bytes than a whole one. `-async`
+    (fp32 on the wire, the whole slices views of the model's shard): each version
+    start_publish()ed while all four ranks ran the next step at once (which moved the params)
+    and a slowed consumer had not received yet ([Note: asynchronous publish])."""
+    *trainers, consumer = case_result(published4, name)
+    for v in range(5):
+        ref = trainers[0]["versions"][v]
+        assert all(torch.equal(ref[k], t["versions"][v][k]) for t in trainers for k in ref), v
+        assert consumer["versions"][v].keys() == ref.keys()
+        for key, tensor in ref.items():
+            assert torch.equal(consumer["versions"][v][key], tensor), (v, key)
+        if name.endswith("-async"):
+            after = trainers[0]["after"][v]
+            assert any(not torch.equal(after[k], ref[k]) for k in ref), v
+    for trainer in trainers[:2]:
+        assert [bool(d) for d in trainer["deltas"]] == [False, True, True, False, True]
+        sparse = [v for v in (1, 2, 4) if any(k > 0 for row in trainer["deltas"][v] for k in row)]
+        assert sparse == [1, 2, 4], trainer["deltas"]  # element patches, not whole slices
+        assert all(trainer["nbytes"][v] < trainer["whole_nbytes"] for v in (1, 2, 4))
+    assert trainers[2]["deltas"] == trainers[3]["deltas"] == []  # replica 1 sends nothing
+
+
+@pytest.mark.parametrize("name", list(LATE))
+def test_a_consumer_joining_late_gets_an_anchor_then_deltas(published4: Any, name: str) -> None:
+    """[Note: element deltas]: rank 2 consumes from version 1 (deltas from 2), rank 3 joins at
+    version 4 (`use_group` to a group with both). Version 4 is whole for both (the joiner
+    holds nothing: a delta would patch its zeros), 5 and 6 deltas again; both copies are
+    bitwise the trainers' params at every version each received, every strategy at dp 2."""
+    trainer0, trainer1, early, late, _ = case_result(published4, name)
+    assert list(early["versions"]) == [1, 2, 3, 4, 5, 6] and list(late["versions"]) == [4, 5, 6]
+    for consumer in (early, late):
+        for v, got in consumer["versions"].items():
+            ref = trainer0["versions"][v]
+            assert all(torch.equal(ref[k], trainer1["versions"][v][k]) for k in ref)
+            assert got.keys() == ref.keys()
+            for key, tensor in ref.items():
+                assert torch.equal(got[key], tensor), (v, key)
+    assert trainer0["deltas"] == trainer1["deltas"] == [False, True, True, False, True, True]
+
+
 def test_four_phase_receiver_loads_every_version_into_a_stand_in_engine(published: Any) -> None:
     """[Note: four-phase receiver]: an engine speaking init / start / update / finish gets the
     trainers' weights (bf16 values, deltas after the first) in its own model at every version,
@@ -355,3 +409,23 @@ def test_publisher_refuses_replicas_past_the_first_by_name() -> None:
         Publisher(model(topo(1, 0)), SimpleNamespace(trainers=(0, 1)))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="must be replicate rank 0's shard group, 2 ranks"):
         Publisher(model(topo(0, 1)), SimpleNamespace(trainers=(0, 1, 2, 3)))  # type: ignore[arg-type]
+
+
+def test_use_group_refuses_other_trainers_and_a_publish_in_flight() -> None:
+    """A consumer joins through a new group with the same trainers (`Publisher.use_group`);
+    other trainers, or a switch while a start_publish() is in flight, are refused by name."""
+    from types import SimpleNamespace
+
+    from megabuf.weights import Publisher
+
+    publisher = object.__new__(Publisher)  # the refusals read only these fields
+    topology = SimpleNamespace(rank=0)
+    publisher.model = SimpleNamespace(  # type: ignore[assignment]
+        engine=SimpleNamespace(process_groups=SimpleNamespace(topology=topology))
+    )
+    publisher.group = SimpleNamespace(trainers=(0, 1))  # type: ignore[assignment]
+    publisher._in_flight = SimpleNamespace(finished=False)  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"trainers \[0, 2\] must be this publisher's \[0, 1\]"):
+        publisher.use_group(SimpleNamespace(trainers=(0, 2)))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="use_group on rank 0 while the previous start_publish"):
+        publisher.use_group(SimpleNamespace(trainers=(0, 1)))  # type: ignore[arg-type]

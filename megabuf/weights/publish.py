@@ -128,6 +128,28 @@ class Publisher:
         self.manifest = tuple(_entry(self.model, buf, b) for buf, b in buckets)
         self._sent = [None] * len(buckets)
 
+    def use_group(self, group: PublishGroup) -> None:
+        """Publish to `group`'s consumers from the next publish on: a consumer joins (or
+        leaves) a running loop through a new publish group with the same trainers (every rank
+        makes it, `publish_group`), which the trainers and the consumers that stay move to
+        (`WeightReceiver.use_group`). The host copies stay: the joiner holds nothing, so the
+        next publish is whole for every consumer, deltas after it ([Note: element deltas])."""
+        if group.trainers != self.group.trainers:
+            raise ValueError(
+                f"megabuf: Publisher.use_group: the new group's trainers {list(group.trainers)} "
+                f"must be this publisher's {list(self.group.trainers)}, in order; build a new "
+                "Publisher for other trainers"
+            )
+        self._refuse_in_flight("use_group")
+        self.group = group
+
+    def _refuse_in_flight(self, what: str) -> None:
+        if self._in_flight is not None and not self._in_flight.finished:
+            raise RuntimeError(
+                f"megabuf: {what} on rank {self.model.engine.process_groups.topology.rank} "
+                "while the previous start_publish() is in flight: wait() its PendingPublish first"
+            )
+
     def publish(
         self,
         *,
@@ -176,11 +198,7 @@ class Publisher:
     ) -> tuple[Transfer, list[tuple[bool, int, Tensor | None]]]:
         """Phases 1 and 2 of [Note: publish protocol]: the headers, and what is sent."""
         model = self.model
-        if self._in_flight is not None and not self._in_flight.finished:
-            raise RuntimeError(
-                f"megabuf: publish on rank {model.engine.process_groups.topology.rank} while "
-                "the previous start_publish() is in flight: wait() its PendingPublish first"
-            )
+        self._refuse_in_flight("publish")
         model.engine.check_resident("publish()")
         if (changed_only or delta) and not self.track_changes:
             raise ValueError(
@@ -298,6 +316,16 @@ class WeightReceiver:
         self.holds: str | None = None  # `holding()` of `flats` ([Note: what a consumer holds])
         self.flats: list[Tensor] = []  # one per bucket, the publish dtype
         self.transfer: Transfer | None = None
+
+    def use_group(self, group: PublishGroup) -> None:
+        """Receive on `group` from the next receive on, keeping this copy (a consumer joining a
+        running loop: see `Publisher.use_group`)."""
+        if self.rank not in group.consumers:
+            raise ValueError(
+                f"megabuf: WeightReceiver.use_group on rank {self.rank}: not among the group's "
+                f"consumers {list(group.consumers)}"
+            )
+        self.group = group
 
     def receive(self, *, expect_version: int | None = None) -> dict[str, Tensor]:
         """Join one publish (collective over the publish group); returns every weight under its
