@@ -738,7 +738,7 @@ MUTANTS = (
         "auto-bucket-sharded-old-grad-shards-ledgered",
         "a sharded auto re-plan takes the old groups' grad shards off the memory ledger",
         "megabuf/replan/sharded_replan.py",
-        "            ledger.free(GRAD_SHARD, group.sharded_grads.shard_nbytes)\n",
+        "            ledger.free(GRAD_SHARD, group.grads.shard_nbytes)\n",
         "            pass\n",
         ("tests/test_autobucket.py",),
     ),

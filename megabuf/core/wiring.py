@@ -143,10 +143,9 @@ def _install_hooks(
     )
     # after the dense ones: _count_arrivals finds those by position
     handles += parts.sparse_grads.install_hooks(parts.on_grad, sync.in_backward)
-    for group in groups:  # the hooks hold the views: guard the attribute
-        if group.sharded_grads is not None:
-            names = [parts.param_to_name[p] for p in group.params_list]
-            group.sharded_grads.guard_main_grads(group.params_list, names)
+    for group in groups:  # the hooks hold the views: a sharded storage guards the attribute
+        names = [parts.param_to_name[p] for p in group.params_list]
+        group.grads.guard_main_grads(group.params_list, names)
     gather_hooks = ParamGatherHooks(parts.module, param_to_group)
     if parts.config.overlap_param_gather:
         gather_hooks.enable()

@@ -108,8 +108,8 @@ def release_old_groups(
                 f'bucket_size="auto" re-plan (rank {rank}), not gathered: a megabuf bug; give an '
                 "int bucket_size meanwhile"
             )
-        if group.sharded_grads is not None:  # released at a step boundary: only shards held
-            ledger.free(GRAD_SHARD, group.sharded_grads.shard_nbytes)
+        if group.grads.shard_nbytes:  # released at a step boundary: only the shards held
+            ledger.free(GRAD_SHARD, group.grads.shard_nbytes)
     return units
 
 
@@ -134,8 +134,7 @@ def replan_shortfall(
     storages = [t for b in buffers for t in (b.param_data, b.grad_storage) if t is not None]
     need = sum(t.untyped_storage().nbytes() for t in storages)
     for g in groups:
-        if g.sharded_grads is not None:
-            need += g.sharded_grads.shard_nbytes
+        need += g.grads.shard_nbytes  # 0 for a full grad storage
         if g.sharded_params is not None:
             shards = sum(s.numel() * s.element_size() for s in g.sharded_params.shards)
             need += 2 * g.sharded_params.full_nbytes + shards

@@ -196,9 +196,8 @@ def _collect(
         grads += [p.grad for p in chunk.module.parameters()]
         yield "grads", grads, keep_grads
         scratch: list[Tensor | None] = [b.scratch for b in buckets]
-        for group in chunk.engine.all_bucket_groups:
-            if group.sharded_grads is not None:
-                scratch += group.sharded_grads.scratch
+        for group in chunk.engine.all_bucket_groups:  # [Note: grad storage]: full ones keep none
+            scratch += group.grads.scratch
         yield "grad_scratch", scratch, False  # landing zones: contents never outlive a reduction
         params: list[Tensor | None] = [b.param_data for b in buckets]
         params += [b.param_shard for b in buckets]
