@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import warnings
 from typing import Any
 
 import hybrid_cases
@@ -296,10 +297,30 @@ class GroupsReference(muon_cases.Reference):
 
     def __init__(self, case: dict[str, Any]) -> None:
         super().__init__(case)
+        if case.get("fp16"):  # fp16 params; the masters start from their fp16 values
+            self.model.to(torch.float16)
+            self.masters = [p.detach().float().clone() for p in self.params]
         named = [n for n, p in self.model.named_parameters() if p.requires_grad]
         groups = _muon_groups(dict(zip(named, self.masters, strict=True)))
         self.muon = torch.optim.Muon(_torch_groups(groups, True), **CTOR)
         self.adamw = torch.optim.AdamW(_torch_groups(groups, False), **CTOR)
+        self.loss_scale: float | None = None  # fp16: the step's loss scale
+
+    def grads(self, step: int, dp: int) -> list[torch.Tensor]:
+        """fp16 params: as megabuf makes them, each rank's fp16 grad of the scaled loss times
+        1/dp (exact), summed in fp16 in rank order, then unscaled in fp32; else muon_cases'."""
+        if self.loss_scale is None:
+            return super().grads(step, dp)
+        x, y = muon_cases.make_data(step)
+        total = [torch.zeros_like(p) for p in self.params]
+        for rank in range(dp):
+            self.model.zero_grad()
+            for lo, hi in muon_cases.batches(x, rank, dp, 1):
+                logits = self.model(x[lo:hi])
+                (muon_cases.loss_fn(logits, y[lo:hi], 1) * self.loss_scale).backward()
+            for acc, p in zip(total, self.params, strict=True):
+                acc.add_(p.grad * (1.0 / dp))
+        return [acc.float() / self.loss_scale for acc in total]
 
 
 def _muon_step(model: Any, opt: Any, step: int, inf: bool) -> bool:
@@ -327,6 +348,8 @@ def muon_groups_case(strategy: str, extra: dict[str, Any] | None = None) -> dict
     extra = extra or {}
     torch.manual_seed(0)
     net = muon_cases.MuonNet()
+    if extra.get("fp16"):
+        net.to(torch.float16)
     cfg = megabuf.DistributedDataParallelConfig(
         data_parallel_sharding_strategy=strategy, whole_param_owners=strategy != "no_shard",
         **extra.get("ddp", {}),
@@ -336,12 +359,16 @@ def muon_groups_case(strategy: str, extra: dict[str, Any] | None = None) -> dict
         model.register_comm_hook(Reduce())
     named = {n: p for n, p in net.named_parameters() if p.requires_grad}
     cls = megabuf.DistributedOptimizer if strategy != "no_shard" else megabuf.FP32Optimizer
+    if extra.get("fp16") and strategy == "no_shard":
+        cls = megabuf.MixedPrecisionOptimizer
     scaler = DynamicGradScaler(FP16_SCALE, hysteresis=1) if extra.get("scaler") else None
     opt = cls(model, MuonAdamW, _muon_groups(named), grad_scaler=scaler, **CTOR)
-    ref = GroupsReference({})
+    ref = GroupsReference({"fp16": extra.get("fp16")})
     applied = []
     for step in range(STEPS):
         skip = bool(extra.get("scaler")) and step == 1
+        if extra.get("fp16"):
+            ref.loss_scale = float(opt.get_loss_scale())
         applied.append(_muon_step(model, opt, step, skip))
         if not skip:
             ref.step(step, dist.get_world_size())
@@ -382,10 +409,13 @@ def _scaled_replan_step(model: Any, opt: Any, step: int, inf: bool) -> bool:
     return bool(opt.step()[0])
 
 
-def replan_scaler_case(flags: dict[str, Any], skips: tuple[int, ...]) -> dict[str, Any]:
+def replan_scaler_case(
+    flags: dict[str, Any], skips: tuple[int, ...], fp16: bool = False
+) -> dict[str, Any]:
     """The re-plan (autobucket_cases' injected measurements) with a DynamicGradScaler, two param
     groups whose lr and weight decay differ, and an inf on rank 1 at the steps `skips` (during
-    the warm-up and after the re-plan): bitwise the same steps on that plan from the start."""
+    the warm-up and after the re-plan): bitwise the same steps on that plan from the start.
+    `fp16`: the model's params in fp16 (fp32 main params)."""
     import copy
 
     from autobucket_cases import MODEL, STEPS, WARMUP, fake_measurement
@@ -393,6 +423,8 @@ def replan_scaler_case(flags: dict[str, Any], skips: tuple[int, ...]) -> dict[st
     from megabuf.testing.models import build_model
 
     base = build_model(MODEL, seed=0)
+    if fp16:
+        base.to(torch.float16)
     out: dict[str, Any] = {}
     runs = {}
     for kind in ("auto", "fixed"):
@@ -525,3 +557,76 @@ def counted_fp32_case() -> dict[str, Any]:
         "counted": counted_turns(model),
         "params": {n: (state[n].detach().float(), p.detach().float()) for n, p in named.items()},
     }
+
+
+# ---- MuonAdamW at pp 2 ---------------------------------------------------------------------------
+def _pp_muon_groups(named: dict[str, Any]) -> list[dict[str, Any]]:
+    """Muon on every 2-D weight (stage 0: the in-projection, router, experts; stage 1: the
+    head), AdamW on the biases; the groups' settings differ from each other and from CTOR's. A
+    stage passes only the params it holds."""
+    muon = [p for n, p in named.items() if p.dim() == 2]
+    adam = [p for n, p in named.items() if p.dim() != 2]
+    return [
+        {"params": muon, "use_muon": True, "lr": 0.02, "momentum": 0.9, "weight_decay": 0.05},
+        {"params": adam, "use_muon": False, "lr": 5e-3, "betas": (0.8, 0.95)},
+    ]  # fmt: skip
+
+
+def pp_muon_case(strategy: str, ep: int) -> dict[str, Any]:
+    """1F1B over 2 stages (x ep `ep`), 3 micro-batches (matrix_cases' pp case): each stage's
+    MuonAdamW (_pp_muon_groups over that stage's params; owners among the stage's dp ranks)
+    for 3 steps against the whole MoEModel stepped by torch.optim.Muon + AdamW given the same
+    groups on the global batch."""
+    from functools import partial
+
+    from moe_cases import groups as moe_groups
+
+    from megabuf.pipeline import (
+        default_schedule_hooks,
+        get_forward_backward_func,
+        wrap_model_chunks,
+    )
+
+    pgs = moe_groups(pp_size=2, ep_size=ep)
+    whole = MoEModel(CFG, ep_group=pgs.ep, seed=3)
+    stage = matrix_cases.MoEStage(whole, first=pgs.pp_rank == 0)
+    cfg = megabuf.DistributedDataParallelConfig(
+        overlap_grad_reduce=True, bucket_size=64, data_parallel_sharding_strategy=strategy,
+        whole_param_owners=strategy != "no_shard",
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (model,) = wrap_model_chunks([stage], cfg, pgs)
+    if stage.moe is not None:
+        stage.moe.collectives = model.engine.collectives
+    named = {n: p for n, p in stage.named_parameters() if p.requires_grad}
+    cls = megabuf.DistributedOptimizer if strategy != "no_shard" else megabuf.FP32Optimizer
+    opt = cls([model], MuonAdamW, _pp_muon_groups(named), **CTOR)
+    ref = MoEModel(CFG, seed=3)
+    ref_groups = _pp_muon_groups(dict(ref.named_parameters()))
+    ref_opts = (
+        torch.optim.Muon(_torch_groups(ref_groups, True), **CTOR),
+        torch.optim.AdamW(_torch_groups(ref_groups, False), **CTOR),
+    )
+    n = matrix_cases.BATCH // pgs.dp_size
+    k = n // matrix_cases.MICRO
+    applied = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = moe_batch(CFG, matrix_cases.BATCH, seed=100 + step)
+        mine = [(x[pgs.dp_rank * n + i * k :][:k], y[pgs.dp_rank * n + i * k :][:k])
+                for i in range(matrix_cases.MICRO)]  # fmt: skip
+        get_forward_backward_func(2, 1)(
+            forward_step_func=partial(matrix_cases._pp_forward_step, (None, False, [])),
+            data_iterator=iter(mine), model=model, num_microbatches=matrix_cases.MICRO,
+            tensor_shape=(k, CFG.d_model), hooks=default_schedule_hooks([model]),
+        )  # fmt: skip
+        applied.append(bool(opt.step()[0]))
+        ref.zero_grad()
+        ((ref(x) - y) ** 2).mean(dim=1).mean().backward()
+        for ref_opt in ref_opts:
+            ref_opt.step()
+    return {
+        "applied": applied, "errors": matrix_cases._param_errors(model, ref),
+        "pp_rank": pgs.pp_rank, "counted": counted_turns(model),
+    }  # fmt: skip
