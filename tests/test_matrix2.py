@@ -13,15 +13,13 @@ from hybrid_cases import lifecycle_case
 from matrix2_cases import (
     counted_fp32_case,
     hybrid_scaling_case,
-    muon_expert_case,
-    muon_groups_case,
     offload_expert_case,
     pp_lifecycle_case,
-    pp_muon_case,
     replan_options_case,
     replan_scaler_case,
     version_skip_case,
 )
+from matrix2_muon_cases import muon_expert_case, muon_groups_case, pp_muon_case
 
 import megabuf
 
