@@ -14,9 +14,8 @@ where they meet the options that move scaling or membership.
 - The weight version (`weight_version`, `export_weights(optimizer=...)`) over a skipped step: an
   inf in one expert's grad on one rank skips step 1 everywhere; the version counts applied
   updates only.
-- MuonAdamW with per-group settings that differ between groups and from the constructor's (lr,
-  weight decay, Muon momentum / nesterov, AdamW betas / eps) against torch.optim.Muon +
-  torch.optim.AdamW given the same groups.
+- The auto re-plan with averaging, skipped steps, param groups and fp16 params (2 ranks).
+The whole-param owner (MuonAdamW) cases are in matrix2_muon_cases.py.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from typing import Any
 
 import hybrid_cases
 import matrix_cases
-import muon_cases
 import torch
 import torch.distributed as dist
 from moe_cases import CFG
@@ -36,7 +34,6 @@ from optimizer_cases import GLOBAL_BATCH, Net, Reference, loss_fn, make_data, pa
 
 import megabuf
 from megabuf.comm_hooks import Reduce
-from megabuf.optimizer import MuonAdamW
 from megabuf.optimizer.grad_scaler import DynamicGradScaler
 from megabuf.testing.moe import MoEModel, moe_batch
 
@@ -266,89 +263,6 @@ def version_skip_case(strategy: str) -> dict[str, Any]:
     return {"steps": steps, "counted": counted_turns(model)}
 
 
-# ---- MuonAdamW with per-group settings ---------------------------------------------------------
-CTOR = {"lr": muon_cases.LR, "weight_decay": 0.1}
-
-
-def _muon_groups(named: dict[str, Any]) -> list[dict[str, Any]]:
-    """Four groups, each with settings of its own that differ from CTOR's; the last takes the
-    constructor's."""
-    rest = [n for n in named if n not in ("up.weight", "down.weight", "mix.weight", "embed.weight")]
-    return [
-        {"params": [named["up.weight"], named["down.weight"]], "use_muon": True,
-         "lr": muon_cases.MUON_LR, "weight_decay": 0.05, "momentum": 0.8},
-        {"params": [named["mix.weight"]], "use_muon": True, "lr": 0.03, "weight_decay": 0.0,
-         "nesterov": False},
-        {"params": [named["embed.weight"]], "use_muon": False, "lr": 5e-3, "weight_decay": 0.2,
-         "betas": (0.8, 0.95)},
-        {"params": [named[n] for n in rest], "use_muon": False, "eps": 1e-6},
-    ]  # fmt: skip
-
-
-def _torch_groups(groups: list[dict[str, Any]], muon: bool) -> list[dict[str, Any]]:
-    return [
-        {k: v for k, v in g.items() if k != "use_muon"} for g in groups if g["use_muon"] == muon
-    ]
-
-
-class GroupsReference(muon_cases.Reference):
-    """muon_cases' reference with _muon_groups' settings given to torch's optimizers."""
-
-    def __init__(self, case: dict[str, Any]) -> None:
-        super().__init__(case)
-        named = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        groups = _muon_groups(dict(zip(named, self.masters, strict=True)))
-        self.muon = torch.optim.Muon(_torch_groups(groups, True), **CTOR)
-        self.adamw = torch.optim.AdamW(_torch_groups(groups, False), **CTOR)
-
-
-def _muon_step(model: Any, opt: Any, step: int, inf: bool) -> bool:
-    """One step on this rank's slice, the loss scaled by the optimizer's loss scale; with
-    `inf`, rank 1's grad of up.weight is made inf (a tensor hook: before megabuf sees it)."""
-    x, y = muon_cases.make_data(step)
-    n = x.shape[0] // dist.get_world_size()
-    lo = dist.get_rank() * n
-    opt.zero_grad()
-    handle = None
-    if inf and dist.get_rank() == 1:
-        param = model.module.get_parameter("up.weight")
-        handle = param.register_hook(lambda g: torch.full_like(g, math.inf))
-    opt.scale_loss(muon_cases.loss_fn(model(x[lo : lo + n]), y[lo : lo + n], 1)).backward()
-    if handle is not None:
-        handle.remove()
-    model.finish_grad_sync()
-    return bool(opt.step()[0])
-
-
-def muon_groups_case(strategy: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """STEPS steps of MuonAdamW with _muon_groups against GroupsReference; per-param max
-    deviation. `extra`: "ddp" fields, "hook" (Reduce() on every buffer), "scaler" (a
-    DynamicGradScaler, and an inf on rank 1 at step 1: skipped, the reference skips it too)."""
-    extra = extra or {}
-    torch.manual_seed(0)
-    net = muon_cases.MuonNet()
-    cfg = megabuf.DistributedDataParallelConfig(
-        data_parallel_sharding_strategy=strategy, whole_param_owners=strategy != "no_shard",
-        **extra.get("ddp", {}),
-    )  # fmt: skip
-    model = megabuf.DistributedDataParallel(net, cfg)
-    if extra.get("hook"):
-        model.register_comm_hook(Reduce())
-    named = {n: p for n, p in net.named_parameters() if p.requires_grad}
-    cls = megabuf.DistributedOptimizer if strategy != "no_shard" else megabuf.FP32Optimizer
-    scaler = DynamicGradScaler(FP16_SCALE, hysteresis=1) if extra.get("scaler") else None
-    opt = cls(model, MuonAdamW, _muon_groups(named), grad_scaler=scaler, **CTOR)
-    ref = GroupsReference({})
-    applied = []
-    for step in range(STEPS):
-        skip = bool(extra.get("scaler")) and step == 1
-        applied.append(_muon_step(model, opt, step, skip))
-        if not skip:
-            ref.step(step, dist.get_world_size())
-    counted = counted_turns(model)
-    return {"errors": muon_cases.compare(model, ref), "applied": applied, "counted": counted}
-
-
 # ---- the auto re-plan with the options that move the 1/dp --------------------------------------
 def replan_options_case(flags: dict[str, Any]) -> dict[str, Any]:
     """autobucket_cases.replan_case (the re-plan at step k bitwise N steps on that plan from the
@@ -382,10 +296,13 @@ def _scaled_replan_step(model: Any, opt: Any, step: int, inf: bool) -> bool:
     return bool(opt.step()[0])
 
 
-def replan_scaler_case(flags: dict[str, Any], skips: tuple[int, ...]) -> dict[str, Any]:
+def replan_scaler_case(
+    flags: dict[str, Any], skips: tuple[int, ...], fp16: bool = False
+) -> dict[str, Any]:
     """The re-plan (autobucket_cases' injected measurements) with a DynamicGradScaler, two param
     groups whose lr and weight decay differ, and an inf on rank 1 at the steps `skips` (during
-    the warm-up and after the re-plan): bitwise the same steps on that plan from the start."""
+    the warm-up and after the re-plan): bitwise the same steps on that plan from the start.
+    `fp16`: the model's params in fp16 (fp32 main params)."""
     import copy
 
     from autobucket_cases import MODEL, STEPS, WARMUP, fake_measurement
@@ -393,6 +310,8 @@ def replan_scaler_case(flags: dict[str, Any], skips: tuple[int, ...]) -> dict[st
     from megabuf.testing.models import build_model
 
     base = build_model(MODEL, seed=0)
+    if fp16:
+        base.to(torch.float16)
     out: dict[str, Any] = {}
     runs = {}
     for kind in ("auto", "fixed"):
@@ -451,53 +370,6 @@ def pp_lifecycle_case(strategy: str, ep: int) -> dict[str, Any]:
 
     out = matrix_cases.pp_ep_case(strategy, ep, scaler=True, after_step=after_step)
     return {**out, **seen}
-
-
-# ---- MuonAdamW with expert-parallel params (ep 2) ----------------------------------------------
-def _moe_groups(named: dict[str, Any]) -> list[dict[str, Any]]:
-    """Muon on the router and the experts' matrices, AdamW on the rest; settings differ."""
-    muon = [n for n, p in named.items() if p.dim() == 2 and n.startswith("moe.")]
-    return [
-        {"params": [named[n] for n in muon], "use_muon": True, "lr": 0.02, "momentum": 0.9},
-        {"params": [named[n] for n in named if n not in muon], "use_muon": False, "lr": 5e-3,
-         "betas": (0.8, 0.95)},
-    ]  # fmt: skip
-
-
-def muon_expert_case(strategy: str) -> dict[str, Any]:
-    """ep 2 (expert dp 2 != dp 4), MuonAdamW with _moe_groups, 3 steps of 3 micro-batches;
-    the params against the whole MoEModel stepped by torch.optim.Muon + AdamW given the same
-    groups on the global batch."""
-    import warnings
-
-    from moe_cases import groups as moe_groups
-
-    pgs = moe_groups(ep_size=2)
-    net = MoEModel(CFG, ep_group=pgs.ep, seed=3)
-    cfg = megabuf.DistributedDataParallelConfig(
-        data_parallel_sharding_strategy=strategy, whole_param_owners=strategy != "no_shard",
-        overlap_grad_reduce=True, bucket_size=64,
-    )  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
-    net.moe.collectives = model.engine.collectives
-    named = {n: p for n, p in net.named_parameters() if p.requires_grad}
-    cls = megabuf.DistributedOptimizer if strategy != "no_shard" else megabuf.FP32Optimizer
-    opt = cls(model, MuonAdamW, _moe_groups(named), **CTOR)
-    ref = MoEModel(CFG, seed=3)
-    ref_groups = _moe_groups(dict(ref.named_parameters()))
-    ref_muon = torch.optim.Muon(_torch_groups(ref_groups, True), **CTOR)
-    ref_adamw = torch.optim.AdamW(_torch_groups(ref_groups, False), **CTOR)
-    applied = []
-    for step in range(STEPS):
-        applied.append(_model_step(model, opt, step))
-        ref.zero_grad()
-        x, y = moe_batch(CFG, matrix_cases.BATCH, seed=100 + step)
-        ((ref(x) - y) ** 2).mean(dim=1).mean().backward()
-        ref_muon.step()
-        ref_adamw.step()
-    return {"applied": applied, "errors": matrix_cases._param_errors(model, ref)}
 
 
 # ---- counted arrivals under grad_reduce_in_fp32 ------------------------------------------------

@@ -132,6 +132,23 @@ MUTANTS = (
         "                group[key] = value\n",
         ("tests/test_matrix2.py", "tests/test_muon.py"),
     ),
+    Mutant(  # issue 46: the counted-arrivals row
+        "counted-arrivals-count-inside-no-sync",
+        "counted arrivals: inside no_sync() a group passes its arrivals and is not made ready",
+        "megabuf/buckets/arrivals.py",
+        "            if not (self.total and group.counts_arrivals):\n",
+        "            if not self.total:\n",
+        ("tests/test_matrix2.py",),
+    ),
+    Mutant(  # issue 46: the auto re-plan row
+        "replan-buckets-rescale-under-average",
+        "the in-place re-plan keeps each buffer's gradient_scaling_factor (1 under averaging)",
+        "megabuf/buckets/buffer.py",
+        "        self._grad_data.zero_()\n        self.buckets = [",
+        "        self._grad_data.zero_()\n"
+        "        self.gradient_scaling_factor = 1.0 / self.dp_size\n        self.buckets = [",
+        ("tests/test_matrix2.py",),
+    ),
     Mutant(
         "expert-norm-not-over-ep",
         "global grad norm: expert parts are summed over expt_dp, ep and pp",
