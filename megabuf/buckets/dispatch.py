@@ -115,6 +115,19 @@ DROPPED_WAIT_S = 60.0
 dropped group])."""
 
 
+def expect_state(
+    state: enum.Enum, allowed: Sequence[enum.Enum], what: str, group_id: int, rank: int, hint: str
+) -> None:
+    """A bucket group lifecycle's one guard (its grad and its param side both ask it): raise
+    naming both states unless `state` is one of `allowed`."""
+    if state not in allowed:
+        wanted = " or ".join(s.name for s in allowed)
+        raise RuntimeError(
+            f"megabuf: bucket group {group_id} {what} is {state.name}, expected {wanted} "
+            f"(rank {rank}); {hint}"
+        )
+
+
 def wait_dropped(pending: Sequence[PendingCollective], rank: int) -> None:
     """A gather record was dropped: wait, bounded, for its collectives that nobody waited for
     (a wait empties `handles`); see [Note: gathers outlive a dropped group]."""

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megabuf.buckets.buffer import _ParamAndGradBucket
-from megabuf.buckets.dispatch import ParamSyncState, SyncWork, wait_dropped
+from megabuf.buckets.dispatch import ParamSyncState, SyncWork, expect_state, wait_dropped
 from megabuf.transport.collectives import Collectives
 
 
@@ -47,13 +47,8 @@ class ParamGather:
         self.next: ParamGather | None = None  # prefetched by `finish` (learned forward order)
 
     def expect(self, *states: ParamSyncState) -> None:
-        if self.state not in states:
-            wanted = " or ".join(s.name for s in states)
-            raise RuntimeError(
-                f"megabuf: bucket group {self.group_id} param sync is {self.state.name}, "
-                f"expected {wanted} (rank {self.rank}); finish in-flight param gathers "
-                "(model.publish_params()) before changing params"
-            )
+        hint = "finish in-flight param gathers (model.publish_params()) before changing params"
+        expect_state(self.state, states, "param sync", self.group_id, self.rank, hint)
 
     def mark_stale(self) -> None:
         """The optimizer updated this rank's shards; other ranks' shards must be gathered."""

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from torch import nn
 
 from megabuf.buckets.arrivals import CountedArrivals
-from megabuf.buckets.dispatch import GradSyncState
+from megabuf.buckets.dispatch import GradSyncState, expect_state
 
 
 class NotCounted:
@@ -83,13 +83,9 @@ class GradReadiness:
 
     def expect(self, *states: GradSyncState) -> None:
         """The grad lifecycle's guard: raise naming both states unless in one of `states`."""
-        if self.state not in states:
-            wanted = " or ".join(s.name for s in states)
-            raise RuntimeError(
-                f"megabuf: bucket group {self.group_id} grad sync is {self.state.name}, "
-                f"expected {wanted} (rank {self.rank}); did you call zero_grad_buffer() between "
-                "iterations and finish_grad_sync() after backward?"
-            )
+        hint = "did you call zero_grad_buffer() between iterations and finish_grad_sync() after "
+        hint += "backward?"
+        expect_state(self.state, states, "grad sync", self.group_id, self.rank, hint)
 
     # ---- the per-grad path --------------------------------------------------------------------
     def register_grad_ready_at(self, i: int, param: nn.Parameter) -> None:
