@@ -19,6 +19,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from megabuf.pure.config_fields import dataclass_from_dict, dataclass_from_toml, document_fields
+from megabuf.pure.verify_levels import check_verify_fields
 from megabuf.sharding.strategies import (
     SHARDING_STRATEGIES,
     STRATEGIES,
@@ -195,8 +196,26 @@ class DistributedDataParallelConfig:
     ([Note: exact grad norm]), so clipped steps are bitwise too. A `comm_hook` with it must
     declare `deterministic = True` (e.g. Compress with accumulate = "fp32")."""
 
+    verify: str = "off"
+    """Run-time self-checks that name the first diverging rank ([Note: verify mode],
+    docs/verify.md): "off", "collectives" (each group's collective sequence agreed before each
+    bucket's reduction is issued and at every grad sync), "replicas" (params, and no_shard's
+    synced grads, equal across dp / expt_dp at every grad sync), "norms" (the optimizer's grad
+    norm against an fp64 norm over the exact ownership sets), or "all". Each raises on every
+    rank naming the collective, param or set; each costs collectives (see BENCHMARKS.md)."""
+
+    check_for_large_grads: bool | str = False
+    """Spike guard (Megatron's name): a global grad norm more than 10x the largest of the last
+    100 finite ones (after 5) raises ("raise" or True) or skips the step ("skip") on every rank
+    that steps, naming the norm and the history; False / "off": no check."""
+
+    grad_norm_skip_threshold: float | None = None
+    """Skip the step on every rank that steps when the global grad norm exceeds this (counted in
+    `optimizer.step_checks.skipped`, logged on rank 0). None: off."""
+
     def __post_init__(self) -> None:
         self._resolve_sharding_strategy()
+        check_verify_fields(self)
         for name in ("overlap_param_gather", "align_param_gather"):
             if getattr(self, name) and not self.use_distributed_optimizer:
                 raise ValueError(

@@ -14,6 +14,7 @@ the few modules users import or run by name stay in megabuf/ itself, each its ow
     sharding/     ZeRO's grad and param storages and unit runtime (and see below)
     buckets/      the contiguous buffers and the bucket groups (both lifecycles)
     sync/         the grad sync, the param side, the hooks and the parts they drive
+    verify/       the verify mode's checks and spike guards ([Note: verify mode])
     replan/       bucket_size = "auto": warm-up, agreed plan, rebuild
     core/         `assemble`, the `Engine` and its `Wiring`, what acts on it whole (pickling, join)
     ddp.py        `DistributedDataParallel` (user-facing)
@@ -46,6 +47,7 @@ LAYERS: list[str] = [
     "megabuf.sharding",
     "megabuf.buckets",
     "megabuf.sync",
+    "megabuf.verify",
     "megabuf.replan",
     "megabuf.core",
     "megabuf.ddp",

@@ -42,6 +42,7 @@ from megabuf.sharding.grads import ShardedGrads
 from megabuf.sharding.params import ShardedParams
 from megabuf.sharding.replicate import ReplicaStage
 from megabuf.transport.collectives import Collectives
+from megabuf.transport.observers import issue_descriptor
 
 
 class BucketGroup:
@@ -313,11 +314,21 @@ class BucketGroup:
         self.written.zero_unwritten()
         if self.ddp_config.check_for_nan_in_grad:
             self.nonfinite.record(self.buckets[0].grad_data.device)
-        self.reduction.start(self.ddp_config.overlap_grad_reduce, self._final)
+        with self.collectives.observers.issuing(*self._issue_descriptor()):  # [Note: verify mode]
+            self.reduction.start(self.ddp_config.overlap_grad_reduce, self._final)
         self.grad_state = GradSyncState.DISPATCHED
         counter.reset()  # a later arrival checks the state
         if self.timeline is not None:
             self.timeline.record(self.group_id, "dispatch")
+
+    def _issue_descriptor(self) -> tuple[str, ProcessGroup | None, tuple[int, ...]]:
+        """What every rank of the group issues as this reduction ([Note: collective observers])."""
+        numel, dtype = sum(b.numel_unpadded for b in self.buckets), self.buckets[0].grad_data.dtype
+        return (
+            f"bucket group {self.group_id}",
+            self.collective_group,
+            issue_descriptor(self.group_id, dtype, numel),
+        )
 
     def finish_grad_sync(self) -> None:
         """Wait for the reduction; if nobody dispatched it yet, dispatch it first. Under hybrid

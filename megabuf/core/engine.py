@@ -60,6 +60,7 @@ from megabuf.transport.collectives import Collectives
 from megabuf.transport.devices import params_device
 from megabuf.transport.dist_autograd import refuse_dist_autograd
 from megabuf.transport.process_groups import ProcessGroups
+from megabuf.verify.engine_checks import EngineVerifier
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class Engine:
         self.memory_ledger = MemoryLedger()  # [Note: sharded grad lifecycle]
         self._residency = Residency(self.rank)  # [Note: offloaded engine]
         self.replan_listeners = ReplanListeners(self.rank)  # [Note: sharded auto bucket re-plan]
+        self._verifier = EngineVerifier(self)  # [Note: verify mode]; its checks join the sync's
         self.disable_bucketing = disable_bucketing
         # False: an unpickled copy, built without a collective ([Note: pickling a wrapped model])
         self._check_replicas = check_replicas
@@ -289,7 +291,7 @@ class Engine:
             checks.append(self._raise_on_nonfinite_grads)
         if self.config.error_on_unused_params:
             checks.append(self._raise_on_unused_params)
-        return checks
+        return checks + self._verifier.sync_checks()
 
     def _microbatch_agreement(self) -> MicrobatchAgreement | None:
         """[Note: micro-batch agreement], in the modes that communicate every micro-batch."""

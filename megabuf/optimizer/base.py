@@ -69,6 +69,7 @@ from megabuf.optimizer.records import (
     StepResult,
 )
 from megabuf.transport.devices import params_device
+from megabuf.verify.step_checks import StepChecks
 
 logger = logging.getLogger(__name__)
 _UNSYNCED = {
@@ -124,6 +125,8 @@ class MegabufOptimizer(torch.optim.Optimizer, Joinable):
         self._optimizer_kwargs = optimizer_kwargs
         self.domains: list[Domain] = self._build_domains()
         self._norm_kinds = self._model_wide_kinds()
+        self.step_checks = StepChecks(self.model_chunks, self.collectives, self.process_groups,
+                                      self.device)  # [Note: verify mode]  # fmt: skip
         self._copied_grads = False
         self._completed_steps = 0  # updates applied (skipped steps excluded): weight version
         self._versions = ModelParamVersions(self.main_params)
@@ -229,6 +232,9 @@ class MegabufOptimizer(torch.optim.Optimizer, Joinable):
             grad_norm = norm_fn(parts, self.collectives, device=self.device)
             if not math.isfinite(grad_norm):  # the same value on every rank
                 return self._skip(grad_norm)
+            part_norm = lambda i: norm_fn([parts[i]], self.collectives, device=self.device)  # noqa: E731
+            if self.step_checks.skip(grad_norm, self._norm_kinds, self.domains, part_norm):
+                return self._skip(grad_norm)  # spike guards ([Note: verify mode])
             coef = 1.0  # applied to attached grads here, to upcast windows as they are made
             if self.clip_grad > 0.0:
                 coef = clip_grads_(grads, self.clip_grad, grad_norm)

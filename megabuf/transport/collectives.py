@@ -4,7 +4,7 @@ Each wrapper takes an explicit group and `async_op` (point-to-point `send`/`recv
 batched `batch_p2p` are always async), returns a `PendingCollective` (finish it with `.wait()`),
 counts in `Collectives.stats` the bytes of the tensors it hands to torch.distributed (see
 `CommStats`), and runs the same code at world size 1.
-Tests may subclass `Collectives` to intercept or fake any call.
+Tests may subclass `Collectives` to intercept or fake any call; `observers` hear of each call.
 How each operation is realised on a (backend, device type) is chosen in
 megabuf/transport/collective_backends.py ([Note: collective strategies], [Note: one collective per
 bucket group]).
@@ -24,6 +24,7 @@ from torch.distributed.algorithms.join import Join
 from torch.distributed.distributed_c10d import _coalescing_manager
 
 from megabuf.transport import collective_backends as backends
+from megabuf.transport import observers
 from megabuf.transport.comm_records import (
     CommStats,
     P2PMessage,
@@ -44,14 +45,13 @@ __all__ = [
 
 
 class Collectives:
-    """The collective layer. One instance per engine; `stats` counts the bytes this rank hands
-    to torch.distributed (and the ring figure for them)."""
+    """The collective layer, one per engine; `stats`: bytes handed over, and their ring figure."""
 
     def __init__(
         self, strategies: Mapping[tuple[str, str], backends.CollectiveStrategy] | None = None
     ) -> None:
         self.strategies = dict(backends.BACKEND_STRATEGIES if strategies is None else strategies)
-        self.stats = CommStats()
+        self.stats, self.observers = CommStats(), observers.CollectiveObservers()
         # [Note: wire accounting by group]: the same counts, per named process group
         self.group_stats: dict[str, CommStats] = {}
         self._group_names: dict[int, tuple[str, Group]] = {}
@@ -73,6 +73,7 @@ class Collectives:
         return self.group_stats[name]
 
     def _record(self, group: Group, op: str, **nbytes: int) -> None:
+        self.observers.issued(group, op, nbytes)  # [Note: collective observers]
         self.stats.record(op, **nbytes)
         self.stats_of(group).record(op, **nbytes)
 
