@@ -20,6 +20,7 @@ from matrix2_cases import (
     version_skip_case,
 )
 from matrix2_muon_cases import muon_expert_case, muon_groups_case, pp_muon_case
+from verify_cases import run_each_verified
 
 import megabuf
 
@@ -129,7 +130,19 @@ def _cases() -> dict[str, tuple[Any, ...]]:
 
 @pytest.fixture(scope="module")
 def results(pools: Any) -> list[dict[str, Any]]:
-    return pools(4).run(run_each, _cases())  # type: ignore[no-any-return]
+    """Every case under verify="all" (issue 47): the no-false-alarm run of the verify mode."""
+    return pools(4).run(run_each_verified, _cases())  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_verify_all_raises_no_false_alarm_and_checks_every_case(results: Any, name: str) -> None:
+    """verify="all" ([Note: verify mode]): the case passed (no VerifyError), and its grad syncs
+    compared the collective fingerprints and the replicas, its steps the ownership-set norm."""
+    for rank, res in enumerate(case_result(results, name)):
+        counts = res["verify_counts"]
+        assert counts.get("CollectiveLog.check", 0) > 0, (rank, counts)
+        assert counts.get("EngineVerifier.check_replicas", 0) > 0, (rank, counts)
+        assert counts.get("StepChecks.skip", 0) > 0, (rank, counts)
 
 
 def _check_counted(name: str, res: dict[str, Any]) -> None:

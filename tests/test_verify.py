@@ -11,6 +11,7 @@ import pytest
 import torch
 from dist_pool import case_result, run_each
 from verify_cases import (
+    COUNTED,
     bucket_order_case,
     clean_case,
     expert_norm_case,
@@ -55,7 +56,8 @@ def test_verify_all_passes_silently_and_checks_every_step(
     """verify="all", 3 steps: no error; every grad sync compared the fingerprints of dp, every
     step checked the norm."""
     for rank, res in enumerate(case_result(results, f"clean-{strategy}-{overlap}")):
-        assert res["collective_checks"] == 3 and res["norm_checks"] == 3, (rank, res)
+        assert res["counts"] == dict.fromkeys(COUNTED, 3), (rank, res)
+        assert res["norm_checks"] == 3, (rank, res)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

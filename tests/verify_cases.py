@@ -56,11 +56,12 @@ def _named_error(run: Callable[[], Any]) -> str | None:
 
 def clean_case(strategy: str, overlap: bool) -> dict[str, Any]:
     """verify="all", 3 steps: nothing raised; how many checks ran."""
-    model, opt = _build(strategy, "all", overlap_grad_reduce=overlap)
-    for step in range(3):
-        _step(model, opt, step)
-    log = model.engine._verifier.log
-    return {"collective_checks": log.checks, "norm_checks": opt.step_checks.norm_checks}
+    counts: dict[str, int] = {}
+    with _counting(counts):
+        model, opt = _build(strategy, "all", overlap_grad_reduce=overlap)
+        for step in range(3):
+            _step(model, opt, step)
+    return {"counts": counts, "norm_checks": opt.step_checks.norm_checks}
 
 
 def bucket_order_case(strategy: str) -> dict[str, Any]:
@@ -153,6 +154,31 @@ def spike_case(large: Any, threshold: float | None) -> dict[str, Any]:
 
 
 # ---- the combination matrix with verify="all" (tests/test_matrix2.py) --------------------------
+COUNTED = ("CollectiveLog.check", "EngineVerifier.check_replicas", "StepChecks.skip")
+
+
+@contextlib.contextmanager
+def _counting(counts: dict[str, int]) -> Iterator[None]:
+    """The verify checks that run inside are counted in `counts` (by COUNTED name)."""
+    counted = [(CollectiveLog, "check"), (EngineVerifier, "check_replicas"), (StepChecks, "skip")]
+    originals = [getattr(cls, name) for cls, name in counted]
+
+    def counting(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            counts[key] = counts.get(key, 0) + 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for (cls, name), fn in zip(counted, originals):
+        setattr(cls, name, counting(f"{cls.__name__}.{name}", fn))
+    try:
+        yield
+    finally:
+        for (cls, name), fn in zip(counted, originals):
+            setattr(cls, name, fn)
+
+
 @contextlib.contextmanager
 def _verify_all(counts: dict[str, int]) -> Iterator[None]:
     """Every DistributedDataParallelConfig built inside gets verify="all" (unless it set a
@@ -164,25 +190,12 @@ def _verify_all(counts: dict[str, int]) -> Iterator[None]:
             object.__setattr__(self, "verify", "all")
         post_init(self)
 
-    counted = [(CollectiveLog, "check"), (EngineVerifier, "check_replicas"), (StepChecks, "skip")]
-    originals = [getattr(cls, name) for cls, name in counted]
-
-    def counting(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            counts[key] = counts.get(key, 0) + 1
-            return fn(*args, **kwargs)
-
-        return wrapper
-
     DistributedDataParallelConfig.__post_init__ = forced  # type: ignore[method-assign]
-    for (cls, name), fn in zip(counted, originals):
-        setattr(cls, name, counting(f"{cls.__name__}.{name}", fn))
     try:
-        yield
+        with _counting(counts):
+            yield
     finally:
         DistributedDataParallelConfig.__post_init__ = post_init  # type: ignore[method-assign]
-        for (cls, name), fn in zip(counted, originals):
-            setattr(cls, name, fn)
 
 
 def _verified(fn: Callable[..., Any], *args: Any) -> Any:
