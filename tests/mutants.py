@@ -991,6 +991,51 @@ MUTANTS = (
         "                if False:\n",
         ("tests/test_join.py",),
     ),
+    Mutant(
+        "verify-bucket-order-one-rank",
+        "ranks dispatch bucket groups in chain order (verify names the ranks that differ)",
+        "megabuf/buckets/dispatch.py",
+        "        for group in self.groups[self.next_index :]:\n"
+        "            if group.grad_state is GradSyncState.IDLE:\n",
+        "        rest = self.groups[self.next_index :]\n"
+        "        for group in rest[::-1] if self.groups[0].rank == 1 else rest:\n"
+        "            if group.grad_state is GradSyncState.IDLE:\n",
+        ("tests/test_verify.py",),
+    ),
+    Mutant(
+        "verify-param-ulp-one-rank",
+        "replicas hold bitwise equal params after a step (verify names the param and the ranks)",
+        "megabuf/optimizer/base.py",
+        "            write_back_all(self.main_params)\n",
+        "            write_back_all(self.main_params)\n"
+        "            if self.process_groups.topology.rank == 1:\n"
+        "                self.model_params()[0].data.view(-1)[:1].view(torch.int32).add_(1)\n",
+        ("tests/test_verify.py",),
+    ),
+    Mutant(
+        "verify-expert-norm-left-out",
+        "the global grad norm counts the expert grads (verify names the 'expert' set)",
+        "megabuf/optimizer/base.py",
+        "            grads = self._grads_of(domain, skip_shared) if domain is not None else []\n",
+        "            grads = (\n"
+        "                self._grads_of(domain, skip_shared)\n"
+        '                if domain is not None and kind == "dense"\n'
+        "                else []\n"
+        "            )\n",
+        ("tests/test_verify.py",),
+    ),
+    Mutant(
+        "verify-size1-group-counted-twice",
+        "a norm summed over a group of one rank counts that rank once (verify's fp64 norm differs)",
+        "megabuf/optimizer/clip.py",
+        "        if collectives.size(group) > 1:\n"
+        "            collectives.all_reduce(value, group, async_op=False)\n",
+        "        if collectives.size(group) > 1:\n"
+        "            collectives.all_reduce(value, group, async_op=False)\n"
+        "        else:\n"
+        "            value.mul_(2.0)\n",
+        ("tests/test_verify.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")

@@ -244,6 +244,13 @@ MEGABUF_CONFIGS: dict[str, dict[str, Any]] = {
         "overlap_param_gather": True,
     },
 }
+MEGABUF_CONFIGS |= {  # the verify mode's cost, level by level ([Note: verify mode])
+    f"megabuf_distopt_verify_{level}": {
+        **MEGABUF_CONFIGS["megabuf_distopt_overlap"],
+        "verify": level,
+    }
+    for level in ("collectives", "replicas", "norms", "all")
+}
 """DistributedDataParallelConfig fields of each megabuf system (the rest are defaults)."""
 
 
