@@ -5,6 +5,7 @@ combination matrix is tests/test_matrix2.py's (its cases run under verify="all")
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from verify_cases import (
     bucket_order_case,
     clean_case,
     expert_norm_case,
+    sequence_case,
     size1_twice_case,
     spike_case,
     ulp_case,
@@ -34,6 +36,7 @@ def _cases() -> dict[str, tuple[Any, ...]]:
     for s in STRATEGIES:
         cases |= {f"clean-{s}-{o}": (clean_case, s, o) for o in (False, True)}
         cases[f"order-{s}"] = (bucket_order_case, s)
+    cases |= {f"sequence-{s}": (sequence_case, s) for s in ("no_shard", "optim")}
     cases |= {f"ulp-{s}": (ulp_case, s) for s in ("no_shard", "optim", "optim_grads")}
     cases |= {f"expert-{s}": (expert_norm_case, s) for s in ("no_shard", "optim")}
     cases |= {f"size1-{s}": (size1_twice_case, s) for s in ("no_shard", "optim")}
@@ -71,6 +74,19 @@ def test_a_rank_issuing_its_buckets_in_another_order_is_named_before_issue(
         error = res["error"]
         assert error is not None and "about to issue different collectives" in error, (rank, res)
         assert "ranks [0]: bucket group" in error and "ranks [1]: bucket group" in error, error
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+def test_a_collective_only_one_rank_issued_is_named_at_the_grad_sync(
+    results: Any, strategy: str
+) -> None:
+    """The fingerprints differ: every rank all-gathers the short logs and names the first
+    differing collective, the group and the ranks on each side."""
+    for rank, res in enumerate(case_result(results, f"sequence-{strategy}")):
+        error = res["error"]
+        assert error is not None and "issued on group dp since the last grad sync" in error, error
+        pattern = r"first difference is collective #\d+: ranks \[0\]: [^;]+; ranks \[1\]: all_r"
+        assert re.search(pattern + r"educe\(32 bytes\)", error), (rank, error)
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])

@@ -75,6 +75,17 @@ def bucket_order_case(strategy: str) -> dict[str, Any]:
         model.engine.all_bucket_groups)}  # fmt: skip
 
 
+def sequence_case(strategy: str) -> dict[str, Any]:
+    """After step 0, rank 1's fingerprint hears of one more all-reduce on dp than rank 0's (as
+    if it had issued one): the grad sync of step 1 names it."""
+    model, opt = _build(strategy, "collectives")
+    _step(model, opt, 0)
+    if dist.get_rank() == 1:
+        nbytes = {"input_nbytes": 16, "output_nbytes": 16, "ring_nbytes": 16}
+        model.engine.collectives.observers.issued(model.process_groups.dp, "all_reduce", nbytes)
+    return {"error": _named_error(lambda: _step(model, opt, 1))}
+
+
 def ulp_case(strategy: str) -> dict[str, Any]:
     """After step 0, rank 1's `block.weight` moves by one ulp in one element."""
     model, opt = _build(strategy, "replicas")
