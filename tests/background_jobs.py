@@ -1,0 +1,123 @@
+"""Subprocess checks that run beside the in-process suite, started when the session starts.
+
+A test that runs a whole program (an example, the exit-status matrix, torchrun) declares it as a
+`Job` and marks itself `@pytest.mark.background(job)` (or marks its `pytest.param`). When the
+session starts, conftest.py hands every selected test's jobs to one `Runner`, which runs them
+`BACKGROUND_WORKERS` at a time while the in-process tests run, and moves the marked tests to the
+end of the session; each then calls `runner.result(job)` and checks the finished program's output
+exactly as it checked it when it ran the program itself.
+
+[Note: background jobs]
+The in-process suite leaves much of the 2 cores idle (a pool's ranks wait on each other, the
+parent waits on the pool, pure tests use one core), and a job mostly starts interpreters and
+trains small models: run side by side they fill each other's gaps, so the session costs less
+than the two run one after the other. What a job checks does not change: the same argv,
+environment, working directory and timeout, its output read back whole. A job's timeout counts
+from when it starts; a job that a test asks for before it started (a test run by itself, or
+`--collect-only` never starting anything) runs at once in the test. On the session's end every
+job still running is killed with its process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# Jobs at a time beside the in-process suite; MEGABUF_TEST_BACKGROUND=0 runs each in its test.
+BACKGROUND_WORKERS = int(os.environ.get("MEGABUF_TEST_BACKGROUND", "1"))
+
+
+@dataclass(frozen=True)
+class Job:
+    """One program run: `argv` in `cwd` (the repository) with os.environ plus `env`."""
+
+    name: str
+    argv: tuple[str, ...]
+    timeout_s: float
+    env: tuple[tuple[str, str], ...] = ()
+    cwd: Path = REPO
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A job's end: exit status (None: killed at its timeout), stdout, stderr, seconds run."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    wall_s: float
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+
+@dataclass
+class Runner:
+    """Runs jobs on `workers` threads, each job in a process group of its own."""
+
+    workers: int = BACKGROUND_WORKERS
+    _futures: dict[Job, Future[Finished]] = field(default_factory=dict)
+    _procs: set[subprocess.Popen[str]] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _pool: ThreadPoolExecutor | None = None
+    _closed: bool = False
+
+    def start(self, jobs: list[Job]) -> None:
+        """Queue `jobs` (each once), in order, unless background runs are off."""
+        if self.workers < 1:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="background-job")
+        for job in jobs:
+            if job not in self._futures:
+                self._futures[job] = self._pool.submit(self._run, job)
+
+    def result(self, job: Job) -> Finished:
+        """The job's end: waited for if it was queued, else run now."""
+        future = self._futures.get(job)
+        return future.result() if future is not None else self._run(job)
+
+    def _run(self, job: Job) -> Finished:
+        began = time.monotonic()
+        with self._lock:
+            if self._closed:
+                return Finished(None, "", "the session ended before this job started", 0.0)
+            proc = subprocess.Popen(
+                list(job.argv), cwd=job.cwd, env={**os.environ, **dict(job.env)}, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+            )  # fmt: skip
+            self._procs.add(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=job.timeout_s)
+            code: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            stdout, stderr = proc.communicate()
+            code = None
+        finally:
+            with self._lock:
+                self._procs.discard(proc)
+        return Finished(code, stdout, stderr, time.monotonic() - began)
+
+    def close(self) -> None:
+        """Kill what still runs, drop what has not started."""
+        with self._lock:
+            self._closed = True
+            for proc in self._procs:
+                _kill_group(proc)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+        os.killpg(proc.pid, signal.SIGKILL)
