@@ -53,7 +53,9 @@ import torch.multiprocessing as mp
 # (~10 s on 2 loaded cores, paid again after every run in which a rank raised). The server
 # imports modules only: it runs no tensor op (no intra-op thread pool to fork) and never touches
 # CUDA, so a worker still reads CUDA_LAUNCH_BLOCKING at its first CUDA call and an "nccl" pool
-# still binds its device itself; what a worker sees is otherwise what a spawned one saw.
+# still binds its device itself; what a worker sees is otherwise what a spawned one saw, except
+# that its environment is the test process's when the server started (the session's first pool)
+# plus the pool's `env`, the one way a test hands its workers variables.
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "megabuf"])
 
