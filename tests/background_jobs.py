@@ -95,11 +95,16 @@ class Runner:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _pool: ThreadPoolExecutor | None = None
     _closed: bool = False
+    _environ: dict[str, str] | None = None  # os.environ when the session started
 
     def start(self, jobs: list[Job | Call]) -> None:
-        """Queue `jobs` (each once), in order, unless background runs are off."""
+        """Queue `jobs` (each once), in order, unless background runs are off. Queued jobs get
+        the environment of now, not of whatever test runs when they start (a test may have
+        set RANK and WORLD_SIZE, which would make an example think it runs under torchrun)."""
         if self.workers < 1:
             return
+        if self._environ is None:
+            self._environ = dict(os.environ)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="background-job")
         for job in jobs:
@@ -120,11 +125,12 @@ class Runner:
         if isinstance(job, Call):
             return _called(job, self._run)
         began = time.monotonic()
+        env = {**(self._environ or os.environ), **dict(job.env)}
         with self._lock:
             if self._closed:
                 return Finished(None, "", "the session ended before this job started", 0.0)
             proc = subprocess.Popen(
-                list(job.argv), cwd=job.cwd, env={**os.environ, **dict(job.env)}, text=True,
+                list(job.argv), cwd=job.cwd, env=env, text=True,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
             )  # fmt: skip
             self._procs.add(proc)
