@@ -106,7 +106,8 @@ def optimizer_state_spec(
 def measure_step(module: nn.Module, step_fn: Callable[[nn.Module], Any]) -> tuple[int, float]:
     """(activation bytes, seconds) of one `step_fn(module)` (forward and backward) on this rank:
     the bytes autograd saves for backward (unique storages), and on CUDA at least the rise of
-    the allocator's peak over what was allocated before; the grads it leaves are dropped."""
+    the allocator's peak over what was allocated before, less the grads the backward left
+    (which the engine's buffers hold instead); the grads are dropped."""
     saved: dict[tuple[str, int], int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -126,8 +127,10 @@ def measure_step(module: nn.Module, step_fn: Callable[[nn.Module], Any]) -> tupl
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     nbytes = sum(saved.values())
-    if cuda:
-        nbytes = max(nbytes, torch.cuda.max_memory_allocated() - before)
+    if cuda:  # the rise of the peak, less the grads the backward left (not activations)
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in module.parameters()
+                    if p.grad is not None)  # fmt: skip
+        nbytes = max(nbytes, torch.cuda.max_memory_allocated() - before - grads)
     for p in module.parameters():
         p.grad = None
     return nbytes, seconds
