@@ -116,8 +116,9 @@ def disagree_case() -> dict[str, Any]:
     budget = chosen.device_nbytes + 1000
     margin = 0.0
     local = plan_budget(
-        dataclasses.replace(huge.plan.inputs, device_budget_nbytes=budget, margin=margin,
-                            activation_nbytes=mine)  # fmt: skip
+        dataclasses.replace(
+            huge.plan.inputs, device_budget_nbytes=budget, margin=margin, activation_nbytes=mine
+        )
     )
     agreed = megabuf.plan_for_budget(
         module, budget, process_groups=pgs, activation_nbytes=mine, config=BASE, margin=margin

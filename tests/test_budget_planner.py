@@ -136,9 +136,10 @@ def test_offload_moves_state_to_host_and_a_host_budget_refuses_it() -> None:
     inputs = _inputs(10**9, dp=2, accelerator=True, reduce_scatter_scratch=False)
     inputs = replace(inputs, strategies=("optim",), bucket_sizes=(None,))
     plan = plan_budget(inputs)
-    on, off = [e for e in plan.evaluations if e.candidate.cpu_offload], [
-        e for e in plan.evaluations if not e.candidate.cpu_offload
-    ]
+    on, off = (
+        [e for e in plan.evaluations if e.candidate.cpu_offload],
+        [e for e in plan.evaluations if not e.candidate.cpu_offload],
+    )
     assert on[0].device["optimizer_state"] == 0 and on[0].host["host_optimizer_state"] > 0
     assert on[0].device_nbytes < off[0].device_nbytes
     budget = (on[0].device_nbytes + off[0].device_nbytes) // 2
@@ -179,8 +180,14 @@ def test_deterministic_and_meta_device() -> None:
         meta = build_model("gpt_tiny", seed=0)
     a = plan_budget(_inputs(2_000_000))
     b = plan_budget(
-        module_inputs(meta, OVERLAP, device_budget_nbytes=2_000_000, dp_size=4,
-                      step_compute_s=0.05, reduce_scatter_scratch=True)  # fmt: skip
+        module_inputs(
+            meta,
+            OVERLAP,
+            device_budget_nbytes=2_000_000,
+            dp_size=4,
+            step_compute_s=0.05,
+            reduce_scatter_scratch=True,
+        )
     )
     assert a.chosen is not None and b.chosen is not None
     assert a.chosen.candidate == b.chosen.candidate and a.chosen.device == b.chosen.device

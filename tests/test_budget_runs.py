@@ -33,9 +33,7 @@ def results(pools: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_measured_persistent_bytes_equal_prediction_and_step_fits(
-    results: Any, model: str
-) -> None:
+def test_measured_persistent_bytes_equal_prediction_and_step_fits(results: Any, model: str) -> None:
     per_rank = case_result(results[model], model)
     strategies = set()
     for rank, rows in enumerate(per_rank):
