@@ -13,6 +13,7 @@ import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from memory_cases import Small
 from moe_cases import groups
 from torch import nn
@@ -27,37 +28,37 @@ BASE = megabuf.DistributedDataParallelConfig(overlap_grad_reduce=True)
 
 
 def _model_and_step(name: str, rank: int) -> tuple[nn.Module, Any]:
-    """A fresh module and `step(module)`: one forward and backward of this rank's batch."""
+    """A fresh bf16 module (so that sharding saves memory even at dp 2 on gloo, whose
+    reduce-scatter keeps landing zones) and `step(module)`: one forward and backward of this
+    rank's batch."""
     torch.manual_seed(0)
     if name == "small":
-        module: nn.Module = Small()
+        module: nn.Module = Small().to(torch.bfloat16)
         x = torch.randn(8, 8, generator=torch.Generator().manual_seed(rank))
 
         def small_step(m: nn.Module) -> None:
             m(x).square().mean().backward()
 
         return module, small_step
-    module = build_model(name, seed=0)
-    inputs, targets = make_batch(name, 4, seed=rank)
+    module = build_model(name, seed=0).to(torch.bfloat16)
+    inputs, targets = make_batch(module, 4, seed=rank)
     loss = loss_fn(name)
 
     def step(m: nn.Module) -> None:
-        loss(m(inputs), targets).backward()
+        loss(m(inputs).float(), targets).backward()
 
     return module, step
 
 
 def _budgets(module: nn.Module, activation_nbytes: int) -> list[int]:
-    """Huge, half-way and the least feasible (from one local plan in which nothing fits):
-    different choices of one model."""
-    plan = megabuf.plan_for_budget(
-        module, 1, dp_size=groups().dp_size, activation_nbytes=activation_nbytes, config=BASE
-    ).plan
-    low = plan.needed_budget_nbytes
-    if low is None:
-        raise RuntimeError(f"nothing fits: {plan.advice}")
-    top = max(e.device_nbytes for e in plan.evaluations if e.config is not None) * 2
-    return [10**12, (low + top) // 2, low]
+    """Huge, half-way between the least feasible and what no_shard needs, and the least
+    feasible (local plans): different choices of one model."""
+    kw: dict[str, Any] = {"dp_size": groups().dp_size, "activation_nbytes": activation_nbytes}
+    low = megabuf.plan_for_budget(module, 1, config=BASE, **kw).plan.needed_budget_nbytes
+    high = megabuf.plan_for_budget(module, 10**12, config=BASE, **kw).chosen
+    if low is None or high is None:
+        raise RuntimeError("nothing fits")
+    return [10**12, (low + int(high.device_nbytes / 0.9)) // 2, low]
 
 
 def exact_case(name: str) -> list[dict[str, Any]]:
@@ -65,8 +66,10 @@ def exact_case(name: str) -> list[dict[str, Any]]:
     out = []
     pgs = groups()
     module, step = _model_and_step(name, pgs.dp_rank)
-    activations, _ = measure_step(module, step)
-    budgets = _budgets(module, activations * 2)  # the agreed MAX may exceed this rank's
+    mine, _ = measure_step(module, step)  # as plan_for_budget will measure it (same shapes)
+    agreed = torch.tensor([mine])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    budgets = _budgets(module, int(agreed.item()))
     for budget in budgets:
         module, step = _model_and_step(name, pgs.dp_rank)
         choice = megabuf.plan_for_budget(
@@ -106,7 +109,7 @@ def disagree_case() -> dict[str, Any]:
     """Ranks measure different activations, chosen so that each rank alone would decide
     differently; the agreed decision is one, planned from the MAX."""
     pgs = groups()
-    module, _ = _model_and_step("small", pgs.dp_rank)
+    module, _ = _model_and_step("gpt_tiny", pgs.dp_rank)
     huge = megabuf.plan_for_budget(module, 10**12, config=BASE, dp_size=pgs.dp_size)
     chosen = huge.chosen
     if chosen is None:
@@ -143,7 +146,7 @@ def construction_case(fraction: float) -> dict[str, Any]:
     offline = megabuf.plan_for_budget(module, budget, process_groups=pgs, config=BASE)
     cfg = BASE.replace(memory_budget=budget)
     model = megabuf.DistributedDataParallel(module, cfg, process_groups=pgs)
-    opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig(optimizer="adam"))
+    opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig(optimizer="adam", bf16=True))
     opt.zero_grad()
     step(model)
     opt.step()
