@@ -58,7 +58,7 @@ def _budgets(module: nn.Module, activation_nbytes: int) -> list[int]:
     high = megabuf.plan_for_budget(module, 10**12, config=BASE, **kw).chosen
     if low is None or high is None:
         raise RuntimeError("nothing fits")
-    return [10**12, (low + int(high.device_nbytes / 0.9)) // 2, low]
+    return [10**12, max(low, (low + int(high.device_nbytes / 0.9)) // 2), low]
 
 
 def exact_case(name: str) -> list[dict[str, Any]]:
