@@ -195,6 +195,13 @@ class DistributedDataParallelConfig:
     ([Note: exact grad norm]), so clipped steps are bitwise too. A `comm_hook` with it must
     declare `deterministic = True` (e.g. Compress with accumulate = "fp32")."""
 
+    memory_budget: int | None = None
+    """Device bytes per rank for megabuf's own memory (params, grads, optimizer state, scratch,
+    transient buckets and gathered units; activations not included): the engine plans at
+    construction ([Note: memory planner] in megabuf/planning/budget.py) and replaces the strategy,
+    hybrid split, cpu_offload, bucket_size and prefetch_units with the choice that fits (Adam
+    state assumed; one decision on every rank). None: the config as given."""
+
     def __post_init__(self) -> None:
         self._resolve_sharding_strategy()
         for name in ("overlap_param_gather", "align_param_gather"):

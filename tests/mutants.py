@@ -991,6 +991,38 @@ MUTANTS = (
         "                if False:\n",
         ("tests/test_join.py",),
     ),
+    Mutant(
+        "planner-activations-left-out",
+        "memory planner: every candidate's device total includes the measured activations",
+        "megabuf/planning/budget.py",
+        '    device["activations"] = inputs.activation_nbytes\n',
+        '    device["activations"] = 0\n',
+        ("tests/test_budget_planner.py", "tests/test_budget_runs.py"),
+    ),
+    Mutant(
+        "planner-margin-ignored",
+        "memory planner: a candidate fits only within the budget less the stated margin",
+        "megabuf/planning/budget.py",
+        "    return math.floor(budget_nbytes * (1.0 - margin))\n",
+        "    return budget_nbytes\n",
+        ("tests/test_budget_planner.py",),
+    ),
+    Mutant(
+        "planner-transient-bounds-left-out",
+        "memory planner: transient bounds (grad buckets, landing zones, gathered units) count",
+        "megabuf/planning/budget.py",
+        "    device.update(bounds)\n",
+        "    pass\n",
+        ("tests/test_budget_runs.py",),
+    ),
+    Mutant(
+        "planner-measurements-not-agreed",
+        "memory planner: ranks plan from the MAX of their measurements, one decision everywhere",
+        "megabuf/planning/budget_agree.py",
+        "    agreed = agree_inputs(inputs, collectives, group, device)\n",
+        "    agreed = inputs\n",
+        ("tests/test_budget_runs.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")
