@@ -1,0 +1,135 @@
+"""`convert_fp8_params`: the user's float8 weights become the engine's FP8 params.
+
+Run once by the engine before planning ([Note: FP8 params] in megabuf/fp8/__init__.py): refuse
+what is not supported (by name), then, where the strategy keeps a master copy, swap each float8
+weight for an FP8 param (one byte per element, one fp32 scale) and keep its high precision value
+as the seed of the buffer's fp32 master, until the buffers are built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from megabuf.fp8.adapter import Fp8Adapter, Fp8Spec, adapter_for, installed_adapters
+
+_MARKERS = ("allreduce", "shared_embedding")  # megabuf's param markers, carried to the FP8 param
+
+
+@dataclass
+class Fp8Params:
+    """The engine's FP8 params: each one's spec and adapter, and (until the buffers are built)
+    its high precision seed."""
+
+    specs: dict[nn.Parameter, Fp8Spec] = field(default_factory=dict)
+    adapters: dict[nn.Parameter, Fp8Adapter] = field(default_factory=dict)
+    seeds: dict[nn.Parameter, Tensor] = field(default_factory=dict)  # param-shaped, hp dtype
+
+    def seed(self, param: nn.Parameter) -> Tensor:
+        if param not in self.seeds:
+            raise RuntimeError(
+                f"megabuf: FP8 param {self.specs[param].name!r} has no high precision seed: "
+                "its buffer can only be built once, at construction (a rebuild of FP8 buffers, "
+                "e.g. bucket_size='auto' or a copy of the model, is not supported)"
+            )
+        return self.seeds[param]
+
+    def drop_seeds(self) -> None:
+        """The buffers hold the masters now; the full high precision copies go."""
+        self.seeds.clear()
+
+
+@dataclass(frozen=True)
+class _Found:
+    owners: tuple[tuple[nn.Module, str], ...]  # (module, attribute) holding the weight
+    name: str
+    param: nn.Parameter
+    adapter: Fp8Adapter
+
+
+def convert_fp8_params(
+    module: nn.Module,
+    stores_fp8: bool,
+    *,
+    broadcast: Callable[[Tensor], None] | None,
+) -> Fp8Params:
+    """Refuse unsupported recipes by name; where `stores_fp8` (a strategy with a master copy)
+    swap each float8 weight for an FP8 param. `broadcast` (init_sync): makes dp rank 0's high
+    precision value everyone's before the first cast. Without `stores_fp8` (no_shard) the
+    weights stay as the library made them, as under torch DDP ([Note: FP8 params])."""
+    refuse_block_scaled(module)
+    found = _find(module)
+    for item in found:
+        item.adapter.check_recipe(item.owners[0][0], item.name)
+        if getattr(item.param, "allreduce", True) is False:
+            raise ValueError(
+                f"megabuf: FP8 param {item.name!r} is expert-parallel; FP8 params in expert "
+                "buffers are not supported (their scales would be agreed over expt_dp); keep "
+                "expert weights in high precision (docs/fp8.md)"
+            )
+    result = Fp8Params()
+    if not stores_fp8:
+        return result
+    for item in found:
+        _convert(item, result, broadcast)
+    return result
+
+
+def _find(module: nn.Module) -> list[_Found]:
+    """Every float8 weight once (tied weights: every module holding it), in module order."""
+    adapters = installed_adapters()
+    if not adapters:
+        return []
+    by_param: dict[nn.Parameter, list[tuple[nn.Module, str, str]]] = {}
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        for attr, param in mod.named_parameters(recurse=False):
+            if adapter_for(param) is not None:
+                name = f"{prefix}.{attr}" if prefix else attr
+                by_param.setdefault(param, []).append((mod, attr, name))
+    found = []
+    for param, owners in by_param.items():
+        adapter = adapter_for(param)
+        if adapter is None or adapter.is_converted(param):
+            raise ValueError(
+                f"megabuf: {owners[0][2]!r} is already an engine FP8 param: a model can be "
+                "wrapped by one DistributedDataParallel only"
+            )
+        found.append(
+            _Found(tuple((m, a) for m, a, _ in owners), owners[0][2], param, adapter)
+        )
+    return found
+
+
+def _convert(item: _Found, result: Fp8Params, broadcast: Callable[[Tensor], None] | None) -> None:
+    adapter, old = item.adapter, item.param
+    spec = adapter.spec(item.owners[0][0], old, item.name)
+    seed = adapter.hp_value(old).clone()
+    if broadcast is not None:
+        broadcast(seed)
+    with torch.no_grad():
+        scale = adapter.scale(seed.abs().max().to(torch.float32), spec)
+        data = adapter.cast(seed, scale, spec)
+    new = adapter.new_param(data, scale, spec)
+    new.requires_grad_(old.requires_grad)
+    for marker in _MARKERS:
+        if hasattr(old, marker):
+            setattr(new, marker, getattr(old, marker))
+    for mod, attr in item.owners:
+        setattr(mod, attr, new)
+    result.specs[new] = spec
+    result.adapters[new] = adapter
+    result.seeds[new] = seed
+
+
+def refuse_block_scaled(module: nn.Module) -> None:
+    """torchao's MX (block scaled) training modules are refused by name."""
+    for name, mod in module.named_modules():
+        if type(mod).__module__.startswith("torchao.prototype.mx_formats"):
+            raise ValueError(
+                f"megabuf: module {name!r} ({type(mod).__name__}) trains with MX block scales; "
+                "megabuf's FP8 params support only torchao's 'tensorwise' recipe "
+                "(Float8LinearConfig(enable_fsdp_float8_all_gather=True), docs/fp8.md)"
+            )
