@@ -80,12 +80,12 @@ def train(model: Any, opt: Any, steps: int) -> None:
 
 def fp8_parts(model: Any) -> dict[str, tuple[bytes, float]]:
     """Each FP8 param's bytes and scale as forward would read them (gathers waited for)."""
-    model.start_param_sync(force_sync=True)
     out = {}
-    for name, param in model.module.named_parameters():
-        if is_converted_fp8(param):
-            data, scale = adapter_for(param).parts(param)  # type: ignore[union-attr]
-            out[name] = (data.view(torch.uint8).clone().numpy().tobytes(), float(scale))
+    with model.summon_full_params():
+        for name, param in model.module.named_parameters():
+            if is_converted_fp8(param):
+                data, scale = adapter_for(param).parts(param)  # type: ignore[union-attr]
+                out[name] = (data.view(torch.uint8).clone().numpy().tobytes(), float(scale))
     return out
 
 
@@ -124,27 +124,81 @@ def reference_forward(masters: dict[str, torch.Tensor], x: torch.Tensor) -> torc
     return net(x)
 
 
+def reference_masters(steps: int) -> dict[str, torch.Tensor]:
+    """The same training in one process on the global batch, torchao casting in forward."""
+    net = build_net(fsdp=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = make_data(step)
+        opt.zero_grad()
+        ((net(x) - y) ** 2).mean().backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
 def numerics_case(strategy: str, steps: int = 3) -> dict[str, Any]:
     model = wrap(strategy)
-    opt = megabuf.DistributedOptimizer(model, torch.optim.Adam, model.parameters(), lr=1e-2)
+    opt = megabuf.DistributedOptimizer(model, torch.optim.SGD, model.parameters(), lr=0.1)
     stats = model.engine.collectives.stats
     stats.reset()
     train(model, opt, steps)
     amax_calls = stats.calls.get(AMAX_OP, 0)
+    gather_ring_nbytes = stats.ring_nbytes.get("all_gather", 0)
     parts = fp8_parts(model)
     masters = full_masters(opt)
     x, _ = make_data(999)
     with torch.no_grad():
         ours = model(x)
-        ref = reference_forward(masters, x)
+        ref_out = reference_forward(masters, x)
     buffers = [(str(b.param_dtype), str(b.grad_dtype), b.numel) for b in model.engine.buffers]
+    ref = reference_masters(steps)
     return {
+        "master_diff": max(float((masters[n] - ref[n]).abs().max()) for n in ref),
+        "gather_ring_nbytes": gather_ring_nbytes,
+        "expected_ring_nbytes": steps * sum(
+            (dist.get_world_size() - 1) * b.numel * b.param_dtype.itemsize
+            // dist.get_world_size() for b in model.engine.buffers
+        ),
         "parts": parts,
         "torchao": {n: torchao_cast(masters[n]) for n in FP8_NAMES},
-        "forward_equal": bool(torch.equal(ours, ref)),
-        "forward_diff": float((ours - ref).abs().max()),
+        "forward_equal": bool(torch.equal(ours, ref_out)),
+        "forward_diff": float((ours - ref_out).abs().max()),
         "amax_calls": amax_calls,
         "steps": steps,
         "buffers": buffers,
         "types": {n: type(p).__name__ for n, p in model.module.named_parameters()},
+    }
+
+
+def refusal_case(kind: str) -> str:
+    """Construct what is refused; the message (every rank raises alike, before a collective)."""
+    strategy, net, ddp = "optim", None, {}
+    if kind in ("rowwise", "rowwise_with_gw_hp"):
+        net = build_net(fsdp=False, recipe=kind)
+    elif kind == "expert":
+        net = build_net()
+        megabuf.mark_expert_parallel(net.down.parameters())
+    elif kind == "auto":
+        ddp = {"bucket_size": "auto", "overlap_grad_reduce": True}
+    cfg = megabuf.DistributedDataParallelConfig.from_dict(
+        {"data_parallel_sharding_strategy": strategy, "bucket_size": 3000, **ddp}
+    )
+    try:
+        megabuf.DistributedDataParallel(net if net is not None else build_net(), cfg)
+    except ValueError as err:
+        return str(err)
+    return "not refused"
+
+
+def no_shard_case(steps: int = 3) -> dict[str, Any]:
+    """no_shard: the weights stay as torchao made them (cast in forward), as under torch DDP."""
+    model = wrap("no_shard")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train(model, opt, steps)
+    ref = reference_masters(steps)
+    params = dict(model.module.named_parameters())
+    return {
+        "types": {n: type(p).__name__ for n, p in params.items()},
+        "buffers": [str(b.param_dtype) for b in model.engine.buffers],
+        "master_diff": max(float((params[n].detach() - ref[n]).abs().max()) for n in ref),
     }

@@ -111,10 +111,17 @@ class Engine:
     def _convert_fp8(self, init_sync: bool) -> Fp8Params:
         """The model's float8 weights become FP8 params ([Note: FP8 params])."""
         dp, collectives = self.process_groups.dp, self.collectives
-        return convert_fp8_params(
+        fp8 = convert_fp8_params(
             self.module, self.config.sharding.param_home != "module",
             broadcast=(lambda t: collectives.broadcast(t, 0, dp)) if init_sync else None,
         )  # fmt: skip
+        if fp8.specs and self.config.bucket_size == "auto":
+            raise ValueError(
+                f"megabuf: bucket_size='auto' re-plans the buffers, which FP8 params (e.g. "
+                f"{next(iter(fp8.specs.values())).name!r}) do not support; give an int "
+                "bucket_size (docs/fp8.md)"
+            )
+        return fp8
 
     def _build(self, disable_bucketing: bool, init_sync: bool) -> None:
         pgs, cfg = self.process_groups, self.config

@@ -40,6 +40,11 @@ class Fp8Adapter(Protocol):
         """True for an engine FP8 param this adapter made (`new_param`)."""
         ...
 
+    def check_module(self, module: nn.Module, name: str) -> None:
+        """Raise ValueError naming `name` if this library's module `module` trains with a
+        recipe megabuf does not support (whatever its weight is)."""
+        ...
+
     def check_recipe(self, module: nn.Module, name: str) -> None:
         """Raise ValueError naming `name`, the recipe and the supported one, unless `module`
         (the owner of weight `name`) uses tensorwise dynamic scaling."""

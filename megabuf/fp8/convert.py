@@ -60,7 +60,7 @@ def convert_fp8_params(
     swap each float8 weight for an FP8 param. `broadcast` (init_sync): makes dp rank 0's high
     precision value everyone's before the first cast. Without `stores_fp8` (no_shard) the
     weights stay as the library made them, as under torch DDP ([Note: FP8 params])."""
-    refuse_block_scaled(module)
+    refuse_unsupported_modules(module)
     found = _find(module)
     for item in found:
         item.adapter.check_recipe(item.owners[0][0], item.name)
@@ -124,12 +124,9 @@ def _convert(item: _Found, result: Fp8Params, broadcast: Callable[[Tensor], None
     result.seeds[new] = seed
 
 
-def refuse_block_scaled(module: nn.Module) -> None:
-    """torchao's MX (block scaled) training modules are refused by name."""
+def refuse_unsupported_modules(module: nn.Module) -> None:
+    """Every installed library's modules with a recipe megabuf does not support, by name."""
+    adapters = installed_adapters()
     for name, mod in module.named_modules():
-        if type(mod).__module__.startswith("torchao.prototype.mx_formats"):
-            raise ValueError(
-                f"megabuf: module {name!r} ({type(mod).__name__}) trains with MX block scales; "
-                "megabuf's FP8 params support only torchao's 'tensorwise' recipe "
-                "(Float8LinearConfig(enable_fsdp_float8_all_gather=True), docs/fp8.md)"
-            )
+        for adapter in adapters:
+            adapter.check_module(mod, name)

@@ -30,6 +30,9 @@ class TransformerEngineAdapter:
     def is_converted(self, param: Tensor) -> bool:
         return False
 
+    def check_module(self, module: nn.Module, name: str) -> None:
+        return None  # its weights are refused (`check_recipe`)
+
     def check_recipe(self, module: nn.Module, name: str) -> None:
         raise ValueError(
             f"megabuf: FP8 param {name!r} is a Transformer Engine Float8Tensor; megabuf's FP8 "

@@ -39,6 +39,20 @@ class TorchaoFloat8Adapter:
     def is_converted(self, param: Tensor) -> bool:
         return isinstance(param, self._fp8_type)
 
+    def check_module(self, module: nn.Module, name: str) -> None:
+        """A torchao float8 module with an unsupported recipe, or an MX (block scaled) module,
+        is refused whatever its weight."""
+        if type(module).__module__.startswith("torchao.prototype.mx_formats"):
+            raise ValueError(
+                f"megabuf: module {name!r} ({type(module).__name__}) trains with MX block "
+                f"scales; megabuf's FP8 params support only torchao's {SUPPORTED_RECIPE!r} "
+                "recipe (Float8LinearConfig(enable_fsdp_float8_all_gather=True), docs/fp8.md)"
+            )
+        from torchao.float8.float8_linear import Float8Linear
+
+        if isinstance(module, Float8Linear):
+            self.check_recipe(module, f"{name}.weight" if name else "weight")
+
     def check_recipe(self, module: nn.Module, name: str) -> None:
         config = getattr(module, "config", None)
         problem = _recipe_problem(config)
@@ -110,12 +124,27 @@ def _recipe_problem(config: Any) -> str | None:
     for role, cast in casts.items():
         if cast.scaling_granularity is not ScalingGranularity.TENSORWISE:
             return (
-                f"{cast.scaling_granularity.value} scaling of its {role} (the rowwise or "
-                "rowwise_with_gw_hp recipe)"
+                f"{cast.scaling_granularity.value} scaling of its {role} (the "
+                f"{_recipe_name(config)!r} recipe)"
             )
         if role.startswith("weight") and cast.scaling_type is not ScalingType.DYNAMIC:
             return f"{cast.scaling_type.value} scaling of its {role} (not dynamic)"
     return None
+
+
+def _recipe_name(config: Any) -> str:
+    """torchao's name of the recipe `config` is (whatever its FSDP all-gather flag), or
+    'custom'."""
+    from dataclasses import replace
+
+    from torchao.float8.config import Float8LinearConfig, Float8LinearRecipeName
+
+    for recipe in Float8LinearRecipeName:
+        named = Float8LinearConfig.from_recipe_name(recipe)
+        flag = config.enable_fsdp_float8_all_gather
+        if replace(named, enable_fsdp_float8_all_gather=flag) == config:
+            return str(recipe.value)
+    return "custom"
 
 
 def torchao_adapter() -> Fp8Adapter | None:
