@@ -155,9 +155,10 @@ def numerics_case(strategy: str, steps: int = 3) -> dict[str, Any]:
     return {
         "master_diff": max(float((masters[n] - ref[n]).abs().max()) for n in ref),
         "gather_ring_nbytes": gather_ring_nbytes,
-        "expected_ring_nbytes": steps * sum(
-            (dist.get_world_size() - 1) * b.numel * b.param_dtype.itemsize
-            // dist.get_world_size() for b in model.engine.buffers
+        "expected_ring_nbytes": steps
+        * sum(
+            (dist.get_world_size() - 1) * b.numel * b.param_dtype.itemsize // dist.get_world_size()
+            for b in model.engine.buffers
         ),
         "parts": parts,
         "torchao": {n: torchao_cast(masters[n]) for n in FP8_NAMES},

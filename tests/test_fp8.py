@@ -19,11 +19,11 @@ import torch
 
 pytest.importorskip("torchao.float8", reason="torchao (the fp8 extra) is not installed")
 
-import fp8_cases as fc  # noqa: E402
+import fp8_cases as fc
 
-import megabuf  # noqa: E402
-from megabuf.fp8 import convert_fp8_params, is_fp8_param  # noqa: E402
-from megabuf.planning.plan import dtype_key  # noqa: E402
+import megabuf
+from megabuf.fp8 import convert_fp8_params, is_fp8_param
+from megabuf.planning.plan import dtype_key
 
 STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 REFUSALS = {

@@ -97,9 +97,7 @@ def _find(module: nn.Module) -> list[_Found]:
                 f"megabuf: {owners[0][2]!r} is already an engine FP8 param: a model can be "
                 "wrapped by one DistributedDataParallel only"
             )
-        found.append(
-            _Found(tuple((m, a) for m, a, _ in owners), owners[0][2], param, adapter)
-        )
+        found.append(_Found(tuple((m, a) for m, a, _ in owners), owners[0][2], param, adapter))
     return found
 
 

@@ -66,7 +66,7 @@ class TorchaoFloat8Adapter:
             )
 
     def spec(self, module: nn.Module, param: Tensor, name: str) -> Fp8Spec:
-        config = module.config  # type: ignore[union-attr]  # checked by check_recipe
+        config: Any = module.config  # checked by check_recipe
         options = (param._linear_mm_config, bool(config.round_scales_to_power_of_2))  # type: ignore[attr-defined]
         return Fp8Spec(name, param._dtype, param.dtype, options)  # type: ignore[attr-defined]
 
