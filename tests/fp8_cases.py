@@ -203,3 +203,27 @@ def no_shard_case(steps: int = 3) -> dict[str, Any]:
         "buffers": [str(b.param_dtype) for b in model.engine.buffers],
         "master_diff": max(float((params[n].detach() - ref[n]).abs().max()) for n in ref),
     }
+
+
+def memory_case(strategy: str) -> dict[str, Any]:
+    """This rank's memory report, the formula and the storage walk after two Adam steps."""
+    from megabuf.sharding.formula import optimizer_spec, persistent_bytes
+    from megabuf.sharding.walk import storage_walk
+
+    model = wrap(strategy)
+    opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig(optimizer="adam", lr=1e-2))
+    train(model, opt, 2)
+    pgs = model.process_groups
+    scratch = model.engine.collectives.strategy(pgs.dp, "cpu").reduce_scatter == "all_to_all"
+    formula = persistent_bytes(
+        model.engine.plan, strategy, optimizer_spec(opt.domains[0].optimizer),
+        dp_rank=pgs.dp_rank, reduce_scatter_scratch=scratch,
+    )  # fmt: skip
+    fp8 = model.engine.buffers[0]
+    return {
+        "persistent": dict(opt.memory_report().persistent),
+        "formula": formula,
+        "walk": storage_walk(model, opt),
+        "fp8_buffer": (str(fp8.param_dtype), fp8.numel, len(fp8.params)),
+        "module_buffer_nbytes": sum(b.numel() * b.element_size() for b in model.module.buffers()),
+    }

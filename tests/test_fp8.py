@@ -42,6 +42,7 @@ TRAJECTORY_BOUND = 1e-2
 def _cases() -> dict[str, tuple[Any, ...]]:
     cases: dict[str, tuple[Any, ...]] = {s: (fc.numerics_case, s) for s in STRATEGIES}
     cases |= {f"refuse_{k}": (fc.refusal_case, k) for k in REFUSALS}
+    cases |= {f"memory_{s}": (fc.memory_case, s) for s in STRATEGIES}
     return cases | {"no_shard": (fc.no_shard_case,)}
 
 
@@ -160,3 +161,19 @@ def test_no_shard_behaves_as_torch_ddp(results: Any) -> None:
         assert r["types"]["up.weight"] == "WeightWithDynamicFloat8CastTensor"
         assert "torch.uint8" not in r["buffers"]
         assert r["master_diff"] < TRAJECTORY_BOUND
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_memory_formula_equals_report_and_storage_walk(results: Any, strategy: str) -> None:
+    """FP8 params count 1 byte per element plus a 4-byte scale each (and the fp32 master of
+    this rank's padded shard): the formula equals the optimizer's memory report per category
+    and the storage walk in total, on every rank ([Note: memory formula])."""
+    for r in _one(results, f"memory_{strategy}"):
+        dtype, numel, n_params = r["fp8_buffer"]
+        assert dtype == "torch.uint8"
+        for category, nbytes in r["formula"].items():
+            assert r["persistent"].get(category, 0) == nbytes, category
+        assert sum(r["walk"].values()) == sum(r["formula"].values())
+        shards = 1 if strategy != "optim_grads_params" else results[0]
+        fp32_params = r["formula"]["params"] - numel // shards - 4 * n_params
+        assert fp32_params >= 0 and fp32_params % 4 == 0  # the rest: the fp32 buffer

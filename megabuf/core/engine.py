@@ -34,7 +34,7 @@ from megabuf.comm_hooks import build as build_comm_hook
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.core.assembly import assemble
 from megabuf.core.wiring import ParamToGroup, WiredField, Wiring, WiringParts, rewire, wire
-from megabuf.fp8 import Fp8Params, adapter_for, convert_fp8_params, is_converted_fp8
+from megabuf.fp8 import Fp8Params, broadcast_tensors, convert_fp8_params
 from megabuf.planning.model_plan import plan_model, trainable_params
 from megabuf.planning.plan import Plan
 from megabuf.planning.replicas import (
@@ -111,17 +111,11 @@ class Engine:
     def _convert_fp8(self, init_sync: bool) -> Fp8Params:
         """The model's float8 weights become FP8 params ([Note: FP8 params])."""
         dp, collectives = self.process_groups.dp, self.collectives
-        fp8 = convert_fp8_params(
+        return convert_fp8_params(
             self.module, self.config.sharding.param_home != "module",
             broadcast=(lambda t: collectives.broadcast(t, 0, dp)) if init_sync else None,
+            auto_buckets=self.config.bucket_size == "auto",
         )  # fmt: skip
-        if fp8.specs and self.config.bucket_size == "auto":
-            raise ValueError(
-                f"megabuf: bucket_size='auto' re-plans the buffers, which FP8 params (e.g. "
-                f"{next(iter(fp8.specs.values())).name!r}) do not support; give an int "
-                "bucket_size (docs/fp8.md)"
-            )
-        return fp8
 
     def _build(self, disable_bucketing: bool, init_sync: bool) -> None:
         pgs, cfg = self.process_groups, self.config
@@ -441,19 +435,9 @@ class Engine:
         with self.param_side.summon(writeback=True), torch.no_grad():  # waits for gathers
             for _, param in self.module.named_parameters():
                 group = pgs.expt_dp if is_expert_parallel(param) else pgs.dp
-                for tensor in _broadcast_tensors(param):
+                for tensor in broadcast_tensors(param):  # [Note: FP8 params]
                     self.collectives.broadcast(tensor, 0, group)
                 # tell fp32 main-param holders the values changed (see reload_model_params)
                 torch.autograd.graph.increment_version(param)
             for tensor in self.module.buffers():
                 self.collectives.broadcast(tensor, 0, pgs.dp)
-
-
-def _broadcast_tensors(param: nn.Parameter) -> list[torch.Tensor]:
-    """What broadcasting a param moves: its data, or an FP8 param's bytes and scale ([Note:
-    FP8 params])."""
-    adapter = adapter_for(param) if is_converted_fp8(param) else None
-    if adapter is None:
-        return [param.data]
-    data, scale = adapter.parts(param)
-    return [data.view(torch.uint8), scale]

@@ -31,10 +31,16 @@ config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))`) is an FP8 param
   scale of the full weight: the same on every rank without a collective.
 """
 
-from megabuf.fp8.adapter import Fp8Adapter, Fp8Spec, adapter_for, is_converted_fp8, is_fp8_param
+from megabuf.fp8.adapter import (
+    adapter_for,
+    broadcast_tensors,
+    is_converted_fp8,
+    is_fp8_param,
+)
 from megabuf.fp8.agree import AMAX_OP, agree_and_cast
 from megabuf.fp8.convert import Fp8Params, convert_fp8_params
 from megabuf.fp8.shards import Fp8BufferPart
+from megabuf.fp8.spec import Fp8Adapter, Fp8Spec
 
 __all__ = [
     "AMAX_OP",
@@ -44,6 +50,7 @@ __all__ = [
     "Fp8Spec",
     "adapter_for",
     "agree_and_cast",
+    "broadcast_tensors",
     "convert_fp8_params",
     "is_converted_fp8",
     "is_fp8_param",

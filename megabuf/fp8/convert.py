@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from megabuf.fp8.adapter import Fp8Adapter, Fp8Spec, adapter_for, installed_adapters
+from megabuf.fp8.adapter import adapter_for, installed_adapters
+from megabuf.fp8.spec import Fp8Adapter, Fp8Spec
 
 _MARKERS = ("allreduce", "shared_embedding")  # megabuf's param markers, carried to the FP8 param
 
@@ -55,11 +56,13 @@ def convert_fp8_params(
     stores_fp8: bool,
     *,
     broadcast: Callable[[Tensor], None] | None,
+    auto_buckets: bool = False,
 ) -> Fp8Params:
     """Refuse unsupported recipes by name; where `stores_fp8` (a strategy with a master copy)
     swap each float8 weight for an FP8 param. `broadcast` (init_sync): makes dp rank 0's high
     precision value everyone's before the first cast. Without `stores_fp8` (no_shard) the
-    weights stay as the library made them, as under torch DDP ([Note: FP8 params])."""
+    weights stay as the library made them, as under torch DDP ([Note: FP8 params]).
+    `auto_buckets` (bucket_size="auto", which rebuilds buffers) is refused with FP8 params."""
     refuse_unsupported_modules(module)
     found = _find(module)
     for item in found:
@@ -71,8 +74,13 @@ def convert_fp8_params(
                 "expert weights in high precision (docs/fp8.md)"
             )
     result = Fp8Params()
-    if not stores_fp8:
+    if not stores_fp8 or not found:
         return result
+    if auto_buckets:
+        raise ValueError(
+            f"megabuf: bucket_size='auto' re-plans the buffers, which FP8 params (e.g. "
+            f"{found[0].name!r}) do not support; give an int bucket_size (docs/fp8.md)"
+        )
     for item in found:
         _convert(item, result, broadcast)
     return result

@@ -13,7 +13,7 @@ import sys
 
 from torch import Tensor, nn
 
-from megabuf.fp8.adapter import Fp8Adapter, Fp8Spec
+from megabuf.fp8.spec import Fp8Adapter, Fp8Spec
 
 
 class TransformerEngineAdapter:

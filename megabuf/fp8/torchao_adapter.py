@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from megabuf.fp8.adapter import Fp8Adapter, Fp8Spec
+from megabuf.fp8.spec import Fp8Adapter, Fp8Spec
 
 SUPPORTED_RECIPE = "tensorwise"  # torchao's Float8LinearRecipeName.TENSORWISE: dynamic scaling
 
