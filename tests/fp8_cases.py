@@ -227,3 +227,29 @@ def memory_case(strategy: str) -> dict[str, Any]:
         "fp8_buffer": (str(fp8.param_dtype), fp8.numel, len(fp8.params)),
         "module_buffer_nbytes": sum(b.numel() * b.element_size() for b in model.module.buffers()),
     }
+
+
+def unsupported_case(kind: str, root: str) -> str:
+    """What FP8 params do not support yet is refused by name (the message), never wrong."""
+    from megabuf.checkpoint import load_checkpoint, save_checkpoint
+    from megabuf.weights import Publisher, export_weights, offload
+
+    if kind == "hybrid":
+        try:
+            wrap("optim", num_distributed_optimizer_instances=2)
+        except ValueError as err:
+            return str(err)
+        return "not refused"
+    model = wrap("optim")
+    acts = {
+        "save_checkpoint": lambda: save_checkpoint(f"{root}/ckpt", model),
+        "load_checkpoint": lambda: load_checkpoint(f"{root}/ckpt", model),
+        "export_weights": lambda: next(iter(export_weights(model))),
+        "publisher": lambda: Publisher(model, None),  # type: ignore[arg-type]
+        "offload": lambda: offload(model),
+    }
+    try:
+        acts[kind]()
+    except ValueError as err:
+        return str(err)
+    return "not refused"

@@ -38,7 +38,7 @@ from megabuf.fp8.adapter import (
     is_fp8_param,
 )
 from megabuf.fp8.agree import AMAX_OP, agree_and_cast
-from megabuf.fp8.convert import Fp8Params, convert_fp8_params
+from megabuf.fp8.convert import Fp8Params, convert_fp8_params, refuse_fp8_params
 from megabuf.fp8.shards import Fp8BufferPart
 from megabuf.fp8.spec import Fp8Adapter, Fp8Spec
 
@@ -54,4 +54,5 @@ __all__ = [
     "convert_fp8_params",
     "is_converted_fp8",
     "is_fp8_param",
+    "refuse_fp8_params",
 ]

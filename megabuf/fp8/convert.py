@@ -8,13 +8,13 @@ as the seed of the buffer's fp32 master, until the buffers are built.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-from megabuf.fp8.adapter import adapter_for, installed_adapters
+from megabuf.fp8.adapter import adapter_for, installed_adapters, is_converted_fp8
 from megabuf.fp8.spec import Fp8Adapter, Fp8Spec
 
 _MARKERS = ("allreduce", "shared_embedding")  # megabuf's param markers, carried to the FP8 param
@@ -57,12 +57,14 @@ def convert_fp8_params(
     *,
     broadcast: Callable[[Tensor], None] | None,
     auto_buckets: bool = False,
+    hybrid: bool = False,
 ) -> Fp8Params:
     """Refuse unsupported recipes by name; where `stores_fp8` (a strategy with a master copy)
     swap each float8 weight for an FP8 param. `broadcast` (init_sync): makes dp rank 0's high
     precision value everyone's before the first cast. Without `stores_fp8` (no_shard) the
     weights stay as the library made them, as under torch DDP ([Note: FP8 params]).
-    `auto_buckets` (bucket_size="auto", which rebuilds buffers) is refused with FP8 params."""
+    `auto_buckets` (bucket_size="auto", which rebuilds buffers) and `hybrid` (a replicate x
+    shard split) are refused with FP8 params."""
     refuse_unsupported_modules(module)
     found = _find(module)
     for item in found:
@@ -76,6 +78,12 @@ def convert_fp8_params(
     result = Fp8Params()
     if not stores_fp8 or not found:
         return result
+    if hybrid:
+        raise ValueError(
+            f"megabuf: FP8 params (e.g. {found[0].name!r}) are not supported under hybrid "
+            "sharding (num_distributed_optimizer_instances > 1 or a dp shard group) yet; "
+            "shard over the whole dp group (docs/fp8.md)"
+        )
     if auto_buckets:
         raise ValueError(
             f"megabuf: bucket_size='auto' re-plans the buffers, which FP8 params (e.g. "
@@ -136,3 +144,16 @@ def refuse_unsupported_modules(module: nn.Module) -> None:
     for name, mod in module.named_modules():
         for adapter in adapters:
             adapter.check_module(mod, name)
+
+
+def refuse_fp8_params(models: nn.Module | Sequence[nn.Module], what: str) -> None:
+    """Raise ValueError naming the first FP8 param of `models` (wrapped models or modules):
+    `what` does not support FP8 params yet (docs/fp8.md lists what does)."""
+    for model in [models] if isinstance(models, nn.Module) else models:
+        for name, param in model.named_parameters():
+            if is_converted_fp8(param):
+                raise ValueError(
+                    f"megabuf: {what} does not support FP8 params yet ({name!r} is one); "
+                    "docs/fp8.md lists what FP8 params support. Wrap the model without "
+                    "enable_fsdp_float8_all_gather (torchao then casts in forward) to use it"
+                )
