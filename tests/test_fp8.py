@@ -199,3 +199,14 @@ def test_not_yet_supported_is_refused_by_name(results: Any, kind: str) -> None:
     for message in _one(results, f"unsupported_{kind}"):
         assert UNSUPPORTED[kind] in message, message
         assert "docs/fp8.md" in message
+
+
+def test_inspect_shows_fp8_buffers() -> None:
+    """`megabuf inspect` of a converted model shows its FP8 buffer by name."""
+    from megabuf.inspect import format_inspection, inspect_model
+
+    cfg = megabuf.DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim", bucket_size=3000
+    )
+    text = format_inspection(inspect_model(fc.build_net(), cfg, dp_size=2))
+    assert "param fp8 (uint8 bytes + an fp32 scale each), grad float32): 2 params" in text
