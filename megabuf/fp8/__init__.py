@@ -31,6 +31,8 @@ config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))`) is an FP8 param
   scale of the full weight: the same on every rank without a collective.
 """
 
+import torch
+
 from megabuf.fp8.adapter import (
     adapter_for,
     broadcast_tensors,
@@ -41,6 +43,13 @@ from megabuf.fp8.agree import AMAX_OP, agree_and_cast
 from megabuf.fp8.convert import Fp8Params, convert_fp8_params, refuse_fp8_params
 from megabuf.fp8.shards import Fp8BufferPart
 from megabuf.fp8.spec import Fp8Adapter, Fp8Spec
+
+
+def param_dtype_label(dtype: torch.dtype) -> str:
+    """How reports name a buffer's param dtype: a uint8 buffer holds FP8 params."""
+    name = str(dtype).removeprefix("torch.")
+    return "fp8 (uint8 bytes + an fp32 scale each)" if name == "uint8" else name
+
 
 __all__ = [
     "AMAX_OP",
@@ -54,5 +63,6 @@ __all__ = [
     "convert_fp8_params",
     "is_converted_fp8",
     "is_fp8_param",
+    "param_dtype_label",
     "refuse_fp8_params",
 ]
