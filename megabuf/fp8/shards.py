@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from megabuf.fp8.convert import Fp8Params
-from megabuf.pure.layout import BufferLayout, shard_pieces
+from megabuf.pure.layout import BufferLayout, ShardPiece, shard_pieces
 
 
 class Fp8BufferPart:
@@ -73,10 +73,10 @@ class Fp8BufferPart:
             seed = self.fp8.seed(self.params[piece.param_id]).reshape(-1)
             self.master_view_of(piece).copy_(seed[piece.param_start : piece.param_end])
 
-    def master_view_of(self, piece: object) -> Tensor:
-        bucket_id, start = piece.bucket_id, piece.buffer_start  # type: ignore[attr-defined]
-        lo = start - self._shard_start[bucket_id]
-        return self.masters[bucket_id][lo : lo + piece.numel]  # type: ignore[attr-defined]
+    def master_view_of(self, piece: ShardPiece) -> Tensor:
+        """The fp32 master of one piece of this rank's shard (1-D)."""
+        lo = piece.buffer_start - self._shard_start[piece.bucket_id]
+        return self.masters[piece.bucket_id][lo : lo + piece.numel]
 
     def master_view(self, start: int, end: int) -> Tensor:
         """The fp32 master of buffer range [start, end) inside this rank's shard of a bucket."""
@@ -88,9 +88,9 @@ class Fp8BufferPart:
             f"megabuf: buffer range [{start}, {end}) is outside this rank's FP8 master shards"
         )
 
-    def _hp(self, piece: object) -> Tensor:
+    def _hp(self, piece: ShardPiece) -> Tensor:
         """The master of a piece rounded to its param's dtype: what torchao would cast."""
-        spec = self.specs[piece.param_id]  # type: ignore[attr-defined]
+        spec = self.specs[piece.param_id]
         return self.master_view_of(piece).to(spec.hp_dtype)
 
     def amaxes(self) -> Tensor:
