@@ -1023,6 +1023,47 @@ MUTANTS = (
         "    agreed = inputs\n",
         ("tests/test_budget_runs.py",),
     ),
+    Mutant(
+        "fp8-scale-not-agreed",
+        "FP8 scales come from the amax agreed over the dp group, not this rank's shard",
+        "megabuf/fp8/agree.py",
+        "        collectives.all_reduce_max(amax, group, op=AMAX_OP)\n",
+        "        pass\n",
+        ("tests/test_fp8.py",),
+    ),
+    Mutant(
+        "fp8-per-tensor-all-reduce",
+        "one amax all-reduce per step for all FP8 params together, not one per tensor",
+        "megabuf/fp8/agree.py",
+        "        collectives.all_reduce_max(amax, group, op=AMAX_OP)\n",
+        "        for k in range(amax.numel()):\n"
+        "            collectives.all_reduce_max(amax[k : k + 1], group, op=AMAX_OP)\n",
+        ("tests/test_fp8.py",),
+    ),
+    Mutant(
+        "fp8-cast-skipped-after-step",
+        "after the step each rank casts its updated master shard into the FP8 bytes",
+        "megabuf/fp8/shards.py",
+        "            out.copy_(adapter.cast(self._hp(piece), self.scales[i], spec))\n",
+        "            pass\n",
+        ("tests/test_fp8.py",),
+    ),
+    Mutant(
+        "fp8-gather-full-width",
+        "FP8 params are stored and gathered as uint8 bytes, 1 byte per element",
+        "megabuf/planning/plan.py",
+        "        return torch.uint8, grad_dtype\n",
+        "        return dtype, grad_dtype\n",
+        ("tests/test_fp8.py",),
+    ),
+    Mutant(
+        "fp8-scales-not-counted",
+        "the memory formula counts each FP8 param's fp32 scale",
+        "megabuf/sharding/formula.py",
+        "    scales = FP32_NBYTES * len(buf.param_ids) if fp8 else 0\n",
+        "    scales = 0\n",
+        ("tests/test_fp8.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")

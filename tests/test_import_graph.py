@@ -9,6 +9,7 @@ the few modules users import or run by name stay in megabuf/ itself, each its ow
     pure/         layout math and the small records the config and the plan are made from
     config.py     `DistributedDataParallelConfig` (user-facing)
     transport/    every torch.distributed call, process groups and topology, devices
+    fp8/          FP8 params: the adapters, the conversion, the buffer part, the scale agreement
     planning/     the one planner, `plan_model`, the replica checks and param markers
     comm_hooks/   the communication-hook library: tensors and collectives, never the engine
     sharding/     ZeRO's grad and param storages and unit runtime (and see below)
@@ -41,6 +42,7 @@ LAYERS: list[str] = [
     "megabuf.pure",
     "megabuf.config",
     "megabuf.transport",
+    "megabuf.fp8",
     "megabuf.planning",
     "megabuf.comm_hooks",
     "megabuf.sharding",
