@@ -31,6 +31,8 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from torchft import Manager, ProcessGroupGloo  # noqa: E402  (imported before a standby waits)
+
 from megabuf import (  # noqa: E402
     DistributedDataParallelConfig,
     OptimizerConfig,
@@ -71,6 +73,29 @@ def _die(spec: dict[str, Any], strategy: str, step: int, phase: str) -> None:
             os._exit(KILLED)
 
 
+def _stall(spec: dict[str, Any], strategy: str, step: int) -> None:
+    """Quorum churn: a group slower than the Manager's timeout for one step (first run only)."""
+    for stall in spec.get("stalls", ()):
+        here = (stall["group"], stall["strategy"], stall["step"]) == (spec["group"], strategy, step)
+        if here and spec.get("restarts", 0) == 0 and not stall.get("done"):
+            stall["done"] = True
+            time.sleep(stall["seconds"])
+
+
+def _barrier(spec: dict[str, Any]) -> None:
+    """The first start waits (bounded) until every group's ranks are up, so that no group
+    trains alone while the others import torch; a restarted group does not wait."""
+    if spec.get("restarts", 0) or not spec.get("barrier"):
+        return
+    root = Path(spec["barrier"])
+    (root / f"g{spec['group']}_r{spec['rank']}").touch()
+    deadline = time.monotonic() + spec["run_s"]
+    while len(list(root.iterdir())) < spec["groups"] * spec["size"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError("megabuf.ft test: the other groups never started")
+        time.sleep(0.05)
+
+
 def store_port(spec: dict[str, Any]) -> tuple[Any, int]:
     """A fresh store for this strategy's Manager (its keys are fixed names), made by group
     rank 0 and its port shared inside the group."""
@@ -83,8 +108,6 @@ def store_port(spec: dict[str, Any]) -> tuple[Any, int]:
 
 
 def manager_for(spec: dict[str, Any], strategy: str, port: int) -> Any:
-    from torchft import Manager, ProcessGroupGloo
-
     t = timedelta(seconds=spec["timeout_s"])
     return Manager(
         pg=ProcessGroupGloo(timeout=t), load_state_dict=None, state_dict=None,
@@ -131,9 +154,10 @@ def run_strategy(spec: dict[str, Any], strategy: str) -> dict[str, Any]:
         step = manager.current_step()
         x, y = batch(step, spec["rank"])
         loss = nn.functional.mse_loss(model(x), y)
-        if spec.get("kill"):
-            last = list(model.module.parameters())[0]
-            last.register_hook(lambda g, s=step: (_die(spec, strategy, s, "backward"), g)[1])
+        _stall(spec, strategy, step)
+        if spec.get("kills"):
+            first = next(iter(model.module.parameters()))  # its grad comes last in backward
+            first.register_hook(lambda g, s=step: (_die(spec, strategy, s, "backward"), g)[1])
         loss.backward()
         result = gate.step()
         record.append((step, manager.num_participants(), result is not None))
@@ -145,12 +169,26 @@ def run_strategy(spec: dict[str, Any], strategy: str) -> dict[str, Any]:
     return {"record": record, "params": params, "mains": mains}
 
 
+def _wait_for_go(spec: dict[str, Any]) -> None:
+    """A standby restart ([Note: ft test reference]): start when the harness says so."""
+    if not spec.get("go"):
+        return
+    go = Path(spec["go"])
+    deadline = time.monotonic() + 600.0
+    while not go.exists():
+        if time.monotonic() > deadline:
+            os._exit(3)
+        time.sleep(0.02)
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    _wait_for_go(spec)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=spec["rank"],
         world_size=spec["size"], timeout=timedelta(seconds=spec["timeout_s"]),
     )  # fmt: skip
+    _barrier(spec)
     out = {s: run_strategy(spec, s) for s in spec["strategies"]}
     torch.save(out, spec["out"])
     os._exit(0)  # no teardown of torchft's threads: the harness only needs the file
