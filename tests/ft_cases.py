@@ -54,7 +54,7 @@ class Scenario:
     stalls: list[dict[str, Any]] = field(default_factory=list)
     timeout_s: float = 6.0
     quorum_timeout_s: float = 20.0
-    run_s: float = 90.0
+    run_s: float = 400.0
     bucket_size: int | str = 40
 
 
@@ -120,17 +120,14 @@ def run_scenario(sc: Scenario, deadline_s: float = 110.0) -> dict[int, list[dict
     tmp = Path(tempfile.mkdtemp(prefix="megabuf-ft-"))
     (tmp / "ready").mkdir()
     runs = {g: _spawn(sc, addrs, g, 0, sc.strategies, tmp) for g in range(sc.groups)}
-    standby: dict[int, GroupRun] = {}
-
-    def prepare(g: int, restarts: int) -> None:
-        died_in = _died_in(sc, g, restarts)
-        if died_in is not None:
+    chains: dict[int, list[GroupRun]] = {}  # every planned restart, importing from the start
+    for g in range(sc.groups):
+        chains[g], restarts = [], 0
+        while (died_in := _died_in(sc, g, restarts)) is not None:
             rest = sc.strategies[sc.strategies.index(died_in) :]
             go = tmp / f"go_g{g}_{restarts + 1}"
-            standby[g] = _spawn(sc, addrs, g, restarts + 1, rest, tmp, go)
-
-    for g in range(sc.groups):
-        prepare(g, 0)
+            chains[g].append(_spawn(sc, addrs, g, restarts + 1, rest, tmp, go))
+            restarts += 1
     end = time.monotonic() + deadline_s
     try:
         while any(p.poll() is None for r in runs.values() for p in r.procs):
@@ -140,12 +137,11 @@ def run_scenario(sc: Scenario, deadline_s: float = 110.0) -> dict[int, list[dict
             for g, run in list(runs.items()):
                 codes = [p.poll() for p in run.procs]
                 if any(c not in (None, 0) for c in codes):
-                    if KILLED not in codes:
+                    if KILLED not in codes or not chains[g]:
                         raise RuntimeError(f"group {g} failed:\n" + _tail(run))
-                    _kill(run)
-                    died_in = _died_in(sc, g, run.restarts)
-                    rest = sc.strategies[sc.strategies.index(died_in) :]
-                    runs[g] = _spawn(sc, addrs, g, run.restarts + 1, rest, tmp)
+                    _kill(run)  # the group's other ranks too: a group lives or dies whole
+                    runs[g] = chains[g].pop(0)
+                    (tmp / f"go_g{g}_{runs[g].restarts}").touch()
             time.sleep(0.05)
         results = {}
         for g, run in runs.items():
@@ -155,7 +151,7 @@ def run_scenario(sc: Scenario, deadline_s: float = 110.0) -> dict[int, list[dict
             results[g] = [torch.load(o, weights_only=False) for o in run.outs]
         return results
     finally:
-        for run in [*runs.values(), *standby.values()]:
+        for run in [*runs.values(), *(r for c in chains.values() for r in c)]:
             _kill(run)
         for h in lighthouses.values():
             h.shutdown()

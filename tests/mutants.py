@@ -991,6 +991,46 @@ MUTANTS = (
         "                if False:\n",
         ("tests/test_join.py",),
     ),
+    Mutant(  # issue 43: megabuf.ft
+        "ft-divides-by-started-groups",
+        "ft: the cross-replica sum is divided by the live participant count, not the group count",
+        "megabuf/ft/replicas.py",
+        "            n = self.manager.num_participants()\n",
+        "            n = 3  # the groups the job started with\n",
+        ("tests/test_ft.py",),
+    ),
+    Mutant(
+        "ft-steps-without-should-commit",
+        "ft: the optimizer steps only when manager.should_commit() says so",
+        "megabuf/ft/gate.py",
+        "        if not self.manager.should_commit():\n",
+        "        if not (self.manager.should_commit() or True):\n",
+        ("tests/test_ft.py",),
+    ),
+    Mutant(
+        "ft-collective-crosses-groups",
+        "ft: only the Manager crosses replica groups, never megabuf's collectives",
+        "megabuf/ft/replicas.py",
+        "_Averaged(self.manager.allreduce(s, reduce_op=ReduceOp.SUM), s, n)",
+        "_Averaged(collectives.all_reduce(s, self.manager._pg, async_op=True), s, n)",
+        ("tests/test_ft.py",),
+    ),
+    Mutant(
+        "ft-heal-drops-optimizer-state",
+        "ft: healing copies the inner optimizer state too",
+        "megabuf/ft/state.py",
+        "        inner.update({k: _placed(v, main) for k, v in received.items()})\n",
+        "        pass\n",
+        ("tests/test_ft.py",),
+    ),
+    Mutant(
+        "ft-layout-fingerprint-unchecked",
+        "ft: a layout that differs across groups is a named error before the step",
+        "megabuf/ft/gate.py",
+        "        self.layout.check(rank=self.model.engine.rank)\n",
+        "",
+        ("tests/test_ft.py",),
+    ),
 )
 
 PYTEST = ("-P", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")

@@ -134,7 +134,7 @@ def test_three_groups_of_one_killed_in_each_phase_and_stalled() -> None:
         ],
         stalls=[{"group": 2, "strategy": "no_shard", "step": 2, "seconds": 8.0}],
     )  # fmt: skip
-    _check_replicas(run_scenario(sc, deadline_s=400.0), sc)
+    _check_replicas(run_scenario(sc, deadline_s=900.0), sc)
 
 
 @pytest.mark.slow
@@ -146,4 +146,4 @@ def test_three_groups_of_two_every_strategy_killed() -> None:
             {"group": 1, "strategy": "optim_grads_params", "step": 1, "phase": "step"},
         ],
     )  # fmt: skip
-    _check_replicas(run_scenario(sc, deadline_s=400.0), sc)
+    _check_replicas(run_scenario(sc, deadline_s=900.0), sc)

@@ -256,7 +256,16 @@ class TwoLevel:
         if not self._replicas.owed:
             return
         self.first.land()
-        self._replicas.start(self.first.parts.grads.reduced_shards())
+        self._replicas.start(self._crossing())
+
+    def _crossing(self) -> list[Tensor]:
+        """What crosses replicas: this rank's reduced shard of each bucket, or the whole bucket
+        where every rank steps whole params (no_shard, only under megabuf.ft: [Note:
+        fault-tolerant replicas])."""
+        parts = self.first.parts
+        if parts.strategy.shards_optimizer:
+            return parts.grads.reduced_shards()
+        return [b.grad_data for b in parts.buckets]
 
     def finish(self) -> None:
         self.start_second_level()
