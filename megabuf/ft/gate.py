@@ -102,8 +102,7 @@ class FaultTolerantOptimizer:
         the step's first cross-replica all-reduce carries, and a new iteration's grads."""
         self.layout.expect(layout_fingerprint(self.model))
         self.manager.start_quorum()
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad()  # the model's zero_grad_buffer()
 
     def step(self) -> StepResult | None:
         """Finish the grad sync, check the layout, vote; the optimizer's result, or None when
