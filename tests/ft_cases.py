@@ -83,6 +83,7 @@ def _spawn(sc: Scenario, lighthouses: dict[str, str], group: int, restarts: int,
             "quorum_timeout_s": sc.quorum_timeout_s, "run_s": sc.run_s, "out": str(out),
             "bucket_size": sc.bucket_size, "stalls": sc.stalls, "barrier": str(tmp / "ready"),
             "go": str(go) if go is not None else None,
+            "record": str(tmp / f"rec_g{group}_r{rank}_{restarts}.jsonl"),
         }  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
                "RUST_LOG": "error"}  # fmt: skip
@@ -105,10 +106,10 @@ def _tail(run: GroupRun) -> str:
     return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in run.logs)
 
 
-def run_scenario(sc: Scenario, deadline_s: float = 110.0) -> dict[int, list[dict[str, Any]]]:
+def run_scenario(sc: Scenario, deadline_s: float = 110.0) -> dict[int, list[Any]]:
     """Run `sc` to its end, restarting each killed group (all its ranks) once per kill; every
     wait is bounded by `deadline_s` (a hang fails the test). Per group, per rank, the worker's
-    results (tests/ft_worker.py)."""
+    results (tests/ft_worker.py); under key -1, every step's record of every run."""
     from torchft.coordination import LighthouseServer
 
     lighthouses = {
@@ -143,18 +144,38 @@ def run_scenario(sc: Scenario, deadline_s: float = 110.0) -> dict[int, list[dict
                     runs[g] = chains[g].pop(0)
                     (tmp / f"go_g{g}_{runs[g].restarts}").touch()
             time.sleep(0.05)
-        results = {}
+        results: dict[int, list[Any]] = {}
         for g, run in runs.items():
             for p in run.procs:
                 if p.returncode != 0:
                     raise RuntimeError(f"group {g} failed:\n" + _tail(run))
-            results[g] = [torch.load(o, weights_only=False) for o in run.outs]
+            results[g] = [_outputs(tmp, g, r, sc.strategies) for r in range(sc.size)]
+        results[-1] = [_records(tmp)]
         return results
     finally:
         for run in [*runs.values(), *(r for c in chains.values() for r in c)]:
             _kill(run)
         for h in lighthouses.values():
             h.shutdown()
+
+
+def _outputs(tmp: Path, group: int, rank: int, strategies: list[str]) -> dict[str, Any]:
+    """Per strategy, what the group rank's last run through it saved (a killed run keeps the
+    strategies it finished before it died)."""
+    out = {}
+    for strategy in strategies:
+        saved = sorted(tmp.glob(f"g{group}_r{rank}_*.pt.{strategy}"))
+        if saved:
+            out[strategy] = torch.load(saved[-1], weights_only=False)
+    return out
+
+
+def _records(tmp: Path) -> list[tuple[str, int, int, bool]]:
+    """Every step of every run (killed ones included): (strategy, step, participants, ok)."""
+    rows = []
+    for path in sorted(tmp.glob("rec_*.jsonl")):
+        rows += [tuple(json.loads(line)) for line in path.read_text().splitlines() if line]
+    return rows  # type: ignore[return-value]
 
 
 def _died_in(sc: Scenario, group: int, restarts: int) -> str | None:

@@ -173,12 +173,13 @@ def case_voted_down(strategy: str, half: bool) -> dict[str, bool]:
     }
 
 
-def reference(strategy: str, counts: list[int], size: int, steps: int) -> list[torch.Tensor]:
-    """[Note: ft test reference] in tests/ft_cases.py, for a group of `size` ranks."""
+def reference(counts: list[int], size: int, batches: list[int]) -> list[torch.Tensor]:
+    """[Note: ft test reference] in tests/ft_cases.py, for a group of `size` ranks: committed
+    step i used batch `batches[i]` and had `counts[i]` participants."""
     module = _module(False)
     params = list(module.parameters())
     opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    for step in range(steps):
+    for i, step in enumerate(batches):
         grads = [torch.zeros_like(p) for p in params]
         for rank in range(size):
             module.zero_grad()
@@ -186,7 +187,7 @@ def reference(strategy: str, counts: list[int], size: int, steps: int) -> list[t
             nn.functional.mse_loss(module(x), y).backward()
             for g, p in zip(grads, params, strict=True):
                 g.add_(p.grad * (1.0 / size))
-        n = counts[min(step, len(counts) - 1)]
+        n = counts[i]
         for g, p in zip(grads, params, strict=True):
             p.grad = (g * n) / n if n > 1 else g
         opt.step()
@@ -200,7 +201,9 @@ def case_reference(strategy: str, counts: list[int], steps: int) -> bool:
     for step in range(steps):
         _train_step(model, gate, step)
     got = [v for _, v in sorted(model.state_dict().items(), key=lambda kv: _order(model, kv[0]))]
-    want = reference(strategy, counts, dist.get_world_size(), steps)
+    # the first zero_grad() committed the synchronizing step 0: steps 1.. trained
+    seen = [counts[min(i + 1, len(counts) - 1)] for i in range(steps)]
+    want = reference(seen, dist.get_world_size(), list(range(steps)))
     return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 

@@ -163,6 +163,8 @@ def run_strategy(spec: dict[str, Any], strategy: str) -> dict[str, Any]:
         loss.backward()
         result = gate.step()
         record.append((step, manager.num_participants(), result is not None))
+        with open(spec["record"], "a") as f:  # kept by a run that is killed later
+            f.write(json.dumps([strategy, *record[-1]]) + "\n")
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     mains = [mp.main.detach().clone() for mp in opt.main_params]
     dist.barrier()  # rank 0 serves the group's Manager: it shuts down last
@@ -188,11 +190,11 @@ def main() -> None:
     _wait_for_go(spec)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=spec["rank"],
-        world_size=spec["size"], timeout=timedelta(seconds=spec["timeout_s"]),
+        world_size=spec["size"], timeout=timedelta(seconds=spec["run_s"]),
     )  # fmt: skip
     _barrier(spec)
-    out = {s: run_strategy(spec, s) for s in spec["strategies"]}
-    torch.save(out, spec["out"])
+    for strategy in spec["strategies"]:  # one file each: a later kill keeps what finished
+        torch.save(run_strategy(spec, strategy), f"{spec['out']}.{strategy}")
     os._exit(0)  # no teardown of torchft's threads: the harness only needs the file
 
 

@@ -20,8 +20,10 @@ torchft's `Manager`:
   transport, rank i from rank i ([Note: replica state for healing]).
 What used to span the whole dp group, and what it does now (each stays inside the group, or
 crosses through the Manager):
-- the construction broadcast of params: inside the group; across groups torchft's init_sync
-  heals every group from one at step 0, through the Manager;
+- the construction broadcast of params: inside the group; across groups the first
+  `zero_grad()` runs a synchronizing step 0 that moves no grads: its quorum heals every group
+  from one (torchft's init_sync) and commits. (Training on step 0 itself would count the
+  groups healing there as participants of the all-reduce while they contribute zeros.);
 - the NaN check's agreement (`check_for_nan_in_grad`): refused under ft (it would make one group
   raise alone); non-finite grads are caught after the cross-replica average, on the same
   values in every group (grad-norm skip, loss scaler), so all groups skip alike;
