@@ -7,14 +7,17 @@ lighthouse runs in this (the test's) process, one per strategy so that a restart
 the strategy it died in. Every group's model starts from the same seed and every rank's batch
 depends only on (committed step, group rank), so every participating group contributes the
 same first-level grad g (the group mean: sum over group ranks of grad / S). The Manager then sums
-n identical tensors and divides by n, the live participant count of that step, which is not
-exactly g in floating point (3g / 3 may differ from g in its last bit). The reference
-(`reference_params`) replays, in one process, each committed step of a group that never died:
-per-rank grads of the same module and batches, pre-scaled by 1/S and summed in rank order, then
-summed n times and divided by n, then torch's SGD with momentum on the whole params, as the
+n identical tensors and divides by n, the contributing groups of that step, which is not
+exactly g in floating point (3g / 3 may differ from g in its last bit).
+Every run, killed ones included, appends
+(strategy, step, participants, committed) per step to a record file; every group that committed
+step s saw the same count n_s. The reference (`reference` in tests/ft_fake_cases.py) replays
+steps 0..last in one process: per-rank grads of the same module and batches, pre-scaled by 1/S
+and summed in rank order, then multiplied by n_s and divided by n_s (an n-fold sum of identical
+values is their product, bitwise), then torch's SGD with momentum on the whole params, as the
 megabuf optimizer does on its shards (pointwise, so the same bits). Voted-down steps change
-nothing and are not replayed. At the end every group's params must equal each other's and the
-reference bitwise.
+nothing and are not replayed. At the end every group's params and main params must equal each
+other's, and group 0's params the reference's, bitwise.
 """
 
 from __future__ import annotations

@@ -993,10 +993,10 @@ MUTANTS = (
     ),
     Mutant(  # issue 43: megabuf.ft
         "ft-divides-by-started-groups",
-        "ft: the cross-replica sum is divided by the live participant count, not the group count",
+        "ft: the cross-replica sum is divided by the contributing groups, not the group count",
         "megabuf/ft/replicas.py",
-        "            n = self.manager.num_participants()\n",
-        "            n = 3  # the groups the job started with\n",
+        "        n = self.layout.contributors()\n",
+        "        n = 3  # the groups the job started with\n",
         ("tests/test_ft.py",),
     ),
     Mutant(
@@ -1011,8 +1011,8 @@ MUTANTS = (
         "ft-collective-crosses-groups",
         "ft: only the Manager crosses replica groups, never megabuf's collectives",
         "megabuf/ft/replicas.py",
-        "_Averaged(self.manager.allreduce(s, reduce_op=ReduceOp.SUM), s, n)",
-        "_Averaged(collectives.all_reduce(s, self.manager._pg, async_op=True), s, n)",
+        "_Averaged(self.manager.allreduce(s, reduce_op=ReduceOp.SUM), s, self.layout)",
+        "_Averaged(collectives.all_reduce(s, self.manager._pg, async_op=True), s, self.layout)",
         ("tests/test_ft.py",),
     ),
     Mutant(

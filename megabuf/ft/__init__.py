@@ -9,8 +9,10 @@ torchft's `Manager`:
   megabuf/transport/cross_replica.py) is `ManagerReplicas`: each bucket group's reduced shard
   (the whole bucket under no_shard) is all-reduced with `manager.allreduce`, asynchronously, in
   dispatch-chain order as the hybrid second level is ([Note: two-level reduction]), a sum
-  divided by `manager.num_participants()`; the first level already averaged inside the group,
-  so the result is the mean over every live group's ranks;
+  divided by the number of groups that contributed to it (counted by the step's first
+  all-reduce, [Note: layout fingerprint]: `manager.num_participants()` except at step 0, where
+  torchft counts the groups healing there although they contribute zeros); the first level
+  already averaged inside the group, so the result is the mean over every live group's ranks;
 - `FaultTolerantOptimizer.step()` steps only if `manager.should_commit()` (on every rank of
   the group) says every reduction of the group succeeded; a voted-down step calls nothing on
   the optimizer, so params, main params, optimizer state and loss scaler stay as they were;
@@ -20,10 +22,8 @@ torchft's `Manager`:
   transport, rank i from rank i ([Note: replica state for healing]).
 What used to span the whole dp group, and what it does now (each stays inside the group, or
 crosses through the Manager):
-- the construction broadcast of params: inside the group; across groups the first
-  `zero_grad()` runs a synchronizing step 0 that moves no grads: its quorum heals every group
-  from one (torchft's init_sync) and commits. (Training on step 0 itself would count the
-  groups healing there as participants of the all-reduce while they contribute zeros.);
+- the construction broadcast of params: inside the group; across groups torchft's init_sync
+  heals every group from one at step 0, through the Manager;
 - the NaN check's agreement (`check_for_nan_in_grad`): refused under ft (it would make one group
   raise alone); non-finite grads are caught after the cross-replica average, on the same
   values in every group (grad-norm skip, loss scaler), so all groups skip alike;

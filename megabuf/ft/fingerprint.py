@@ -13,6 +13,11 @@ exactly when sum h = n h_own and sum h^2 = n h_own^2 for every chunk (values bel
 float64). A group that is healing contributes zeros (the Manager zeroes a non-participant's
 tensor) and still checks its own h against the participants'. On a mismatch every group raises
 `LayoutMismatchError` before `should_commit`, so nothing is stepped on scrambled grads.
+The same sum's n is the number of groups whose grads the step's all-reduces hold: the grads are
+divided by it (`contributors`). It is `manager.num_participants()` except at step 0, where
+torchft's init_sync heals every group but one and still counts them as participants while
+the Manager zeroes their contributions. (The all-reduces of one step complete in issue order, so
+it has landed when a grad all-reduce is waited for.)
 """
 
 from __future__ import annotations
@@ -70,13 +75,25 @@ class LayoutCheck:
         self._tensor = torch.tensor([1.0, *h, *[c * c for c in h]], dtype=torch.float64)
         self._work = self.manager.allreduce(self._tensor, reduce_op=ReduceOp.SUM)
 
+    def _landed(self) -> torch.Tensor | None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._tensor
+
+    def contributors(self) -> int:
+        """How many groups contributed to this step's all-reduces (at least 1)."""
+        tensor = self._landed()
+        if tensor is None or self.manager.errored() is not None:
+            return max(1, int(self.manager.num_participants()))  # voted down anyway
+        return max(1, round(tensor[0].item()))
+
     def check(self, *, rank: int) -> None:
         """Raise `LayoutMismatchError` if a participant's layout differs from this group's;
         nothing to check when no grad crossed this step or the Manager recorded an error."""
-        if self._tensor is None or self.fingerprint is None:
+        tensor = self._landed()
+        if tensor is None or self.fingerprint is None:
             return
-        self._work.wait()
-        tensor, self._tensor = self._tensor, None
         if self.manager.errored() is not None:
             return  # the sums may be partial; the step is voted down anyway
         n = tensor[0].item()

@@ -100,19 +100,10 @@ class FaultTolerantOptimizer:
     def zero_grad(self) -> None:
         """Start the step: the quorum (asynchronous under use_async_quorum), the fingerprint
         the step's first cross-replica all-reduce carries, and a new iteration's grads. The
-        very first call first runs the synchronizing step ([Note: fault-tolerant replicas])."""
-        while self.manager.current_step() == 0:
-            self._synchronize()
+        grads are divided by the step's contributor count ([Note: layout fingerprint])."""
         self.layout.expect(layout_fingerprint(self.model))
         self.manager.start_quorum()
         self.optimizer.zero_grad()  # the model's zero_grad_buffer()
-
-    def _synchronize(self) -> None:
-        """Step 0 moves no grads: its quorum heals every group from one (torchft's
-        init_sync) and commits. A step-0 healer would otherwise count as a participant of
-        the all-reduce while contributing zeros."""
-        self.manager.start_quorum()
-        self.manager.should_commit()
 
     def step(self) -> StepResult | None:
         """Finish the grad sync, check the layout, vote; the optimizer's result, or None when

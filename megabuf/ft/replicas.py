@@ -19,16 +19,17 @@ from megabuf.transport.cross_replica import Handle
 
 
 class _Averaged:
-    """A Manager all-reduce (a sum) and its division by the live participant count, applied
-    when waited for; `n` was read when the all-reduce was issued (the quorum of this step)."""
+    """A Manager all-reduce (a sum) and its division by the step's contributor count, applied
+    when waited for ([Note: layout fingerprint]: the step's first all-reduce counts them)."""
 
-    def __init__(self, work: Any, tensor: Tensor, n: int) -> None:
-        self.work, self.tensor, self.n = work, tensor, n
+    def __init__(self, work: Any, tensor: Tensor, layout: LayoutCheck) -> None:
+        self.work, self.tensor, self.layout = work, tensor, layout
 
     def wait(self) -> None:
         self.work.wait()  # never raises: the Manager records an error and votes the step down
-        if self.n > 1:
-            self.tensor.div_(self.n)
+        n = self.layout.contributors()
+        if n > 1:
+            self.tensor.div_(n)
 
     def is_completed(self) -> bool:
         return False  # the chain learns nothing early; finish waits ([Note: reductions])
@@ -36,9 +37,10 @@ class _Averaged:
 
 class ManagerReplicas:
     """[Note: fault-tolerant replicas]: the reduced shards of every bucket group cross replica
-    groups only through `manager.allreduce`, a sum divided by `manager.num_participants()`
-    (a healing group contributes zeros and receives the average of the others). The first
-    all-reduce a step issues carries the layout fingerprint (`LayoutCheck`)."""
+    groups only through `manager.allreduce`, a sum divided by the number of groups that
+    contributed (a healing group contributes zeros and receives the average of the others).
+    The first all-reduce a step issues carries the layout fingerprint and that count
+    (`LayoutCheck`)."""
 
     name = "torchft Manager"
 
@@ -53,9 +55,9 @@ class ManagerReplicas:
         group, and this level always averages over the participants."""
         self.layout.issue_once()
         with torch.profiler.record_function("megabuf::ft_allreduce"):
-            n = self.manager.num_participants()
             return [
-                _Averaged(self.manager.allreduce(s, reduce_op=ReduceOp.SUM), s, n) for s in shards
+                _Averaged(self.manager.allreduce(s, reduce_op=ReduceOp.SUM), s, self.layout)
+                for s in shards
             ]
 
     def hook_group(self, hook_name: str, *, group_id: int, rank: int) -> ProcessGroup:
