@@ -162,7 +162,8 @@ def run_strategy(spec: dict[str, Any], strategy: str) -> dict[str, Any]:
             first.register_hook(lambda g, s=step: (_die(spec, strategy, s, "backward"), g)[1])
         loss.backward()
         result = gate.step()
-        record.append((step, manager.num_participants(), result is not None))
+        # the groups whose grads this step averaged ([Note: layout fingerprint])
+        record.append((step, gate.layout.contributors(), result is not None))
         with open(spec["record"], "a") as f:  # kept by a run that is killed later
             f.write(json.dumps([strategy, *record[-1]]) + "\n")
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
