@@ -162,8 +162,11 @@ def run_strategy(spec: dict[str, Any], strategy: str) -> dict[str, Any]:
             first.register_hook(lambda g, s=step: (_die(spec, strategy, s, "backward"), g)[1])
         loss.backward()
         result = gate.step()
-        # the groups whose grads this step averaged ([Note: layout fingerprint])
-        record.append((step, gate.layout.contributors(), result is not None))
+        # the step committed (a healing group trained on stale params from an older `step`,
+        # its grads zeroed: it committed the others' step) and the groups whose grads it
+        # averaged ([Note: layout fingerprint])
+        done = manager.current_step() - 1 if result is not None else step
+        record.append((done, gate.layout.contributors(), result is not None))
         with open(spec["record"], "a") as f:  # kept by a run that is killed later
             f.write(json.dumps([strategy, *record[-1]]) + "\n")
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
