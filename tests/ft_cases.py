@@ -34,8 +34,12 @@ from typing import Any
 
 import torch
 
+import megabuf
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "ft_worker.py"
+# where the megabuf under test lives (a mutant's copy under tests/mutants.py), for the workers
+MEGABUF_ROOT = Path(megabuf.__file__).resolve().parents[1]
 KILLED = 17
 
 
@@ -88,7 +92,7 @@ def _spawn(sc: Scenario, lighthouses: dict[str, str], group: int, restarts: int,
             "go": str(go) if go is not None else None,
             "record": str(tmp / f"rec_g{group}_r{rank}_{restarts}.jsonl"),
         }  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+        env = {**os.environ, "PYTHONPATH": str(MEGABUF_ROOT), "OMP_NUM_THREADS": "1",
                "RUST_LOG": "error"}  # fmt: skip
         with open(log, "wb") as f:
             procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)],

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))  # after PYTHONPATH: the megabuf under test comes first
 
 from torchft import Manager, ProcessGroupGloo  # noqa: E402  (imported before a standby waits)
 
