@@ -60,6 +60,8 @@ def worker(args: argparse.Namespace) -> None:
     )
     last = (0, 0, False)
     while manager.current_step() < args.steps or not (last[2] and last[1] == GROUPS):
+        if manager.current_step() >= args.steps:
+            time.sleep(0.05)  # waiting for a restarted group to heal in: leave it the CPU
         opt.zero_grad()
         step = manager.current_step()
         g = torch.Generator().manual_seed(step)
