@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -154,3 +157,15 @@ def test_three_groups_of_two_every_strategy_killed() -> None:
         ],
     )  # fmt: skip
     _check_replicas(run_scenario(sc, deadline_s=900.0), sc)
+
+
+@pytest.mark.slow
+def test_example_kills_a_group_and_the_replicas_agree() -> None:
+    """examples/train_ft.py --kill: group 1 dies mid-backward, restarts, heals; all agree."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "examples/train_ft.py", "--steps", "3", "--kill", "--timeout-s", "800"]
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "group 1 was killed: restarting it" in output, output[-4000:]
+    assert "replicas agree (params bitwise equal in all 3 groups): True" in output, output[-4000:]
