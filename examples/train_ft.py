@@ -67,7 +67,7 @@ def worker(args: argparse.Namespace) -> None:
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
         loss = nn.functional.mse_loss(model(x), y)
-        if args.kill and step == args.steps // 2:
+        if args.kill and step >= args.steps // 2:  # its first step at or past the middle
             module[0].weight.register_hook(lambda grad: os._exit(KILLED))
         loss.backward()
         committed = opt.step() is not None
