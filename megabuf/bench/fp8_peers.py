@@ -19,7 +19,6 @@ megabuf FP8 row gathers at full width until megabuf's FP8 param kind is in the b
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -236,13 +235,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = {"argv": sys.argv, "run": run.__dict__, "dp": args.dp, "systems": FP8_SYSTEMS}
     write_jsonl(args.out, header, rows)
     print(table(rows))
-    steps = statistics.median(r["rounds"] for r in rows)
-    print(f"\n{args.dp} gloo ranks, {args.model}, {args.batch} samples per rank, {steps} rounds "
-          f"after {args.warmup} warm-up steps per row; 'x base' = median over rounds of each "
-          f"step / {rows[0]['system']}'s step in the same round ([Note: paired measurement]); "
-          f"gather ring = (n-1) x shard bytes handed to each param all-gather per step (megabuf: "
-          f"its collective records; FSDP2: a counting wrapper on all_gather_single); took "
-          f"{time.perf_counter() - start:.0f} s. JSON lines: {args.out}")  # fmt: skip
+    print(
+        f"\n{args.dp} gloo ranks, {args.model}, {args.batch} samples per rank, {args.rounds} "
+        f"rounds after {args.warmup} warm-up steps per row; 'x base' = median over rounds of "
+        f"each step / {rows[0]['system']}'s step in the same round ([Note: paired "
+        "measurement]); gather ring = (n-1) x shard bytes handed to each param all-gather per "
+        "step (megabuf: its collective records; FSDP2: a counting wrapper on "
+        f"all_gather_single); took {time.perf_counter() - start:.0f} s. JSON lines: {args.out}"
+    )
     return 0
 
 
