@@ -7,7 +7,8 @@
   it as one batch.
 - `wire_case`: the bench's rows (fp8_peers.rank_rounds) on gpt_tiny: param all-gather bytes
   counted per step, with FSDP2's formula.
-- `band_case`: megabuf_losses in fp8 and bf16 under one strategy ([Note: FP8 loss band]).
+- `band_case`: megabuf_curve in fp8 and bf16 under one strategy ([Note: FP8 loss band]), with
+  the param all-gather bytes per step of each.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import megabuf
-from megabuf.bench.fp8_curves import BAND_STEPS, megabuf_losses
+from megabuf.bench.fp8_curves import BAND_STEPS, megabuf_curve
 from megabuf.bench.fp8_peers import Fp8Run, plan_rows, rank_rounds, row_label
 from megabuf.bench.fp8_systems import build_fsdp2, is_float8_weight, to_float8
 from megabuf.bench.settings import OPTIMIZER_KWARGS
@@ -86,11 +87,14 @@ def wire_case() -> list[dict[str, Any]]:
             for i, r in enumerate(rows)]  # fmt: skip
 
 
-def band_case(strategy: str) -> dict[str, list[float]]:
+def band_case(strategy: str) -> dict[str, Any]:
     pgs = megabuf.ProcessGroups.default_local()
-    out = {p: megabuf_losses(p, strategy, BAND_STEPS, pgs) for p in ("fp8", "bf16")}
+    curves = {p: megabuf_curve(p, strategy, BAND_STEPS, pgs) for p in ("fp8", "bf16")}
     dist.barrier()
-    return out
+    return {
+        "losses": {p: c.losses for p, c in curves.items()},
+        "gather_nbytes": {p: c.gather_ring_nbytes_per_step for p, c in curves.items()},
+    }
 
 
 def float8_linears(module: nn.Module) -> int:
