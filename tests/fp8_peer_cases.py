@@ -7,8 +7,8 @@
   it as one batch.
 - `wire_case`: the bench's rows (fp8_peers.rank_rounds) on gpt_tiny: param all-gather bytes
   counted per step, with FSDP2's formula.
-- `band_case`: megabuf_curve in fp8 and bf16 under one strategy ([Note: FP8 loss band]), with
-  the param all-gather bytes per step of each.
+- `band_case`: megabuf_curve in one precision under one strategy ([Note: FP8 loss band]), with
+  the param all-gather bytes per step.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import megabuf
 from megabuf.bench.fp8_curves import BAND_STEPS, megabuf_curve
@@ -87,15 +86,8 @@ def wire_case() -> list[dict[str, Any]]:
             for i, r in enumerate(rows)]  # fmt: skip
 
 
-def band_case(strategy: str) -> dict[str, Any]:
+def band_case(strategy: str, precision: str) -> dict[str, Any]:
     pgs = megabuf.ProcessGroups.default_local()
-    curves = {p: megabuf_curve(p, strategy, BAND_STEPS, pgs) for p in ("fp8", "bf16")}
+    curve = megabuf_curve(precision, strategy, BAND_STEPS, pgs)
     dist.barrier()
-    return {
-        "losses": {p: c.losses for p, c in curves.items()},
-        "gather_nbytes": {p: c.gather_ring_nbytes_per_step for p, c in curves.items()},
-    }
-
-
-def float8_linears(module: nn.Module) -> int:
-    return sum(is_float8_weight(p) for p in module.parameters())
+    return {"losses": curve.losses, "gather_nbytes": curve.gather_ring_nbytes_per_step}
