@@ -119,8 +119,8 @@ def megabuf_curve(
     )
     model = megabuf.DistributedDataParallel(build_precision_model(precision, seed), config,
                                             process_groups=pgs)  # fmt: skip
-    opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig(
-        optimizer="adamw", lr=LR, weight_decay=WEIGHT_DECAY))  # fmt: skip
+    opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig(  # bf16: fp32 main params
+        optimizer="adamw", lr=LR, weight_decay=WEIGHT_DECAY, bf16=precision == "bf16"))  # fmt: skip
     local = GLOBAL_BATCH // pgs.dp_size
     lo, hi = pgs.dp_rank * local, (pgs.dp_rank + 1) * local
     tokens, losses = _tokens(steps, seed), []

@@ -44,11 +44,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megabuf.bench.systems import Engine, NotAvailable, build_megabuf
+from megabuf.bench.systems import MEGABUF_CONFIGS, Engine, NotAvailable
+from megabuf.config import DistributedDataParallelConfig
+from megabuf.ddp import DistributedDataParallel
 from megabuf.transport.process_groups import ProcessGroups
 
 FP8_SYSTEMS: tuple[str, ...] = ("megabuf_bf16", "megabuf_fp8", "fsdp2_bf16", "fsdp2_fp8")
-STRATEGY_SYSTEMS: dict[str, str] = {  # the megabuf bench system (systems.py) of each strategy
+STRATEGY_SYSTEMS: dict[str, str] = {  # the megabuf bench config (systems.py) of each strategy
     "optim": "megabuf_distopt_overlap",
     "optim_grads": "megabuf_zero2",
     "optim_grads_params": "megabuf_zero3",
@@ -183,8 +185,20 @@ def build_megabuf_precision(
         raise ValueError(
             f"megabuf.bench: strategy {strategy!r} has no FP8 row; known: {list(STRATEGY_SYSTEMS)}"
         )
+    from megabuf.bench.settings import OPTIMIZER_KWARGS
+    from megabuf.optimizer import OptimizerConfig, build_optimizer
+
     module = to_float8(module) if float8 else module.to(torch.bfloat16)
-    return build_megabuf(STRATEGY_SYSTEMS[strategy], module, pgs)
+    config = DistributedDataParallelConfig(**MEGABUF_CONFIGS[STRATEGY_SYSTEMS[strategy]])
+    model = DistributedDataParallel(module, config, process_groups=pgs)
+    opt = build_optimizer(model, OptimizerConfig(
+        optimizer="adamw", lr=OPTIMIZER_KWARGS["lr"], weight_decay=OPTIMIZER_KWARGS["weight_decay"],
+        adam_eps=OPTIMIZER_KWARGS["eps"], bf16=not float8,  # bf16: fp32 main params
+    ))  # fmt: skip
+    return Engine(
+        model, module, opt, 0, opt.zero_grad, model.finish_grad_sync,
+        publish=model.publish_params, collectives=model.engine.collectives, ddp=model,
+    )  # fmt: skip
 
 
 def build_fp8_system(name: str, module: nn.Module, pgs: ProcessGroups, strategy: str) -> Engine:
