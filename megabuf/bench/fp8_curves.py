@@ -17,8 +17,8 @@ first `BAND_STEPS` steps at dp 2 through megabuf, under every sharding strategy:
 largest gap measured on a single process over 300 steps for seeds 0, 1 and 2 (0.065, 0.071
 and 0.057), rounded up to a multiple of 0.05 (docs/fp8-peers.md gives the curves' figures), so
 that a working FP8 path passes with margin while one that does not train its float8 weights
-(megabuf without its FP8 param kind: GAP30 behind bf16 after 30 steps) or casts them with a
-wrong scale does not.
+(megabuf without its FP8 param kind: 1.02 behind bf16 after 30 steps) or casts them with a wrong
+scale does not.
 """
 
 from __future__ import annotations
