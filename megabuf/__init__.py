@@ -19,6 +19,7 @@ from megabuf.optimizer import (
 )
 from megabuf.pipeline import default_schedule_hooks, get_forward_backward_func, wrap_model_chunks
 from megabuf.planning.replicas import mark_expert_parallel
+from megabuf.training.budget import plan_for_budget
 from megabuf.training.finalize import finalize_model_grads
 from megabuf.training.reproducible import verify_reproducible
 from megabuf.transport.distributed_init import init_distributed
@@ -41,6 +42,7 @@ __all__ = [
     "init_distributed",
     "load_checkpoint",
     "mark_expert_parallel",
+    "plan_for_budget",
     "save_checkpoint",
     "verify_reproducible",
     "wrap_model_chunks",

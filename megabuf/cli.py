@@ -1,4 +1,4 @@
-"""The `megabuf` console script: `megabuf inspect ...` and `megabuf bench ...`."""
+"""The `megabuf` console script: `megabuf inspect`, `megabuf plan` and `megabuf bench`."""
 
 from __future__ import annotations
 
@@ -87,6 +87,64 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_nbytes(text: str) -> int:
+    """Bytes, with an optional binary suffix: 123456, 80GiB, 512MiB, 2.5GB."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3,
+             "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}  # fmt: skip
+    lowered = text.strip().lower().replace("_", "")
+    for suffix, scale in units.items():
+        if lowered.endswith(suffix):
+            return int(float(lowered.removesuffix(suffix)) * scale)
+    return int(lowered)
+
+
+def _plan_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "plan",
+        help="choose the configuration that fits a device byte budget (docs/memory-planning.md)",
+        description="Predict every candidate configuration's bytes and exposed communication "
+        "for a model and choose the one that fits (no process group is started).",
+    )
+    p.add_argument("model", help="a preset (gpt_tiny, gpt_small, ...) or package.module:factory")
+    p.add_argument("--budget", required=True, type=_parse_nbytes,
+                   help="device bytes per rank, e.g. 80GiB or 1500000")  # fmt: skip
+    p.add_argument("--host-budget", type=_parse_nbytes, default=None, help="host bytes per rank")
+    p.add_argument("--dp-size", type=int, default=2, help="data-parallel size (default 2)")
+    p.add_argument("--ep-size", type=int, default=1, help="expert-parallel size (default 1)")
+    p.add_argument("--optimizer", default="adam", help="adam, adamw or sgd (default adam)")
+    p.add_argument("--activations", type=_parse_nbytes, default=0,
+                   help="activation bytes of one step at your micro-batch (default 0)")  # fmt: skip
+    p.add_argument("--step-ms", type=float, default=0.0,
+                   help="forward + backward milliseconds of one step (overlap window)")  # fmt: skip
+    p.add_argument("--margin", type=float, default=0.1, help="share of the budget kept free")
+    p.add_argument("--accelerator", action="store_true",
+                   help="params on an accelerator (cpu_offload candidates; NCCL: no landing "
+                   "zones)")  # fmt: skip
+    p.add_argument("--config", help="a TOML config whose other fields are kept")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from megabuf.inspect import load_model
+    from megabuf.training.budget import plan_for_budget
+
+    config = load_config(args.config, args.set)
+    if not args.config and not args.set:
+        config = config.replace(overlap_grad_reduce=True)
+    choice = plan_for_budget(
+        load_model(args.model), args.budget, optimizer=args.optimizer, dp_size=args.dp_size,
+        ep_size=args.ep_size, host_budget_nbytes=args.host_budget,
+        activation_nbytes=args.activations, step_compute_s=args.step_ms / 1e3, config=config,
+        margin=args.margin, gloo=not args.accelerator, accelerator=args.accelerator,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(choice.to_dict(), indent=1, default=str))
+    else:
+        print(choice.format())
+    return 0 if choice.chosen is not None else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":  # everything after "bench" belongs to megabuf.bench
@@ -96,12 +154,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megabuf", description="megabuf tools")
     sub = parser.add_subparsers(dest="command", required=True)
     _inspect_parser(sub)
+    _plan_parser(sub)
     sub.add_parser("bench", help="run the benchmark (see `megabuf bench --help`)")
     args = parser.parse_args(argv)
     try:
-        return run_inspect(args)
+        return run_plan(args) if args.command == "plan" else run_inspect(args)
     except (ValueError, TypeError) as exc:
-        print(f"megabuf inspect: {exc}", file=sys.stderr)
+        print(f"megabuf {args.command}: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # e.g. `megabuf inspect ... | head`
         # Python flushes stdout at exit and would raise again: point it at /dev/null for good.

@@ -213,6 +213,13 @@ class DistributedDataParallelConfig:
     """Skip the step on every rank that steps when the global grad norm exceeds this (counted in
     `optimizer.step_checks.skipped`, logged on rank 0). None: off."""
 
+    memory_budget: int | None = None
+    """Device bytes per rank for megabuf's own memory (params, grads, optimizer state, scratch,
+    transient buckets and gathered units; activations not included): the engine plans at
+    construction ([Note: memory planner] in megabuf/planning/budget.py) and replaces the strategy,
+    hybrid split, cpu_offload, bucket_size and prefetch_units with the choice that fits (Adam
+    state assumed; one decision on every rank). None: the config as given."""
+
     def __post_init__(self) -> None:
         self._resolve_sharding_strategy()
         check_verify_fields(self)

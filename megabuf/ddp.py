@@ -25,6 +25,7 @@ from megabuf.config import DistributedDataParallelConfig
 from megabuf.core import pickling
 from megabuf.core.engine import Engine
 from megabuf.core.join import JoinConfigSlot, UnevenInputs, refuse_unsupported
+from megabuf.planning.budget_agree import planned_config
 from megabuf.transport import torch_compat
 from megabuf.transport.collectives import Collectives
 from megabuf.transport.process_groups import ProcessGroups, resolve_split
@@ -74,13 +75,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         super().__init__()
         options = torch_compat.resolve(module, ddp_config, process_groups, torch_ddp_args)
         self.module = module
-        self.ddp_config = options.ddp_config
-        self.process_groups = resolve_split(  # a hybrid split the config asks for
-            options.process_groups or ProcessGroups.default(), self.ddp_config
-        )
+        groups = options.process_groups or ProcessGroups.default()
+        collectives = collectives if collectives is not None else Collectives()
+        # memory_budget: the planner's choice ([Note: memory planner] in planning/budget.py)
+        self.ddp_config = planned_config(module, options.ddp_config, groups, collectives)
+        self.process_groups = resolve_split(groups, self.ddp_config)  # a hybrid split asked for
         self.engine = Engine(
-            module, self.ddp_config, self.process_groups,
-            collectives if collectives is not None else Collectives(),
+            module, self.ddp_config, self.process_groups, collectives,
             disable_bucketing=disable_bucketing, init_sync=options.init_sync,
         )  # fmt: skip
         # Megatron's attribute name. It would shadow nn.Module.buffers(), so the list is also

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from megabuf.config import DistributedDataParallelConfig
+from megabuf.fp8 import param_dtype_label
 from megabuf.planning.model_plan import plan_model
 from megabuf.planning.plan import BufferPlan, ParamSpec, Plan
 from megabuf.planning.replicas import param_specs
@@ -316,7 +317,7 @@ def format_inspection(info: Inspection, *, show_params: bool = False) -> str:
         share = 100.0 * pad / max(1, b.layout.numel)
         kind = "expert" if b.expert else "dense"
         lines.append(
-            f"buffer {b.index} ({kind}, param {str(b.param_dtype).removeprefix('torch.')}, "
+            f"buffer {b.index} ({kind}, param {param_dtype_label(b.param_dtype)}, "
             f"grad {str(b.grad_dtype).removeprefix('torch.')}): {len(b.param_names)} params, "
             f"{len(b.buckets)} buckets, {b.layout.numel:,} elements, padding {pad:,} "
             f"({share:.2f}%); grad buffer {b.grad_nbytes / MiB:.2f} MiB, "

@@ -1,4 +1,5 @@
-"""Session-wide pools of gloo ranks (see dist_pool.py) and the GPU skip marker."""
+"""Session-wide pools of gloo ranks (see dist_pool.py), the GPU skip marker, and the programs
+run beside the suite (background_jobs.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from background_jobs import Job, Runner
 from dist_pool import DistPool
 
 _POOLS: dict[tuple[int, str, tuple[tuple[str, str], ...]], DistPool] = {}
@@ -28,3 +30,37 @@ def pools() -> Iterator[object]:
     yield get_pool
     for pool in _POOLS.values():
         pool.close()
+
+
+# ---- background jobs (background_jobs.py, [Note: background jobs]) ------------------------------
+_RUNNER = Runner()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "background(job): the test checks a background_jobs.Job run beside the suite"
+    )
+
+
+def _jobs(item: pytest.Item) -> list[Job]:
+    return [job for mark in item.iter_markers("background") for job in mark.args]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests of background jobs last: their jobs then run beside every other test."""
+    items[:] = [i for i in items if not _jobs(i)] + [i for i in items if _jobs(i)]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not session.config.option.collectonly:
+        _RUNNER.start([job for item in session.items for job in _jobs(item)])
+
+
+def pytest_sessionfinish() -> None:
+    _RUNNER.close()
+
+
+@pytest.fixture(scope="session")
+def background() -> Runner:
+    return _RUNNER

@@ -3,7 +3,8 @@
 `DistPool(world_size).run(fn, *args)` runs the module-level function `fn(*args)` on every rank
 (each rank already inside `init_process_group("gloo")`) and returns the per-rank results in rank
 order. Process start-up (Python + torch import + gloo rendezvous, seconds on 2 cores) is paid once
-per world size per test session, not once per case.
+per world size per test session, not once per case; the imports once per session ([Note:
+preloaded workers]).
 
 If any rank raises, `run` raises with that rank's traceback. If a case does not finish within
 `timeout_s` (a hang: mismatched collectives), the pool is torn down and restarted on next use.
@@ -46,7 +47,17 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-_CTX = mp.get_context("spawn")
+# [Note: preloaded workers]
+# Workers are forked from a forkserver that imported torch and megabuf once, not spawned: a pool
+# (re)start then costs the gloo rendezvous, not an interpreter and a torch import per rank
+# (~10 s on 2 loaded cores, paid again after every run in which a rank raised). The server
+# imports modules only: it runs no tensor op (no intra-op thread pool to fork) and never touches
+# CUDA, so a worker still reads CUDA_LAUNCH_BLOCKING at its first CUDA call and an "nccl" pool
+# still binds its device itself; what a worker sees is otherwise what a spawned one saw, except
+# that its environment is the test process's when the server started (the session's first pool)
+# plus the pool's `env`, the one way a test hands its workers variables.
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "megabuf"])
 
 
 def _free_port() -> int:

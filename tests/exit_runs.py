@@ -10,8 +10,9 @@ handlers, finalizers and interpreter teardown run as in a torchrun job, which is
 The parent can keep the CPU loaded while the ranks run (busy processes), as the report that
 started this had it.
 
-`python tests/exit_runs.py [--repeat N] [--load K] [--only SUBSTR]` runs the matrix and prints
-one line per run; `tests/test_exit_status.py` runs it under pytest; `make test-exit` repeats it.
+`python tests/exit_runs.py [--repeat N] [--load K] [--jobs J] [--only SUBSTR]` runs the matrix,
+J runs at a time, and prints one line per run; `tests/test_exit_status.py` runs it under pytest;
+`make test-exit` repeats it.
 """
 
 from __future__ import annotations
@@ -197,9 +198,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_once(run: Run) -> Outcome:
-    """Fork the two ranks of `run` and wait for them. [Note: no unwinding into the parent]:
-    a rank leaves by SystemExit through these frames, so none of them has a `finally` or a
+@dataclass
+class Pending:
+    """A run whose two ranks were forked and are not all reaped yet."""
+
+    run: Run
+    tmp: str
+    logs: list[str]
+    pids: list[int]
+    deadline: float
+    codes: dict[int, int]  # rank -> exit status (or -signal), once reaped
+
+
+def start_run(run: Run) -> Pending:
+    """Fork the two ranks of `run`. [Note: no unwinding into the parent]: a rank leaves by
+    SystemExit through these frames (and the caller's), so none of them has a `finally` or a
     `with` (the rank would run the parent's clean-up: delete the directory, kill the load)."""
     tmp = tempfile.mkdtemp(prefix="megabuf-exit-")
     port = _free_port()
@@ -207,13 +220,34 @@ def run_once(run: Run) -> Outcome:
     sys.stdout.flush()
     sys.stderr.flush()
     pids = [_fork_rank(run, rank, port, tmp, logs[rank]) for rank in range(2)]
-    codes = tuple(_reap(pid, time.monotonic() + RUN_TIMEOUT_S) for pid in pids)
-    stderr = tuple(Path(log).read_text(errors="replace") for log in logs)
+    return Pending(run, tmp, logs, pids, time.monotonic() + RUN_TIMEOUT_S, {})
+
+
+def poll_run(pending: Pending) -> Outcome | None:
+    """Reap what has ended (a rank past the deadline is killed: a hang is a failure too, never
+    a hung suite); once both ranks are reaped, the run's outcome (its directory removed)."""
+    for rank, pid in enumerate(pending.pids):
+        if rank not in pending.codes:
+            code = _reap_now(pid, pending.deadline)
+            if code is not None:
+                pending.codes[rank] = code
+    if len(pending.codes) < len(pending.pids):
+        return None
+    codes = tuple(pending.codes[r] for r in range(len(pending.pids)))
+    stderr = tuple(Path(log).read_text(errors="replace") for log in pending.logs)
     committed = None
-    if run.checkpoint != "none":
-        committed = (Path(tmp) / "ckpt" / "metadata.json").exists()
-    shutil.rmtree(tmp, ignore_errors=True)
-    return Outcome(run, codes, stderr, committed)
+    if pending.run.checkpoint != "none":
+        committed = (Path(pending.tmp) / "ckpt" / "metadata.json").exists()
+    shutil.rmtree(pending.tmp, ignore_errors=True)
+    return Outcome(pending.run, codes, stderr, committed)
+
+
+def run_once(run: Run) -> Outcome:
+    """Fork the two ranks of `run` and wait for them."""
+    pending = start_run(run)
+    while (outcome := poll_run(pending)) is None:
+        time.sleep(0.02)
+    return outcome
 
 
 def _fork_rank(run: Run, rank: int, port: int, tmp: str, log: str) -> int:
@@ -231,32 +265,42 @@ def _fork_rank(run: Run, rank: int, port: int, tmp: str, log: str) -> int:
     raise SystemExit(0)
 
 
-def _reap(pid: int, deadline: float) -> int:
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:  # a hang is a failure too, never a hung suite
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return -int(signal.SIGKILL)
-        time.sleep(0.02)
+def _reap_now(pid: int, deadline: float) -> int | None:
+    """The rank's exit status if it ended (killed first if past `deadline`), else None."""
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        return os.waitstatus_to_exitcode(status)
+    if time.monotonic() > deadline:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return -int(signal.SIGKILL)
+    return None
 
 
-def run_matrix(runs: list[Run], repeat: int = 1, load: int = 0, verbose: bool = True
-               ) -> list[Outcome]:  # fmt: skip
-    """Every run `repeat` times, with `load` busy processes on the CPU throughout (each ends by
-    itself after `LOAD_LIMIT_S` if this process dies first)."""
+def run_matrix(runs: list[Run], repeat: int = 1, load: int = 0, verbose: bool = True,
+               jobs: int = 1) -> list[Outcome]:  # fmt: skip
+    """Every run `repeat` times, `jobs` runs at a time (each run's ranks are then loaded by the
+    other runs' too), with `load` busy processes on the CPU throughout (each ends by itself
+    after `LOAD_LIMIT_S` if this process dies first)."""
     import megabuf  # noqa: F401  (imported once here; the forked ranks inherit it)
 
     burner = f"import time\nt = time.time() + {LOAD_LIMIT_S}\nwhile time.time() < t: pass"
     burners = [subprocess.Popen([sys.executable, "-c", burner]) for _ in range(load)]
-    outcomes = []
-    for _, run in itertools.product(range(repeat), runs):
-        outcomes.append(run_once(run))
-        if verbose:
-            print(outcomes[-1].describe(), flush=True)
-    for b in burners:  # no `finally`: see [Note: no unwinding into the parent]
+    todo = [run for _, run in itertools.product(range(repeat), runs)]
+    outcomes: list[Outcome] = []
+    pending: list[Pending] = []
+    while todo or pending:  # no `finally`, no `with`: see [Note: no unwinding into the parent]
+        while todo and len(pending) < max(1, jobs):
+            pending.append(start_run(todo.pop(0)))
+        time.sleep(0.02)
+        for p in list(pending):
+            outcome = poll_run(p)
+            if outcome is not None:
+                pending.remove(p)
+                outcomes.append(outcome)
+                if verbose:
+                    print(outcome.describe(), flush=True)
+    for b in burners:
         b.kill()
         b.wait()
     return outcomes
@@ -267,9 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--load", type=int, default=2, help="busy processes during the runs")
     parser.add_argument("--only", default="", help="runs whose name contains this")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time")
     args = parser.parse_args(argv)
     runs = [r for r in matrix() if args.only in r.name]
-    outcomes = run_matrix(runs, args.repeat, args.load)
+    outcomes = run_matrix(runs, args.repeat, args.load, jobs=args.jobs)
     bad = [o for o in outcomes if not o.ok]
     print(f"{len(outcomes) - len(bad)} passed, {len(bad)} failed")
     for o in bad:

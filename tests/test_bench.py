@@ -9,10 +9,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+from background_jobs import Call, Runner
 from bench_cases import STEPS, count_bytes, wrapper_bytes
 from dist_pool import case_result, run_each
 
@@ -166,16 +168,38 @@ def test_options() -> None:
         parse_options(["--systems", "deepspeed"])
 
 
-def test_quick_run_end_to_end(tmp_path: Path) -> None:
-    systems = "no_comm,torch_ddp_gabv,megabuf_ar_overlap,megabuf_distopt_overlap"
-    out = tmp_path / "r.jsonl"
-    cmd = [sys.executable, "-m", "megabuf.bench", "--quick", "--models", "gpt_tiny:2",
-           "--systems", systems, "--out", str(out), "--trace", str(tmp_path / "trace"),
-           "--hooks", "megabuf_ar_overlap+bf16"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
+QUICK_SYSTEMS = "no_comm,torch_ddp_gabv,megabuf_ar_overlap,megabuf_distopt_overlap"
+
+
+def _quick_run() -> dict[str, Any]:
+    """`python -m megabuf.bench --quick ...` in a temporary directory: its exit status, output,
+    result lines and whether rank 1's trace was written (run beside the suite: [Note:
+    background jobs] in background_jobs.py)."""
+    with tempfile.TemporaryDirectory(prefix="megabuf-bench-") as tmp:
+        out, trace = Path(tmp) / "r.jsonl", Path(tmp) / "trace"
+        cmd = [sys.executable, "-m", "megabuf.bench", "--quick", "--models", "gpt_tiny:2",
+               "--systems", QUICK_SYSTEMS, "--out", str(out), "--trace", str(trace),
+               "--hooks", "megabuf_ar_overlap+bf16"]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+        return {
+            "returncode": proc.returncode,
+            "output": proc.stdout + proc.stderr,
+            "stdout": proc.stdout,
+            "lines": out.read_text() if out.exists() else "",
+            "trace_rank1": (trace / "gpt_tiny_megabuf_ar_overlap_rank1.json").exists(),
+        }
+
+
+QUICK = Call("bench: quick run", _quick_run)
+
+
+@pytest.mark.background(QUICK)
+def test_quick_run_end_to_end(background: Runner) -> None:
+    systems = QUICK_SYSTEMS
+    proc = background.result(QUICK)
+    assert proc["returncode"] == 0, proc["output"]
+    lines = [json.loads(line) for line in proc["lines"].splitlines()]
     assert lines[0]["kind"] == "run" and len(lines) == 7  # + megabuf and torch with bf16
     rows = {r["system"]: r for r in lines[1:]}
     for name in systems.split(","):
@@ -200,8 +224,8 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
             assert by_op["reduce_scatter"] + by_op["all_gather"] == layout, by_op
             assert (handed["reduce_scatter"], 2 * handed["all_gather"]) == (layout, layout)
         assert rows[name]["overlap"]["steps"] == 2
-    assert (tmp_path / "trace" / "gpt_tiny_megabuf_ar_overlap_rank1.json").exists()
-    assert "megabuf_distopt_overlap" in proc.stdout and "x DDP" in proc.stdout
+    assert proc["trace_rank1"]
+    assert "megabuf_distopt_overlap" in proc["stdout"] and "x DDP" in proc["stdout"]
     # the comm-hook rows: Compress(bf16) counted at exactly its formula, half of fp32's bytes
     hooked, torch_bf16 = rows["megabuf_ar_overlap+bf16"], rows["torch_ddp_gabv+bf16"]
     assert hooked["status"] == torch_bf16["status"] == "ok", (hooked, torch_bf16)
@@ -209,7 +233,7 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
     assert wire == hooked["theoretical_bytes_per_step"] == hooked["bytes_per_step"], hooked
     assert 2 * wire == rows["megabuf_ar_overlap"]["bytes_per_step"]
     assert hooked["ratio_to_same_hook"] == hooked["step_ms"] / torch_bf16["step_ms"]
-    assert 0 < hooked["check_max_abs_error"] <= 2e-3 and "Comm hooks" in proc.stdout
+    assert 0 < hooked["check_max_abs_error"] <= 2e-3 and "Comm hooks" in proc["stdout"]
 
 
 def test_auto_rows_show_the_planners_prediction_next_to_the_measured_exposed_time() -> None:

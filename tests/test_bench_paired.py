@@ -7,9 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
+from background_jobs import Call, Runner
 
 from megabuf.bench.options import parse_systems, split_system
 from megabuf.bench.paired import check_options, median_interval, round_order, summarize
@@ -94,19 +97,33 @@ def test_a_system_may_carry_a_bucket_size_and_misuse_names_it() -> None:
         parse_systems("torch_ddp_gabv,megabuf_ar_sync+nope")
 
 
-def test_paired_run_end_to_end(tmp_path: Path) -> None:
+def _paired_run() -> dict[str, Any]:
+    """`python -m megabuf.bench.paired ...` in a temporary directory: exit status, output and
+    result lines (run beside the suite: [Note: background jobs] in background_jobs.py)."""
+    with tempfile.TemporaryDirectory(prefix="megabuf-paired-") as tmp:
+        out = Path(tmp) / "p.jsonl"
+        cmd = [sys.executable, "-m", "megabuf.bench.paired", "--models", "gpt_tiny:2",
+               "--systems",
+               "torch_ddp_gabv,megabuf_ar_auto,megabuf_ar_overlap@64,megabuf_ar_overlap@64+pyhooks",
+               "--rounds", "4", "--warmup", "3",
+               "--out", str(out)]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
+        lines = out.read_text() if out.exists() else ""
+        return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
+                "lines": lines}  # fmt: skip
+
+
+PAIRED = Call("bench: paired run", _paired_run)
+
+
+@pytest.mark.background(PAIRED)
+def test_paired_run_end_to_end(background: Runner) -> None:
     """Two systems on 2 gloo ranks: each checked against the single-process step, the auto plan
     chosen in warm-up (before the rounds), every round timed on both ranks."""
-    out = tmp_path / "p.jsonl"
-    cmd = [sys.executable, "-m", "megabuf.bench.paired", "--models", "gpt_tiny:2",
-           "--systems",
-           "torch_ddp_gabv,megabuf_ar_auto,megabuf_ar_overlap@64,megabuf_ar_overlap@64+pyhooks",
-           "--rounds", "4", "--warmup", "3",
-           "--out", str(out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    head, *rows = (json.loads(line) for line in out.read_text().splitlines())
+    proc = background.result(PAIRED)
+    assert proc["returncode"] == 0, proc["stdout"] + proc["stderr"]
+    head, *rows = (json.loads(line) for line in proc["lines"].splitlines())
     names = ["torch_ddp_gabv", "megabuf_ar_auto", "megabuf_ar_overlap@64",
              "megabuf_ar_overlap@64+pyhooks"]  # fmt: skip
     assert head["kind"] == "run" and head["systems"] == names
@@ -124,4 +141,4 @@ def test_paired_run_end_to_end(tmp_path: Path) -> None:
         assert row["ratio_low"] <= row["ratio"] <= row["ratio_high"], row
     assert "auto_plan" in auto and auto["exposed_ms"] is not None, auto
     assert "exposed_ms" not in base  # torch DDP has no megabuf timeline
-    assert "megabuf_ar_auto" in proc.stdout and "95% interval" in proc.stdout
+    assert "megabuf_ar_auto" in proc["stdout"] and "95% interval" in proc["stdout"]

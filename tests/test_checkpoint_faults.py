@@ -4,11 +4,15 @@ replace checkpoint A by checkpoint B, and a fresh model at the same dp size then
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from background_jobs import Call, Runner
 from checkpoint_trust_cases import load_outcome, save_twice_and_die
 from dist_pool import case_result, run_each
 
@@ -24,17 +28,29 @@ STAGES = {
 }
 
 
-@pytest.fixture(scope="module")
-def crashed(pools: Any, tmp_path_factory: Any) -> tuple[Path, list[dict[str, Any]]]:
-    root = tmp_path_factory.mktemp("faults")
+def _crash_every_stage() -> Path:
+    """Each stage's save, its ranks spawned on a thread beside the suite ([Note: background
+    jobs]); `crashed` removes the directory."""
+    root = Path(tempfile.mkdtemp(prefix="megabuf-faults-"))
     for stage in STAGES:
         (root / stage).mkdir()
         with pytest.raises(SpawnError):
             spawn(save_twice_and_die, 2, str(root / stage), stage, timeout_s=180)
+    return root
+
+
+CRASHES = Call("checkpoint faults: a rank killed at each stage", _crash_every_stage)
+
+
+@pytest.fixture(scope="module")
+def crashed(pools: Any, background: Runner) -> Iterator[tuple[Path, list[dict[str, Any]]]]:
+    root = background.result(CRASHES)
     cases = {stage: (load_outcome, str(root / stage), "ckpt") for stage in STAGES}
-    return root, pools(2).run(run_each, cases)
+    yield root, pools(2).run(run_each, cases)
+    shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.background(CRASHES)
 @pytest.mark.parametrize("stage", STAGES)
 def test_rank_killed_during_save_leaves_the_committed_checkpoint(crashed: Any, stage: str) -> None:
     root, per_rank = crashed

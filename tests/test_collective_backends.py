@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from background_jobs import Call, Runner
 
 from megabuf.testing import spawn
 from megabuf.transport.collective_backends import (
@@ -160,9 +161,21 @@ def default_backend_run() -> dict[str, Any]:
     }
 
 
+def _default_backend_ranks() -> list[Any] | None:
+    """Both ranks' reports, spawned beside the suite ([Note: background jobs] in
+    background_jobs.py); None where the test is skipped."""
+    if torch.cuda.is_available():
+        return None
+    return spawn(default_backend_run, 2, timeout_s=120)
+
+
+DEFAULT_BACKEND = Call("collectives: init without a backend", _default_backend_ranks)
+
+
+@pytest.mark.background(DEFAULT_BACKEND)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="no backend given picks NCCL with CUDA")
-def test_init_process_group_without_backend_gets_gloo_strategy_on_cpu() -> None:
-    for rank, res in enumerate(spawn(default_backend_run, 2, timeout_s=120)):
+def test_init_process_group_without_backend_gets_gloo_strategy_on_cpu(background: Runner) -> None:
+    for rank, res in enumerate(background.result(DEFAULT_BACKEND)):
         # torch reports the backend as "undefined": the strategy must not come from it
         assert res["backend"] != "gloo", res["backend"]
         assert res["strategy"] == GLOO_CPU, rank

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from background_jobs import Call, Runner
 from dist_pool import case_result, run_each
 from drop_in_cases import (
     MODES,
@@ -152,10 +153,19 @@ def test_unknown_argument_lists_what_is_accepted() -> None:
 
 
 # ---- fresh processes: a crash at exit, and torch.compile --------------------------------------
-def test_profiling_a_window_of_steps_ends_cleanly_in_every_mode() -> None:
+# each spawns its ranks on a thread beside the suite ([Note: background jobs])
+def _profiled() -> list[Any]:
+    return spawn(profiled_windows, 2, timeout_s=300)
+
+
+PROFILED = Call("drop-in: profiled windows", _profiled)
+
+
+@pytest.mark.background(PROFILED)
+def test_profiling_a_window_of_steps_ends_cleanly_in_every_mode(background: Runner) -> None:
     """A profiler window inside training, every mode: the ranks exit cleanly (spawn raises on
     a crash at exit, as the overlap_param_gather mode did) and the trace has megabuf's labels."""
-    per_rank = spawn(profiled_windows, 2, timeout_s=300)
+    per_rank = background.result(PROFILED)
     for res in per_rank:
         for mode in MODES:
             assert len(res[mode]["losses"]) == 4
@@ -169,23 +179,41 @@ COMPILE_RUNS = [(p, HARD_MODE) for p in ("inner", "inplace", "submodule", "outer
 ]
 
 
-def test_torch_compile_trains_bitwise_like_eager_in_every_mode() -> None:
+def _compiled_runs() -> list[Any]:
+    return spawn(compiled, 2, COMPILE_RUNS, COMPILE_BACKEND, timeout_s=500)
+
+
+COMPILED = Call("drop-in: torch.compile", _compiled_runs)
+
+
+@pytest.mark.background(COMPILED)
+def test_torch_compile_trains_bitwise_like_eager_in_every_mode(background: Runner) -> None:
     """Compiling the module before wrapping (torch.compile, module.compile(), a submodule's
     compile()) or compiling the wrapper: losses equal the eager run bit for bit; with
     overlap_param_gather they used to assert in dynamo or drift by 2.5e-2 ([Note: compiled
     modules]). The wrapper's compile is checked in every mode."""
-    per_rank = spawn(compiled, 2, COMPILE_RUNS, COMPILE_BACKEND, timeout_s=500)
+    per_rank = background.result(COMPILED)
     for res in per_rank:
         for placement, mode in COMPILE_RUNS:
             assert res[f"{placement}-{mode}"] == res[f"eager-{mode}"], (placement, mode)
 
 
-def test_inductor_compiled_model_trains_the_same_with_and_without_overlap() -> None:
+def _inductor_runs() -> list[Any]:
+    runs = [("inner", HARD_MODE), ("inner", "distopt_overlap_grad_reduce")]
+    return spawn(compiled, 2, runs, "inductor", timeout_s=500)
+
+
+INDUCTOR = Call("drop-in: inductor", _inductor_runs)
+
+
+@pytest.mark.background(INDUCTOR)
+def test_inductor_compiled_model_trains_the_same_with_and_without_overlap(
+    background: Runner,
+) -> None:
     """With inductor's kernels the losses differ from eager in the last bits, but
     overlap_param_gather must not change them."""
     pytest.importorskip("torch._inductor")
-    runs = [("inner", HARD_MODE), ("inner", "distopt_overlap_grad_reduce")]
-    per_rank = spawn(compiled, 2, runs, "inductor", timeout_s=500)
+    per_rank = background.result(INDUCTOR)
     for res in per_rank:
         assert res[f"inner-{HARD_MODE}"] == res["inner-distopt_overlap_grad_reduce"]
         assert all(

@@ -1,19 +1,16 @@
 """The shipped examples run end to end in `make test`: 2 steps each, with `--check` against
 one-process training on the global batch. Each spawns its own ranks (2 for the GPT, 4 for MoE and
-pipeline), so this module costs 30-50 s on 2 shared cores; the examples' default step counts stay in
-`make demo` and the README."""
+pipeline), so this module costs 30-50 s on 2 shared cores, run beside the rest of the suite
+([Note: background jobs] in background_jobs.py); the examples' default step counts stay in `make
+demo` and the README."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
+from background_jobs import REPO, Job, Runner
 
 # example argv -> lines it must print: its last step, its --check (the exit code says whether the
 # check passed)
@@ -58,13 +55,18 @@ EXAMPLES = {
 }
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
-def test_example_trains_and_passes_its_check(name: str) -> None:
-    argv, *lines = EXAMPLES[name]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+JOBS = {
+    name: Job(f"example {name}", (sys.executable, *argv), 300, (("PYTHONPATH", str(REPO)),))
+    for name, (argv, *_) in EXAMPLES.items()
+}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=pytest.mark.background(JOBS[name])) for name in EXAMPLES]
+)
+def test_example_trains_and_passes_its_check(name: str, background: Runner) -> None:
+    _, *lines = EXAMPLES[name]
+    proc = background.result(JOBS[name])  # [Note: background jobs]
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, (name, proc.returncode, output[-4000:])
     assert "terminate called" not in output, (name, output[-4000:])  # an abort at exit (issue 48)

@@ -4,14 +4,17 @@ flight) and each checkpoint mode (none, synchronous, asynchronous waited for or 
 for), on 2 gloo ranks with the CPU loaded: exit status 0 and no `terminate called` on any
 rank, and a save never waited for is committed at exit or, after destroy_process_group(),
 reported as not committed by every rank. The runs live in tests/exit_runs.py (`make test-exit`
-repeats them)."""
+repeats them); here two runs go at a time besides the busy process, so each run's ranks share
+the CPU with the other run's as well (about a third less wall time than one at a time), and the
+matrix runs beside the rest of the suite ([Note: background jobs] in background_jobs.py)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from background_jobs import Job, Runner
 from exit_runs import CHECKPOINTS, ENDS, STRATEGIES, Outcome, Run, matrix
 
 HERE = Path(__file__).resolve().parent
@@ -41,10 +44,15 @@ def test_the_verdict_sees_each_way_to_end_badly() -> None:
                        False).ok  # fmt: skip
 
 
-def test_every_run_of_the_matrix_exits_zero_under_load() -> None:
-    done = subprocess.run(
-        [sys.executable, str(HERE / "exit_runs.py"), "--load", "1"],
-        capture_output=True, text=True, timeout=900, cwd=HERE.parent,
-    )  # fmt: skip
+MATRIX = Job(
+    "exit-status matrix",
+    (sys.executable, str(HERE / "exit_runs.py"), "--load", "1", "--jobs", "2"),
+    900,
+)
+
+
+@pytest.mark.background(MATRIX)
+def test_every_run_of_the_matrix_exits_zero_under_load(background: Runner) -> None:
+    done = background.result(MATRIX)  # [Note: background jobs]
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert f"{len(matrix())} passed, 0 failed" in done.stdout

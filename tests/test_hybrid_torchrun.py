@@ -11,6 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from background_jobs import Call, Runner
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -20,7 +23,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_two_nodes_of_two_ranks_train_hybrid_and_match_one_process() -> None:
+def _two_nodes() -> tuple[list[int | None], list[str]]:
+    """Both torchrun trees, their exit statuses and outputs (run beside the suite: [Note:
+    background jobs] in background_jobs.py)."""
     port = str(_free_port())
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -52,7 +57,16 @@ def test_two_nodes_of_two_ranks_train_hybrid_and_match_one_process() -> None:
         for i in range(2)
     ]
     outs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outs
+    return [node.returncode for node in nodes], outs
+
+
+NODES = Call("hybrid: two torchrun nodes", _two_nodes)
+
+
+@pytest.mark.background(NODES)
+def test_two_nodes_of_two_ranks_train_hybrid_and_match_one_process(background: Runner) -> None:
+    codes, outs = background.result(NODES)
+    assert codes == [0, 0], outs
     text = "\n".join(outs)
     # Each group is "name 1,234", parsed exactly: two ranks' lines run together still count twice.
     group = r"[a-z_]+ \d(?:[\d,]*\d)?"

@@ -9,6 +9,7 @@ the few modules users import or run by name stay in megabuf/ itself, each its ow
     pure/         layout math and the small records the config and the plan are made from
     config.py     `DistributedDataParallelConfig` (user-facing)
     transport/    every torch.distributed call, process groups and topology, devices
+    fp8/          FP8 params: the adapters, the conversion, the buffer part, the scale agreement
     planning/     the one planner, `plan_model`, the replica checks and param markers
     comm_hooks/   the communication-hook library: tensors and collectives, never the engine
     sharding/     ZeRO's grad and param storages and unit runtime (and see below)
@@ -18,7 +19,7 @@ the few modules users import or run by name stay in megabuf/ itself, each its ow
     replan/       bucket_size = "auto": warm-up, agreed plan, rebuild
     core/         `assemble`, the `Engine` and its `Wiring`, what acts on it whole (pickling, join)
     ddp.py        `DistributedDataParallel` (user-facing)
-    optimizer/, training/, pipeline/, checkpoint/, weights/: what takes wrapped models
+    optimizer/, training/, pipeline/, checkpoint/, weights/, ft/: what takes wrapped models
     __init__.py   the package root: what a training script calls (user-facing)
     testing/, bench/, inspect.py, cli.py: tools (test models, benchmarks, `megabuf inspect`)
 A new package, or a new module in megabuf/ itself, must be given a place in `LAYERS` (the test
@@ -42,6 +43,7 @@ LAYERS: list[str] = [
     "megabuf.pure",
     "megabuf.config",
     "megabuf.transport",
+    "megabuf.fp8",
     "megabuf.planning",
     "megabuf.comm_hooks",
     "megabuf.sharding",
@@ -56,6 +58,7 @@ LAYERS: list[str] = [
     "megabuf.pipeline",
     "megabuf.checkpoint",
     "megabuf.weights",
+    "megabuf.ft",
     "megabuf",
     "megabuf.testing",
     "megabuf.bench",

@@ -24,6 +24,7 @@ PUBLIC = {
     "init_distributed",
     "load_checkpoint",
     "mark_expert_parallel",
+    "plan_for_budget",
     "save_checkpoint",
     "verify_reproducible",
     "wrap_model_chunks",

@@ -14,7 +14,10 @@ import pathlib
 import signal
 import subprocess
 import sys
+import tempfile
 
+import pytest
+from background_jobs import Call, Runner
 from conformance import expectations, selection, suite
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -84,14 +87,26 @@ def _run_tier(out: pathlib.Path) -> tuple[int, str, str]:
     return proc.returncode, stdout, stderr
 
 
-def test_torch_ddp_tests_on_megabuf_match_expectations(tmp_path: pathlib.Path) -> None:
+def _tier() -> tuple[int, str, str, str | None]:
+    """The tier run beside the suite ([Note: background jobs] in background_jobs.py): exit
+    status, output, and the outcomes it wrote (None: none)."""
+    with tempfile.TemporaryDirectory(prefix="megabuf-conformance-") as tmp:
+        out = pathlib.Path(tmp) / "outcomes.json"
+        rc, stdout, stderr = _run_tier(out)
+        return rc, stdout, stderr, out.read_text() if out.exists() else None
+
+
+TIER = Call("torch DDP conformance tier", _tier)
+
+
+@pytest.mark.background(TIER)
+def test_torch_ddp_tests_on_megabuf_match_expectations(background: Runner) -> None:
     assert importlib.util.find_spec("expecttest"), (
         "torch's test modules import expecttest: install the test extra (pip install -e '.[test]')"
     )
-    out = tmp_path / "outcomes.json"
-    rc, stdout, stderr = _run_tier(out)
-    assert out.exists(), f"the runner wrote no outcomes (rc {rc}):\n{stderr[-4000:]}"
-    outcomes = [suite.Outcome(**o) for o in json.loads(out.read_text())]
+    rc, stdout, stderr, written = background.result(TIER)
+    assert written is not None, f"the runner wrote no outcomes (rc {rc}):\n{stderr[-4000:]}"
+    outcomes = [suite.Outcome(**o) for o in json.loads(written)]
     found = expectations.changes(expectations.load(), outcomes)
     assert not found, (
         "torch DDP tests changed outcome on megabuf (python -m tests.conformance --refresh "

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from background_jobs import Call, Runner
 from dist_pool import case_result, run_each
 from torch import nn
 from torch_conformance_cases import (
@@ -188,13 +189,25 @@ def test_muon_param_groups_sends_the_output_head_to_adamw(model: str) -> None:
         assert ("lm_head.weight" in adam) == (model == "lm_untied"), adam  # tied: one param
 
 
-def test_training_forward_under_dist_autograd_is_refused_not_silently_local() -> None:
+def _dist_autograd_ranks() -> list[Any]:
+    """Both ranks' reports, spawned beside the suite ([Note: background jobs] in
+    background_jobs.py)."""
+    return spawn(dist_autograd_case, 2, timeout_s=180)
+
+
+DIST_AUTOGRAD = Call("torch DDP API: dist_autograd", _dist_autograd_ranks)
+
+
+@pytest.mark.background(DIST_AUTOGRAD)
+def test_training_forward_under_dist_autograd_is_refused_not_silently_local(
+    background: Runner,
+) -> None:
     """Under torch.distributed.autograd (real RPC, 2 processes), torch DDP reduces the grads
     dist_autograd.backward puts in the context ([3, 3, 3, 3] on both ranks, the mean of
     [2, ...] and [4, ...]); megabuf refuses the training forward inside the context on every rank,
     naming why and the alternatives, instead of leaving each rank its local grad. Outside the
     context the same model's plain backward gives torch DDP's grad."""
-    per_rank = spawn(dist_autograd_case, 2, timeout_s=180)
+    per_rank = background.result(DIST_AUTOGRAD)
     want = torch.full((1, 4), 3.0)
     for rank, res in enumerate(per_rank):
         assert torch.equal(res["torch_grad"], want), (rank, res["torch_grad"])

@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megabuf.config import DistributedDataParallelConfig
+from megabuf.fp8 import Fp8BufferPart, Fp8Params
 from megabuf.pure.layout import BufferLayout, ParamSlot
 from megabuf.sharding.grads import allocate_bucket_grads
 
@@ -70,9 +71,11 @@ class _ParamAndGradBuffer:
         *,
         dp_size: int,
         dp_rank: int,
+        fp8: Fp8Params | None = None,
     ) -> None:
         """`layout` is the planned layout of `params` (registration order): `layout.params[i]` is
-        the slot of `params[i]`."""
+        the slot of `params[i]`. `fp8`: the engine's FP8 params, needed by a uint8 buffer
+        ([Note: FP8 params] in megabuf/fp8/__init__.py)."""
         _check_layout(params, layout, param_to_name)
         self.ddp_config = ddp_config
         self.param_dtype = param_dtype
@@ -90,6 +93,7 @@ class _ParamAndGradBuffer:
         self.param_index_map: dict[torch.nn.Parameter, ParamSlot] = dict(
             zip(self.params, layout.params, strict=True)
         )
+        self._fp8_params = fp8
         self._allocate()
 
     def _allocate(self) -> None:
@@ -113,10 +117,14 @@ class _ParamAndGradBuffer:
             ]
         elif strategy.param_home == "param_data":
             self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
-        for param, slot in self.param_index_map.items():
+        # the FP8 side of a uint8 buffer ([Note: FP8 params]); None for every other buffer
+        self.fp8: Fp8BufferPart | None = self._fp8_part(device)
+        for index, (param, slot) in enumerate(self.param_index_map.items()):
             start, end = slot.start, slot.end
             home = self._param_home(slot)
-            if home is not None:
+            if home is not None and self.fp8 is not None:
+                self.fp8.place(index, home)  # the cast bytes; the param views them
+            elif home is not None:
                 view = home.view(param.shape)
                 view.copy_(param.data)  # values preserved; then the param lives in the buffer
                 param.data = view
@@ -125,6 +133,21 @@ class _ParamAndGradBuffer:
         self.buckets = [
             self._make_bucket(slot.bucket_id, bucket_grads) for slot in self.layout.buckets
         ]
+        if self.fp8 is not None:
+            self.fp8.seed_masters()
+
+    def _fp8_part(self, device: torch.device) -> Fp8BufferPart | None:
+        if self.param_dtype != torch.uint8:
+            return None
+        if self._fp8_params is None:
+            raise ValueError(
+                f"megabuf: a uint8 buffer of {len(self.params)} params was built without the "
+                "engine's FP8 params ([Note: FP8 params]); only the engine builds FP8 buffers"
+            )
+        return Fp8BufferPart(
+            self._fp8_params, self.params, self.layout, self.param_shard_view,
+            dp_rank=self.dp_rank, dp_size=self.dp_size, device=device,
+        )  # fmt: skip
 
     def _param_home(self, slot: ParamSlot) -> Tensor | None:
         """The 1-D view a param lives in: of `param_data`, of its bucket's full params

@@ -42,6 +42,7 @@ from megabuf.checkpoint.torch_optim import (
     plan_torch_load,
 )
 from megabuf.ddp import DistributedDataParallel
+from megabuf.fp8 import refuse_fp8_params
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.model_space import check_common, expected_layouts
 from megabuf.optimizer.param_groups import as_chunks
@@ -200,6 +201,7 @@ def load_checkpoint(
     required in full."""
     with torch.profiler.record_function("megabuf::load_checkpoint"):
         chunks = as_chunks(model)
+        refuse_fp8_params(chunks, "load_checkpoint()")  # [Note: FP8 params]
         wait_for_pending_save()
         collectives = chunks[0].engine.collectives
         found = _agreed(

@@ -17,6 +17,7 @@ from megabuf.buckets.bucket_group import BucketGroup, DispatchChain
 from megabuf.buckets.buffer import _ParamAndGradBuffer
 from megabuf.buckets.full_grads import FullGrads, GradStorage
 from megabuf.config import DistributedDataParallelConfig
+from megabuf.fp8 import Fp8Params
 from megabuf.planning.plan import GroupPlan, Plan
 from megabuf.sharding.grads import ShardedGrads, bucket_padding_ranges
 from megabuf.sharding.ledger import MemoryLedger
@@ -42,6 +43,7 @@ class _Context:
     ledger: MemoryLedger
     param_to_name: dict[nn.Parameter, str]
     unit_names: Sequence[str]  # shard unit names by unit index (optim_grads_params)
+    fp8: Fp8Params | None = None  # the engine's FP8 params ([Note: FP8 params])
 
 
 def assemble(
@@ -53,9 +55,10 @@ def assemble(
     ledger: MemoryLedger,
     param_to_name: dict[nn.Parameter, str],
     unit_names: Sequence[str] = ("",),
+    fp8: Fp8Params | None = None,
 ) -> Assembly:
     """`params`: the trainable params the plan's param ids index."""
-    ctx = _Context(plan, config, pgs, collectives, ledger, param_to_name, unit_names)
+    ctx = _Context(plan, config, pgs, collectives, ledger, param_to_name, unit_names, fp8)
     return _make_groups(ctx, _make_buffers(ctx, params))
 
 
@@ -109,7 +112,7 @@ def _make_buffers(ctx: _Context, params: Sequence[nn.Parameter]) -> list[_ParamA
             [params[i] for i in planned.param_ids],
             ctx.pgs.shard_group(planned.expert), planned.layout, ctx.param_to_name,
             expert_scale if planned.expert else dense_scale, dp_size=planned.dp_size,
-            dp_rank=ctx.pgs.topology.sharding(planned.expert)[0],
+            dp_rank=ctx.pgs.topology.sharding(planned.expert)[0], fp8=ctx.fp8,
         )
         for planned in ctx.plan.buffers
     ]  # fmt: skip
@@ -125,7 +128,7 @@ def _make_group(
     dp_rank, dp_size = pgs.topology.sharding(planned.expert)
     return BucketGroup(
         [buffers[b].buckets[k] for b, k in planned.members], ctx.config,
-        pgs.shard_group(planned.expert), ctx.collectives, replicate_group=pgs.replicate_group(),
+        pgs.shard_group(planned.expert), ctx.collectives, replicas=pgs.replicas(),
         group_id=planned.group_id, dp_rank=dp_rank, dp_size=dp_size, rank=pgs.topology.rank,
         param_to_name=ctx.param_to_name, chain=chain,
         sharded_params=_sharded_params(ctx, buffers, planned),

@@ -34,6 +34,7 @@ from megabuf.comm_hooks import build as build_comm_hook
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.core.assembly import assemble
 from megabuf.core.wiring import ParamToGroup, WiredField, Wiring, WiringParts, rewire, wire
+from megabuf.fp8 import Fp8Params, broadcast_tensors, convert_fp8_params
 from megabuf.planning.model_plan import plan_model, trainable_params
 from megabuf.planning.plan import Plan
 from megabuf.planning.replicas import (
@@ -109,6 +110,16 @@ class Engine:
             )  # fmt: skip
 
     # ---- construction -------------------------------------------------------------------------
+    def _convert_fp8(self, init_sync: bool) -> Fp8Params:
+        """The model's float8 weights become FP8 params ([Note: FP8 params])."""
+        dp, collectives = self.process_groups.dp, self.collectives
+        return convert_fp8_params(
+            self.module, self.config.sharding.param_home != "module",
+            broadcast=(lambda t: collectives.broadcast(t, 0, dp)) if init_sync else None,
+            auto_buckets=self.config.bucket_size == "auto",
+            hybrid=self.topology.dp_replicate_size > 1,
+        )  # fmt: skip
+
     def _build(self, disable_bucketing: bool, init_sync: bool) -> None:
         pgs, cfg = self.process_groups, self.config
         named = list(self.module.named_parameters())  # shared params once, under their first name
@@ -117,6 +128,7 @@ class Engine:
         check_devices(named)
         if self._check_replicas:
             check_replicas_match(named, pgs.dp, self.collectives)
+        fp8 = self._convert_fp8(init_sync)  # [Note: FP8 params]
         planned = plan_model(  # the same path as `megabuf inspect`
             # laid out over the group a buffer is sharded over: dp, or the shard group
             self.module, cfg, dp_size=self.topology.sharding(False)[1],
@@ -130,8 +142,9 @@ class Engine:
         units = unit_modules(self.module, planned.unit_plan)  # (name, module), root first
         built = assemble(
             planned.plan, self._params, cfg, pgs, self.collectives, self.memory_ledger,
-            self.param_to_name, [name for name, _ in units],
+            self.param_to_name, [name for name, _ in units], fp8,
         )  # fmt: skip
+        fp8.drop_seeds()
         self._module_buffers = list(self.module.buffers())  # what forward broadcasts
         self._parts = self._wiring_parts()
         self._wired: Wiring = wire(self._parts, planned.plan, built)  # [Note: wired once, ...]
@@ -425,7 +438,8 @@ class Engine:
         with self.param_side.summon(writeback=True), torch.no_grad():  # waits for gathers
             for _, param in self.module.named_parameters():
                 group = pgs.expt_dp if is_expert_parallel(param) else pgs.dp
-                self.collectives.broadcast(param.data, 0, group)
+                for tensor in broadcast_tensors(param):  # [Note: FP8 params]
+                    self.collectives.broadcast(tensor, 0, group)
                 # tell fp32 main-param holders the values changed (see reload_model_params)
                 torch.autograd.graph.increment_version(param)
             for tensor in self.module.buffers():

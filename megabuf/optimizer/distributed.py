@@ -26,6 +26,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from megabuf.ddp import DistributedDataParallel
+from megabuf.fp8 import agree_and_cast
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.main_params import MainParam, sharded_main_params
 from megabuf.optimizer.model_space import (
@@ -125,7 +126,10 @@ class DistributedOptimizer(MegabufOptimizer):
             chunk.engine.param_side.before_step()
 
     def _after_update(self) -> None:
-        """See [Note: publishing params]."""
+        """See [Note: publishing params]; FP8 params are cast first ([Note: FP8 params])."""
+        chunks = self.model_chunks
+        parts = [b.fp8 for c in chunks for b in c.engine.buffers if b.fp8 is not None]
+        agree_and_cast(parts, self.collectives, self.process_groups.shard_group(False))
         with torch.profiler.record_function("megabuf::publish_params"):
             for chunk in self.model_chunks:
                 chunk.engine.param_side.stepped()

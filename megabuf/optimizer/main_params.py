@@ -102,7 +102,9 @@ def sharded_main_params(
         lo, hi = piece.buffer_start, piece.buffer_start + piece.numel
         param_view = buffer.param_shard_view(lo, hi)  # 1-D, param_dtype (ZeRO-3: the shard)
         grad_view = buffer.reduced_grad(lo, hi)  # 1-D, grad_dtype (the grad shard: optim_grads*)
-        if param_view.dtype == torch.float32:
+        if buffer.fp8 is not None:  # the fp32 master is the buffer's ([Note: FP8 params])
+            main, model_data = buffer.fp8.master_view(lo, hi), None
+        elif param_view.dtype == torch.float32:
             main, model_data = param_view, None
         else:
             main, model_data = param_view.to(torch.float32, copy=True), param_view

@@ -123,6 +123,9 @@ def _chunk_categories(chunk: DistributedDataParallel, out: dict[str, dict[str, i
     else:
         persistent["grads"] += sum(_nbytes(b.grad_data) for b in buffers)
     persistent["comm_scratch"] += sum(_held(k.scratch) for b in buffers for k in b.buckets)
+    for fp8 in (b.fp8 for b in buffers if b.fp8 is not None):  # [Note: FP8 params]
+        persistent["params"] += fp8.nbytes  # the scales
+        persistent["main_params"] += sum(map(_nbytes, fp8.masters))  # the fp32 master shards
     trainable = set(chunk.engine.param_to_name)
     frozen = [p for p in chunk.module.parameters() if p not in trainable]
     persistent["frozen_params"] += sum(map(_nbytes, frozen))

@@ -77,6 +77,9 @@ class ParamSpec:
     """The param's shape, or None for a param no matrix optimizer orthogonalises (embedding
     weights); whole-param owners weigh 2-D shapes by their Newton-Schulz cost, the rest by
     numel ([Note: whole-param owners] in megabuf/pure/owners.py)."""
+    fp8: bool = False
+    """A float8 training weight ([Note: FP8 params] in megabuf/fp8/__init__.py): stored as
+    uint8 where the strategy keeps a master copy."""
 
 
 @dataclass(frozen=True)
@@ -124,9 +127,15 @@ class Plan:
     bucket_ends: tuple[tuple[int, ...], ...] | None = None
 
 
-def dtype_key(dtype: torch.dtype, config: DistributedDataParallelConfig) -> DtypeKey:
-    """(param dtype, grad dtype) of a param: the key of the buffer it lives in."""
-    return dtype, torch.float32 if config.grad_reduce_in_fp32 else dtype
+def dtype_key(
+    dtype: torch.dtype, config: DistributedDataParallelConfig, fp8: bool = False
+) -> DtypeKey:
+    """(param dtype, grad dtype) of a param: the key of the buffer it lives in. An FP8 param
+    is stored as uint8 where the strategy keeps a master copy ([Note: FP8 params])."""
+    grad_dtype = torch.float32 if config.grad_reduce_in_fp32 else dtype
+    if fp8 and config.sharding.param_home != "module":
+        return torch.uint8, grad_dtype
+    return dtype, grad_dtype
 
 
 def resolve_bucket_size(
@@ -321,7 +330,7 @@ def _buffer_params(
         by_key: dict[DtypeKey, list[int]] = {}
         for i, spec in enumerate(specs):
             if spec.expert == expert:
-                by_key.setdefault(dtype_key(spec.dtype, config), []).append(i)
+                by_key.setdefault(dtype_key(spec.dtype, config, spec.fp8), []).append(i)
         out.extend((expert, key, tuple(ids)) for key, ids in by_key.items())
     return out
 

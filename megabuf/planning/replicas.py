@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from megabuf.fp8 import is_fp8_param
 from megabuf.planning.plan import ParamSpec
 from megabuf.transport.collectives import Collectives
 
@@ -41,6 +42,7 @@ def param_specs(
             expert=is_expert_parallel(p),
             own_bucket=bool(getattr(p, "shared_embedding", False)),
             shape=None if id(p) in embeddings else tuple(p.shape),
+            fp8=is_fp8_param(p),
         )
         for name, p in trainable
     )

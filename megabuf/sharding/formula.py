@@ -15,6 +15,10 @@ when unsharded):
     optimizer_state  4 * states * owned + scalar_nbytes * tensors
     comm_scratch     0             n * g        0             0
 
+An FP8 buffer (param dtype uint8, [Note: FP8 params] in megabuf/fp8/__init__.py) has p = 1, adds
+4 bytes of scale per param to "params", and its fp32 master is this rank's padded shard:
+main_params = 4 * n / d.
+
 (no_shard's layout has no padding, so there n is the params' numel.) `comm_scratch` is the
 all-to-all landing zone a gloo reduce-scatter keeps per bucket (`reduce_scatter_scratch`; NCCL's
 native reduce-scatter needs none); under optim_grads* the full grad bucket is released after
@@ -105,9 +109,12 @@ def buffer_bytes(
         owned, tensors = layout.numel_unpadded, len(layout.params)
     copy = cpu_offload or buf.param_dtype != torch.float32
     main = FP32_NBYTES * owned if copy else 0
+    fp8 = buf.param_dtype == torch.uint8  # FP8 params: scales, masters of the padded shard
+    scales = FP32_NBYTES * len(buf.param_ids) if fp8 else 0
+    main = FP32_NBYTES * n // d if fp8 and sharded else main
     state = FP32_NBYTES * optimizer.elementwise * owned + optimizer.scalar_nbytes * tensors
     out = {
-        "params": rules.param_nbytes(n, p, d),
+        "params": rules.param_nbytes(n, p, d) + scales,
         "grads": rules.grad_nbytes(n, g, d),
         "main_params": 0 if cpu_offload else main,
         "optimizer_state": 0 if cpu_offload else state,

@@ -47,6 +47,8 @@ def _chunk_tensors(chunk: nn.Module) -> Iterator[Tensor]:
     engine = getattr(chunk, "engine", None)  # a megabuf DistributedDataParallel's parts
     for buf in engine.buffers if engine is not None else []:
         yield from _tensors_in(buf)
+        if buf.fp8 is not None:  # scales and fp32 masters ([Note: FP8 params])
+            yield from _tensors_in(buf.fp8)
         for bucket in buf.buckets:
             yield from _tensors_in(bucket)
     for group in engine.all_bucket_groups if engine is not None else []:
@@ -84,13 +86,24 @@ def _foreign_optimizer_tensors(optimizer: Any) -> Iterator[Tensor]:
         yield from (v for v in state[key].values() if isinstance(v, Tensor))
 
 
+def _plain_tensors(t: Tensor) -> Iterator[Tensor]:
+    """The plain tensors holding `t`'s memory: a DTensor's local shard, a wrapper subclass's
+    inner tensors (an FP8 param's bytes and scale), or `t` itself."""
+    if hasattr(t, "to_local"):  # a DTensor: this rank's shard
+        yield t.to_local()
+    elif hasattr(type(t), "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        for name in names:
+            yield from _plain_tensors(getattr(t, name))
+    else:
+        yield t
+
+
 def unique_storage_nbytes(tensors: Iterable[Tensor]) -> dict[str, int]:
     """Bytes of the distinct storages behind `tensors`, per device type."""
     seen: set[tuple[torch.device, int]] = set()
     total: dict[str, int] = {}
-    for t in tensors:
-        if hasattr(t, "to_local"):  # a DTensor: this rank's shard
-            t = t.to_local()
+    for t in (plain for tensor in tensors for plain in _plain_tensors(tensor)):
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         key = (t.device, storage.data_ptr())

@@ -1,10 +1,9 @@
 """Every torch.distributed call megabuf makes, as thin typed wrappers.
 
-Each wrapper takes an explicit group and `async_op` (point-to-point `send`/`recv` and the
-batched `batch_p2p` are always async), returns a `PendingCollective` (finish it with `.wait()`),
-counts in `Collectives.stats` the bytes of the tensors it hands to torch.distributed (see
-`CommStats`), and runs the same code at world size 1.
-Tests may subclass `Collectives` to intercept or fake any call; `observers` hear of each call.
+Each wrapper takes an explicit group and `async_op` (`send`/`recv`, `batch_p2p`: always async),
+returns a `PendingCollective` (finish it with `.wait()`), counts in `Collectives.stats` the bytes
+it hands to torch.distributed (`CommStats`), and runs the same code at world size 1. Tests may
+subclass `Collectives` to intercept or fake any call; `observers` hear of each call.
 How each operation is realised on a (backend, device type) is chosen in
 megabuf/transport/collective_backends.py ([Note: collective strategies], [Note: one collective per
 bucket group]).
@@ -157,11 +156,12 @@ class Collectives:
             work = dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
         return self._pending("reduce_scatter", work, output, None, divide, scale)
 
-    def _record_all_reduce(self, tensor: Tensor, size: int, group: Group) -> None:
+    def _record_all_reduce(self, tensor: Tensor, size: int, group: Group, op: str = "all_reduce"
+                           ) -> None:  # fmt: skip
         nbytes = nbytes_of(tensor)  # in place: handed over as input and written as output
         self._record(
             group,
-            "all_reduce", input_nbytes=nbytes, output_nbytes=nbytes,
+            op, input_nbytes=nbytes, output_nbytes=nbytes,
             ring_nbytes=2 * (size - 1) * nbytes // size,
         )  # fmt: skip
 
@@ -401,9 +401,9 @@ class Collectives:
             work = dist.all_reduce(grad, group=group, async_op=True)
         return self._pending("all_reduce_sparse", work, None, None, 1)
 
-    def all_reduce_max(self, tensor: Tensor, group: Group) -> None:
-        """Synchronous elementwise max across the group (e.g. found-inf flags)."""
-        self._record_all_reduce(tensor, dist.get_world_size(group), group)
+    def all_reduce_max(self, tensor: Tensor, group: Group, *, op: str = "all_reduce") -> None:
+        """Synchronous elementwise max across the group (found-inf flags, FP8 amaxes: `op`)."""
+        self._record_all_reduce(tensor, dist.get_world_size(group), group, op=op)
         HELD.hold(tensor)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from megabuf.buckets.bucket_group import BucketGroup
 from megabuf.ddp import DistributedDataParallel, as_model_chunks
+from megabuf.fp8 import refuse_fp8_params
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.sharding.ledger import MemoryLedger
 from megabuf.transport.collectives import PendingCollective
@@ -90,6 +91,7 @@ def export_weights(
     """See [Note: streamed export]. Collective under optim_grads_params (every dp rank must
     consume the whole iterator); elsewhere not."""
     chunks = as_model_chunks(model_or_chunks, "megabuf.weights.export_weights")
+    refuse_fp8_params(chunks, "export_weights()")  # [Note: FP8 params]
     if max_buckets < 1:
         raise ValueError(f"megabuf: export_weights(max_buckets={max_buckets}) must be >= 1")
     number = resolve_version(optimizer, version)

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from megabuf.buckets.bucket_group import GradSyncState
 from megabuf.ddp import DistributedDataParallel, as_model_chunks
+from megabuf.fp8 import refuse_fp8_params
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.sync.grad_sync import SyncPhase
 from megabuf.weights.stash import StorageStash
@@ -80,6 +81,7 @@ def offload(
     """Release every device storage of `model_or_chunks` (and of `optimizer`'s main params and
     state); see [Note: what offload releases]. Not collective. Returns the bytes released."""
     chunks = as_model_chunks(model_or_chunks, "megabuf.weights.offload")
+    refuse_fp8_params(chunks, "offload()")  # [Note: FP8 params]
     _check_can_offload(chunks, optimizer)
     for chunk in chunks:
         chunk.engine.param_side.publish()  # gathers in flight land first ([Note: who waits ...])

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from megabuf.buckets.buffer import _ParamAndGradBucket, _ParamAndGradBuffer
 from megabuf.ddp import DistributedDataParallel
+from megabuf.fp8 import refuse_fp8_params
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.transport.collectives import Collectives
 from megabuf.weights import delta as deltas
@@ -70,6 +71,7 @@ class Publisher:
         `anchor_every`-th publish is whole ([Note: element deltas] in delta.py)."""
         if anchor_every < 1:
             raise ValueError(f"megabuf: Publisher(anchor_every={anchor_every}) must be >= 1")
+        refuse_fp8_params(model, "Publisher")  # [Note: FP8 params]
         topo = model.engine.process_groups.topology
         if topo.pp_size > 1 or topo.ep_size > 1:
             raise ValueError(

@@ -1,0 +1,255 @@
+"""Rank-side code for the FP8 param tests (runs inside DistPool workers; [Note: FP8 params] in
+megabuf/fp8/__init__.py).
+
+The model is what a user converts with torchao (`convert_to_float8_training` with
+`enable_fsdp_float8_all_gather=True`): two float8 linears (FP8 weights) with high precision
+biases and a LayerNorm (mixed params). Each case trains it under a sharded strategy and reports
+what the tests compare: every rank's gathered FP8 bytes and scales, the full fp32 master (put
+together from every rank's shard), a single-process torchao model's cast of that master and its
+forward on the same input, the calls and bytes the collectives were handed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import megabuf
+from megabuf.fp8 import AMAX_OP, adapter_for, is_converted_fp8
+
+DIM, HIDDEN, OUT, BATCH = 32, 64, 16, 16
+FP8_NAMES = ("up.weight", "down.weight")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.down = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.norm(self.up(x))))
+
+
+def float8_config(recipe: str = "tensorwise", fsdp: bool = True) -> Any:
+    from torchao.float8 import Float8LinearConfig
+
+    if recipe == "tensorwise":
+        return Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)
+    return Float8LinearConfig.from_recipe_name(recipe)
+
+
+def build_net(fsdp: bool = True, recipe: str = "tensorwise", seed: int = 0) -> nn.Module:
+    from torchao.float8 import convert_to_float8_training
+
+    torch.manual_seed(seed)
+    net = Net()
+    convert_to_float8_training(net, config=float8_config(recipe, fsdp))
+    return net
+
+
+def make_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, DIM, generator=g), torch.randn(BATCH, OUT, generator=g)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    n = t.shape[0] // dist.get_world_size()
+    return t[dist.get_rank() * n : (dist.get_rank() + 1) * n]
+
+
+def wrap(strategy: str, **ddp: Any) -> megabuf.DistributedDataParallel:
+    cfg = megabuf.DistributedDataParallelConfig.from_dict(
+        {"data_parallel_sharding_strategy": strategy, "bucket_size": 3000, **ddp}
+    )
+    return megabuf.DistributedDataParallel(build_net(), cfg)
+
+
+def train(model: Any, opt: Any, steps: int) -> None:
+    for step in range(steps):
+        x, y = make_data(step)
+        opt.zero_grad()
+        loss = ((model(local(x)) - local(y)) ** 2).mean()
+        loss.backward()
+        opt.step()
+
+
+def fp8_parts(model: Any) -> dict[str, tuple[bytes, float]]:
+    """Each FP8 param's bytes and scale as forward would read them (gathers waited for)."""
+    out = {}
+    with model.summon_full_params():
+        for name, param in model.module.named_parameters():
+            if is_converted_fp8(param):
+                data, scale = adapter_for(param).parts(param)  # type: ignore[union-attr]
+                out[name] = (data.view(torch.uint8).clone().numpy().tobytes(), float(scale))
+    return out
+
+
+def full_masters(opt: Any) -> dict[str, torch.Tensor]:
+    """The fp32 master of every param, put together from every rank's shard."""
+    mine = [(mp.key, mp.param_start, mp.param_end, mp.main.detach().reshape(-1).clone())
+            for mp in opt.main_params]  # fmt: skip
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    shapes = {n: p.shape for n, p in opt.model_chunks[0].module.named_parameters()}
+    flat: dict[str, torch.Tensor] = {}
+    for pieces in everyone:
+        for key, lo, hi, values in pieces:
+            name = key.split(".", 1)[1] if key not in shapes else key
+            flat.setdefault(name, torch.zeros(shapes[name].numel()))[lo:hi] = values
+    return {n: t.view(shapes[n]) for n, t in flat.items()}
+
+
+def torchao_cast(full: torch.Tensor) -> tuple[bytes, float]:
+    """What single-process torchao makes of a full weight: its own dynamic tensorwise cast."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
+
+    cast = hp_tensor_to_float8_dynamic(
+        full, torch.float8_e4m3fn, LinearMMConfig(), gemm_input_role=GemmInputRole.WEIGHT
+    )
+    return cast._data.view(torch.uint8).numpy().tobytes(), float(cast._scale)
+
+
+def reference_forward(masters: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """A single-process torchao model (weights cast by torchao in forward) holding the masters."""
+    net = build_net(fsdp=False)
+    with torch.no_grad():
+        for name, param in net.named_parameters():
+            param.copy_(masters[name])
+    return net(x)
+
+
+def reference_masters(steps: int) -> dict[str, torch.Tensor]:
+    """The same training in one process on the global batch, torchao casting in forward."""
+    net = build_net(fsdp=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = make_data(step)
+        opt.zero_grad()
+        ((net(x) - y) ** 2).mean().backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def numerics_case(strategy: str, steps: int = 3) -> dict[str, Any]:
+    model = wrap(strategy)
+    opt = megabuf.DistributedOptimizer(model, torch.optim.SGD, model.parameters(), lr=0.1)
+    stats = model.engine.collectives.stats
+    stats.reset()
+    train(model, opt, steps)
+    amax_calls = stats.calls.get(AMAX_OP, 0)
+    gather_ring_nbytes = stats.ring_nbytes.get("all_gather", 0)
+    parts = fp8_parts(model)
+    masters = full_masters(opt)
+    x, _ = make_data(999)
+    with torch.no_grad():
+        ours = model(x)
+        ref_out = reference_forward(masters, x)
+    buffers = [(str(b.param_dtype), str(b.grad_dtype), b.numel) for b in model.engine.buffers]
+    ref = reference_masters(steps)
+    return {
+        "master_diff": max(float((masters[n] - ref[n]).abs().max()) for n in ref),
+        "gather_ring_nbytes": gather_ring_nbytes,
+        "expected_ring_nbytes": steps
+        * sum(
+            (dist.get_world_size() - 1) * b.numel * b.param_dtype.itemsize // dist.get_world_size()
+            for b in model.engine.buffers
+        ),
+        "parts": parts,
+        "torchao": {n: torchao_cast(masters[n]) for n in FP8_NAMES},
+        "forward_equal": bool(torch.equal(ours, ref_out)),
+        "forward_diff": float((ours - ref_out).abs().max()),
+        "amax_calls": amax_calls,
+        "steps": steps,
+        "buffers": buffers,
+        "types": {n: type(p).__name__ for n, p in model.module.named_parameters()},
+    }
+
+
+def refusal_case(kind: str) -> str:
+    """Construct what is refused; the message (every rank raises alike, before a collective)."""
+    strategy, net, ddp = "optim", None, {}
+    if kind in ("rowwise", "rowwise_with_gw_hp"):
+        net = build_net(fsdp=False, recipe=kind)
+    elif kind == "expert":
+        net = build_net()
+        megabuf.mark_expert_parallel(net.down.parameters())
+    elif kind == "auto":
+        ddp = {"bucket_size": "auto", "overlap_grad_reduce": True}
+    cfg = megabuf.DistributedDataParallelConfig.from_dict(
+        {"data_parallel_sharding_strategy": strategy, "bucket_size": 3000, **ddp}
+    )
+    try:
+        megabuf.DistributedDataParallel(net if net is not None else build_net(), cfg)
+    except ValueError as err:
+        return str(err)
+    return "not refused"
+
+
+def no_shard_case(steps: int = 3) -> dict[str, Any]:
+    """no_shard: the weights stay as torchao made them (cast in forward), as under torch DDP."""
+    model = wrap("no_shard")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train(model, opt, steps)
+    ref = reference_masters(steps)
+    params = dict(model.module.named_parameters())
+    return {
+        "types": {n: type(p).__name__ for n, p in params.items()},
+        "buffers": [str(b.param_dtype) for b in model.engine.buffers],
+        "master_diff": max(float((params[n].detach() - ref[n]).abs().max()) for n in ref),
+    }
+
+
+def memory_case(strategy: str) -> dict[str, Any]:
+    """This rank's memory report, the formula and the storage walk after two Adam steps."""
+    from megabuf.sharding.formula import optimizer_spec, persistent_bytes
+    from megabuf.sharding.walk import storage_walk
+
+    model = wrap(strategy)
+    opt = megabuf.build_optimizer(model, megabuf.OptimizerConfig(optimizer="adam", lr=1e-2))
+    train(model, opt, 2)
+    pgs = model.process_groups
+    scratch = model.engine.collectives.strategy(pgs.dp, "cpu").reduce_scatter == "all_to_all"
+    formula = persistent_bytes(
+        model.engine.plan, strategy, optimizer_spec(opt.domains[0].optimizer),
+        dp_rank=pgs.dp_rank, reduce_scatter_scratch=scratch,
+    )  # fmt: skip
+    fp8 = model.engine.buffers[0]
+    return {
+        "persistent": dict(opt.memory_report().persistent),
+        "formula": formula,
+        "walk": storage_walk(model, opt),
+        "fp8_buffer": (str(fp8.param_dtype), fp8.numel, len(fp8.params)),
+        "module_buffer_nbytes": sum(b.numel() * b.element_size() for b in model.module.buffers()),
+    }
+
+
+def unsupported_case(kind: str, root: str) -> str:
+    """What FP8 params do not support yet is refused by name (the message), never wrong."""
+    from megabuf.checkpoint import load_checkpoint, save_checkpoint
+    from megabuf.weights import Publisher, export_weights, offload
+
+    if kind == "hybrid":
+        try:
+            wrap("optim", num_distributed_optimizer_instances=2)
+        except ValueError as err:
+            return str(err)
+        return "not refused"
+    model = wrap("optim")
+    acts = {
+        "save_checkpoint": lambda: save_checkpoint(f"{root}/ckpt", model),
+        "load_checkpoint": lambda: load_checkpoint(f"{root}/ckpt", model),
+        "export_weights": lambda: next(iter(export_weights(model))),
+        "publisher": lambda: Publisher(model, None),  # type: ignore[arg-type]
+        "offload": lambda: offload(model),
+    }
+    try:
+        acts[kind]()
+    except ValueError as err:
+        return str(err)
+    return "not refused"
