@@ -62,15 +62,17 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t[dist.get_rank() * n : (dist.get_rank() + 1) * n]
 
 
-def wrap(strategy: str, **ddp: Any) -> megabuf.DistributedDataParallel:
+def wrap(
+    strategy: str, net: nn.Module | None = None, **ddp: Any
+) -> megabuf.DistributedDataParallel:
     cfg = megabuf.DistributedDataParallelConfig.from_dict(
         {"data_parallel_sharding_strategy": strategy, "bucket_size": 3000, **ddp}
     )
-    return megabuf.DistributedDataParallel(build_net(), cfg)
+    return megabuf.DistributedDataParallel(build_net() if net is None else net, cfg)
 
 
-def train(model: Any, opt: Any, steps: int) -> None:
-    for step in range(steps):
+def train(model: Any, opt: Any, steps: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
         x, y = make_data(step)
         opt.zero_grad()
         loss = ((model(local(x)) - local(y)) ** 2).mean()
@@ -234,12 +236,6 @@ def unsupported_case(kind: str, root: str) -> str:
     from megabuf.checkpoint import load_checkpoint, save_checkpoint
     from megabuf.weights import Publisher, export_weights, offload
 
-    if kind == "hybrid":
-        try:
-            wrap("optim", num_distributed_optimizer_instances=2)
-        except ValueError as err:
-            return str(err)
-        return "not refused"
     model = wrap("optim")
     acts = {
         "save_checkpoint": lambda: save_checkpoint(f"{root}/ckpt", model),
@@ -253,3 +249,112 @@ def unsupported_case(kind: str, root: str) -> str:
     except ValueError as err:
         return str(err)
     return "not refused"
+
+
+# ---- checkpoints ([Note: FP8 params in checkpoints]) -------------------------------------------
+def adam(strategy: str, net: nn.Module | None = None) -> tuple[Any, Any]:
+    model = wrap(strategy, net)
+    return model, megabuf.DistributedOptimizer(model, torch.optim.Adam, model.parameters(), lr=1e-2)
+
+
+def plain_net(seed: int = 1) -> nn.Module:
+    """The same model without torchao: its weights are high precision params."""
+    torch.manual_seed(seed)
+    return Net()
+
+
+def state(model: Any, opt: Any) -> tuple[dict[str, tuple[bytes, float]], dict[str, torch.Tensor]]:
+    return fp8_parts(model), full_masters(opt)
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def resume_case(strategy: str, root: str) -> dict[str, bool]:
+    """Save after 2 Adam steps and take a third; a fresh model (other init) loads and takes the
+    same third step: bytes, scales and masters bitwise those of the uninterrupted run."""
+    from megabuf.checkpoint import load_checkpoint, save_checkpoint
+
+    path = f"{root}/resume_{strategy}"
+    model, opt = adam(strategy)
+    train(model, opt, 2)
+    save_checkpoint(path, model, opt)
+    saved = state(model, opt)
+    train(model, opt, 1, start=2)
+    want = state(model, opt)
+    model2, opt2 = adam(strategy, build_net(seed=1))
+    load_checkpoint(path, model2, opt2)
+    loaded = state(model2, opt2)
+    train(model2, opt2, 1, start=2)
+    got = state(model2, opt2)
+    return {
+        "loaded_bitwise": loaded[0] == saved[0] and same(loaded[1], saved[1]),
+        "step_bitwise": got[0] == want[0] and same(got[1], want[1]),
+        "changed": want[0] != saved[0],
+    }
+
+
+def cross_case(strategy: str, root: str) -> dict[str, bool]:
+    """An FP8 model's checkpoint loads into the model without FP8 (no torchao), and a checkpoint
+    of the model with torchao casting in forward loads into the FP8 model: the masters are the
+    saved values bitwise, and the FP8 bytes torchao's cast of them."""
+    from megabuf.checkpoint import load_checkpoint, save_checkpoint
+
+    model, opt = adam(strategy)
+    train(model, opt, 2)
+    save_checkpoint(f"{root}/cross_fp8_{strategy}", model, opt)
+    plain, plain_opt = adam(strategy, plain_net())
+    load_checkpoint(f"{root}/cross_fp8_{strategy}", plain, plain_opt)
+    to_plain = same(full_masters(plain_opt), full_masters(opt))
+    hp, hp_opt = adam(strategy, build_net(fsdp=False, seed=2))
+    train(hp, hp_opt, 2)
+    save_checkpoint(f"{root}/cross_hp_{strategy}", hp, hp_opt)
+    fp8, fp8_opt = adam(strategy, build_net(seed=3))
+    load_checkpoint(f"{root}/cross_hp_{strategy}", fp8, fp8_opt)
+    parts, masters = state(fp8, fp8_opt)
+    casts = {n: torchao_cast(masters[n]) for n in FP8_NAMES}
+    return {
+        "to_plain": to_plain,
+        "from_hp": same(masters, full_masters(hp_opt)),
+        "bytes_are_casts": parts == casts,
+    }
+
+
+def reshard_save_case(strategy: str, root: str) -> dict[str, torch.Tensor]:
+    """Train 2 steps and save at this dp size; the full masters (what the other dp loads)."""
+    from megabuf.checkpoint import save_checkpoint
+
+    model, opt = adam(strategy)
+    train(model, opt, 2)
+    save_checkpoint(f"{root}/reshard_{strategy}_dp{dist.get_world_size()}", model, opt)
+    return full_masters(opt)
+
+
+def reshard_load_case(strategy: str, root: str, saved_dp: int) -> dict[str, Any]:
+    """Load a checkpoint saved at another dp size: the masters, the FP8 bytes and torchao's
+    cast of the masters; then one step runs."""
+    from megabuf.checkpoint import load_checkpoint
+
+    model, opt = adam(strategy, build_net(seed=1))
+    load_checkpoint(f"{root}/reshard_{strategy}_dp{saved_dp}", model, opt)
+    parts, masters = state(model, opt)
+    out = {"masters": masters, "parts": parts}
+    out["torchao"] = {n: torchao_cast(masters[n]) for n in FP8_NAMES}
+    train(model, opt, 1, start=2)
+    return out
+
+
+def hybrid_case(strategy: str, steps: int = 3) -> dict[str, Any]:
+    """Two replicas of a shard group: the scales agreed over the shard group only; every rank's
+    bytes and scales, torchao's cast of the masters, the trajectory."""
+    model = wrap(strategy, num_distributed_optimizer_instances=2)
+    opt = megabuf.DistributedOptimizer(model, torch.optim.SGD, model.parameters(), lr=0.1)
+    train(model, opt, steps)
+    parts, masters = state(model, opt)
+    ref = reference_masters(steps)
+    return {
+        "parts": parts,
+        "torchao": {n: torchao_cast(masters[n]) for n in FP8_NAMES},
+        "master_diff": max(float((masters[n] - ref[n]).abs().max()) for n in ref),
+    }

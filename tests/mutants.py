@@ -1057,6 +1057,31 @@ MUTANTS = (
         ("tests/test_fp8.py",),
     ),
     Mutant(
+        "fp8-checkpoint-not-recast",
+        "after a checkpoint load the FP8 bytes are cast from the loaded masters",
+        "megabuf/checkpoint/load.py",
+        "        recast_fp8(chunks)  # [Note: FP8 params in checkpoints]\n",
+        "        pass\n",
+        ("tests/test_fp8.py",),
+    ),
+    Mutant(
+        "fp8-checkpoint-masters-misplaced",
+        "a checkpoint's FP8 entry is the full master put together from every rank's shard",
+        "megabuf/fp8/masters.py",
+        "            lo = bucket_offsets[b] + piece.buffer_start - starts[b]\n",
+        "            lo = bucket_offsets[b] + piece.buffer_start\n",
+        ("tests/test_fp8.py",),
+    ),
+    Mutant(
+        "fp8-hybrid-agreed-over-replicas",
+        "under hybrid sharding the FP8 amaxes are agreed over the shard group",
+        "megabuf/optimizer/distributed.py",
+        "        agree_and_cast(parts, self.collectives, self.process_groups.shard_group(False))\n",
+        "        pgs = self.process_groups\n"
+        "        agree_and_cast(parts, self.collectives, pgs.replicate_group() or pgs.dp)\n",
+        ("tests/test_fp8.py",),
+    ),
+    Mutant(
         "fp8-scales-not-counted",
         "the memory formula counts each FP8 param's fp32 scale",
         "megabuf/sharding/formula.py",

@@ -26,6 +26,7 @@ from megabuf.fp8 import convert_fp8_params, is_fp8_param
 from megabuf.planning.plan import dtype_key
 
 STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
+HYBRID = ("optim", "optim_grads_params")
 REFUSALS = {
     "rowwise": "'rowwise' recipe",
     "rowwise_with_gw_hp": "'rowwise_with_gw_hp' recipe",
@@ -40,12 +41,9 @@ TRAJECTORY_BOUND = 1e-2
 
 
 UNSUPPORTED = {
-    "save_checkpoint": "save_checkpoint() does not support FP8 params",
-    "load_checkpoint": "load_checkpoint() does not support FP8 params",
     "export_weights": "export_weights() does not support FP8 params",
     "publisher": "Publisher does not support FP8 params",
     "offload": "offload() does not support FP8 params",
-    "hybrid": "not supported under hybrid sharding",
 }
 
 
@@ -54,6 +52,9 @@ def _cases(root: str = "/tmp") -> dict[str, tuple[Any, ...]]:
     cases |= {f"refuse_{k}": (fc.refusal_case, k) for k in REFUSALS}
     cases |= {f"memory_{s}": (fc.memory_case, s) for s in STRATEGIES}
     cases |= {f"unsupported_{k}": (fc.unsupported_case, k, root) for k in UNSUPPORTED}
+    cases |= {f"resume_{s}": (fc.resume_case, s, root) for s in STRATEGIES}
+    cases |= {f"cross_{s}": (fc.cross_case, s, root) for s in STRATEGIES}
+    cases |= {f"hybrid_{s}": (fc.hybrid_case, s) for s in HYBRID}
     return cases | {"no_shard": (fc.no_shard_case,)}
 
 
@@ -191,11 +192,54 @@ def test_memory_formula_equals_report_and_storage_walk(results: Any, strategy: s
         assert fp32_params >= 0 and fp32_params % 4 == 0  # the rest: the fp32 buffer
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_checkpoint_resume_is_bitwise(results: Any, strategy: str) -> None:
+    """A checkpoint of an FP8 model loads into a fresh one (bytes, scales, fp32 masters bitwise
+    those saved), and the next step equals the uninterrupted run's bitwise ([Note: FP8 params
+    in checkpoints])."""
+    for r in _one(results, f"resume_{strategy}"):
+        assert r == {"loaded_bitwise": True, "step_bitwise": True, "changed": True}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_checkpoint_loads_across_fp8_and_plain_models(results: Any, strategy: str) -> None:
+    """An FP8 model's checkpoint (entries: the masters in the weight's dtype) loads into the
+    model without torchao, and a checkpoint of the model torchao casts in forward loads into the
+    FP8 model, whose bytes are then torchao's cast of the loaded masters."""
+    for r in _one(results, f"cross_{strategy}"):
+        assert r == {"to_plain": True, "from_hp": True, "bytes_are_casts": True}
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+@pytest.mark.parametrize(("saved_dp", "loaded_dp"), [(2, 4), (4, 2)])
+def test_checkpoint_reshards(
+    pools: Any, tmp_path_factory: Any, strategy: str, saved_dp: int, loaded_dp: int
+) -> None:
+    """Saved at one dp size, loaded at another: the full masters bitwise those saved, every
+    rank's FP8 bytes and scales torchao's cast of them, and a step runs."""
+    root = str(tmp_path_factory.mktemp(f"fp8_reshard_{strategy}_{saved_dp}"))
+    saved = pools(saved_dp).run(fc.reshard_save_case, strategy, root)[0]
+    for r in pools(loaded_dp).run(fc.reshard_load_case, strategy, root, saved_dp):
+        assert fc.same(r["masters"], saved)
+        assert r["parts"] == r["torchao"]
+
+
+@pytest.mark.parametrize("strategy", HYBRID)
+def test_hybrid_sharding_agrees_over_the_shard_group(results: Any, strategy: str) -> None:
+    """Two replicas of a shard group (num_distributed_optimizer_instances=2): the amax
+    all-reduce runs over the shard group only (replicas hold equal masters); every rank's bytes
+    and scales are equal and torchao's cast of the master; training within the bound."""
+    per_rank = _one(results, f"hybrid_{strategy}")
+    for r in per_rank:
+        assert r["parts"] == per_rank[0]["parts"]
+        assert r["parts"] == r["torchao"]
+        assert r["master_diff"] < TRAJECTORY_BOUND
+
+
 @pytest.mark.parametrize("kind", UNSUPPORTED)
 def test_not_yet_supported_is_refused_by_name(results: Any, kind: str) -> None:
-    """Checkpoints (and so resharding through them), export_weights, Publisher, offload and
-    hybrid sharding refuse FP8 params by name, naming the param and docs/fp8.md: never a
-    silent wrong result."""
+    """export_weights, Publisher and offload refuse FP8 params by name, naming the param and
+    docs/fp8.md: never a silent wrong result."""
     for message in _one(results, f"unsupported_{kind}"):
         assert UNSUPPORTED[kind] in message, message
         assert "docs/fp8.md" in message

@@ -115,7 +115,6 @@ class Engine:
             self.module, self.config.sharding.param_home != "module",
             broadcast=(lambda t: collectives.broadcast(t, 0, dp)) if init_sync else None,
             auto_buckets=self.config.bucket_size == "auto",
-            hybrid=self.topology.dp_replicate_size > 1,
         )  # fmt: skip
 
     def _build(self, disable_bucketing: bool, init_sync: bool) -> None:

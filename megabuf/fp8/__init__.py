@@ -22,7 +22,10 @@ config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))`) is an FP8 param
   gathers are dispatched): each rank takes its shard's amax per FP8 param (of the master rounded
   to the weight's dtype), ONE all-reduce(MAX) of all of them over the group the buffers are
   sharded over, the scales by torchao's own `amax_to_scale`, and the cast of its shard by
-  torchao's own `hp_tensor_and_scale_to_float8` into the uint8 buffer. Every rank then holds the
+  torchao's own `hp_tensor_and_scale_to_float8` into the uint8 buffer. Under hybrid sharding
+  that group is the shard group, not the whole dp group: the replicas of a shard step the same
+  reduced grads (all-reduced across replicas) from the same master, so they hold equal masters
+  and agree on the same amaxes without the cross-replica traffic. Every rank then holds the
   same scales, and the param all-gather (after the step, or per unit in forward under
   optim_grads_params) moves 1 byte per element. The max of the shards' amaxes is the amax of
   the full weight, and the cast is elementwise: the gathered weight is bitwise the cast torchao

@@ -57,14 +57,12 @@ def convert_fp8_params(
     *,
     broadcast: Callable[[Tensor], None] | None,
     auto_buckets: bool = False,
-    hybrid: bool = False,
 ) -> Fp8Params:
     """Refuse unsupported recipes by name; where `stores_fp8` (a strategy with a master copy)
     swap each float8 weight for an FP8 param. `broadcast` (init_sync): makes dp rank 0's high
     precision value everyone's before the first cast. Without `stores_fp8` (no_shard) the
     weights stay as the library made them, as under torch DDP ([Note: FP8 params]).
-    `auto_buckets` (bucket_size="auto", which rebuilds buffers) and `hybrid` (a replicate x
-    shard split) are refused with FP8 params."""
+    `auto_buckets` (bucket_size="auto", which rebuilds buffers) is refused with FP8 params."""
     refuse_unsupported_modules(module)
     found = _find(module)
     for item in found:
@@ -78,12 +76,6 @@ def convert_fp8_params(
     result = Fp8Params()
     if not stores_fp8 or not found:
         return result
-    if hybrid:
-        raise ValueError(
-            f"megabuf: FP8 params (e.g. {found[0].name!r}) are not supported under hybrid "
-            "sharding (num_distributed_optimizer_instances > 1 or a dp shard group) yet; "
-            "shard over the whole dp group (docs/fp8.md)"
-        )
     if auto_buckets:
         raise ValueError(
             f"megabuf: bucket_size='auto' re-plans the buffers, which FP8 params (e.g. "
