@@ -181,8 +181,6 @@ def refusal_case(kind: str) -> str:
     elif kind == "expert":
         net = build_net()
         megabuf.mark_expert_parallel(net.down.parameters())
-    elif kind == "auto":
-        ddp = {"bucket_size": "auto", "overlap_grad_reduce": True}
     cfg = megabuf.DistributedDataParallelConfig.from_dict(
         {"data_parallel_sharding_strategy": strategy, "bucket_size": 3000, **ddp}
     )
@@ -357,4 +355,35 @@ def hybrid_case(strategy: str, steps: int = 3) -> dict[str, Any]:
         "parts": parts,
         "torchao": {n: torchao_cast(masters[n]) for n in FP8_NAMES},
         "master_diff": max(float((masters[n] - ref[n]).abs().max()) for n in ref),
+    }
+
+
+def buckets(model: Any) -> list[int]:
+    """The number of buckets of each buffer."""
+    return [len(b.layout.buckets) for b in model.engine.buffers]
+
+
+def auto_case(strategy: str) -> dict[str, Any]:
+    """bucket_size="auto": after 2 Adam steps the buffers are rebuilt on other bucket boundaries
+    (the re-plan's own path, `engine.rebucket`), then 2 more steps; against a model on those
+    boundaries from the start: bytes, scales and masters bitwise."""
+    auto_cfg = {"bucket_size": "auto", "overlap_grad_reduce": True, "auto_bucket_warmup_steps": 99}
+    other = wrap(strategy, bucket_size=10**6).engine.plan  # one bucket per buffer
+    model = wrap(strategy, **auto_cfg)
+    opt = megabuf.DistributedOptimizer(model, torch.optim.Adam, model.parameters(), lr=1e-2)
+    before = (buckets(model), model.engine.buffers[0])
+    train(model, opt, 2)
+    model.engine.rebucket(other)
+    train(model, opt, 2, start=2)
+    fixed = wrap(strategy, overlap_grad_reduce=True)
+    fixed.engine.rebucket(other)
+    fixed_opt = megabuf.DistributedOptimizer(fixed, torch.optim.Adam, fixed.parameters(), lr=1e-2)
+    train(fixed, fixed_opt, 4)
+    got, want = state(model, opt), state(fixed, fixed_opt)
+    return {
+        # new buffers (ZeRO-3 buckets follow the shard units: the boundaries may stay)
+        "moved": before[1] is not model.engine.buffers[0]
+        and (strategy == "optim_grads_params" or before[0] != buckets(model)),
+        "parts_bitwise": got[0] == want[0],
+        "masters_bitwise": same(got[1], want[1]),
     }

@@ -1082,6 +1082,14 @@ MUTANTS = (
         ("tests/test_fp8.py",),
     ),
     Mutant(
+        "fp8-replan-not-reseeded",
+        "the bucket_size='auto' rebuild casts the new FP8 buffers from the full masters",
+        "megabuf/fp8/masters.py",
+        "    fp8.seeds.update(gather_full_masters(parts, collectives, group))\n",
+        "    pass\n",
+        ("tests/test_fp8.py",),
+    ),
+    Mutant(
         "fp8-scales-not-counted",
         "the memory formula counts each FP8 param's fp32 scale",
         "megabuf/sharding/formula.py",

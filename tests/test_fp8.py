@@ -31,7 +31,6 @@ REFUSALS = {
     "rowwise": "'rowwise' recipe",
     "rowwise_with_gw_hp": "'rowwise_with_gw_hp' recipe",
     "expert": "expert-parallel",
-    "auto": "bucket_size='auto'",
 }
 # The trajectory bound: the FP8 grads of data-parallel training are cast per rank (torchao
 # scales grad_output by the amax of the rank's micro-batch, e5m2 keeps 2 mantissa bits), so the
@@ -55,6 +54,7 @@ def _cases(root: str = "/tmp") -> dict[str, tuple[Any, ...]]:
     cases |= {f"resume_{s}": (fc.resume_case, s, root) for s in STRATEGIES}
     cases |= {f"cross_{s}": (fc.cross_case, s, root) for s in STRATEGIES}
     cases |= {f"hybrid_{s}": (fc.hybrid_case, s) for s in HYBRID}
+    cases |= {f"auto_{s}": (fc.auto_case, s) for s in STRATEGIES}
     return cases | {"no_shard": (fc.no_shard_case,)}
 
 
@@ -234,6 +234,15 @@ def test_hybrid_sharding_agrees_over_the_shard_group(results: Any, strategy: str
         assert r["parts"] == per_rank[0]["parts"]
         assert r["parts"] == r["torchao"]
         assert r["master_diff"] < TRAJECTORY_BOUND
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_auto_bucket_rebuild_moves_the_fp8_part(results: Any, strategy: str) -> None:
+    """bucket_size="auto" is accepted; the re-plan's rebuild moves each FP8 param's bytes, scale
+    and fp32 master to the new buffers: training then equals a model on the new boundaries from
+    the start, bitwise."""
+    for r in _one(results, f"auto_{strategy}"):
+        assert r == {"moved": True, "parts_bitwise": True, "masters_bitwise": True}
 
 
 @pytest.mark.parametrize("kind", UNSUPPORTED)

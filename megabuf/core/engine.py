@@ -114,7 +114,6 @@ class Engine:
         return convert_fp8_params(
             self.module, self.config.sharding.param_home != "module",
             broadcast=(lambda t: collectives.broadcast(t, 0, dp)) if init_sync else None,
-            auto_buckets=self.config.bucket_size == "auto",
         )  # fmt: skip
 
     def _build(self, disable_bucketing: bool, init_sync: bool) -> None:

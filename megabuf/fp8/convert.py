@@ -33,8 +33,8 @@ class Fp8Params:
         if param not in self.seeds:
             raise RuntimeError(
                 f"megabuf: FP8 param {self.specs[param].name!r} has no high precision seed: "
-                "its buffer can only be built once, at construction (a rebuild of FP8 buffers, "
-                "e.g. bucket_size='auto' or a copy of the model, is not supported)"
+                "its buffer is built at construction and rebuilt by the bucket_size='auto' "
+                "re-plan only (a copy of the model is not supported)"
             )
         return self.seeds[param]
 
@@ -56,13 +56,11 @@ def convert_fp8_params(
     stores_fp8: bool,
     *,
     broadcast: Callable[[Tensor], None] | None,
-    auto_buckets: bool = False,
 ) -> Fp8Params:
     """Refuse unsupported recipes by name; where `stores_fp8` (a strategy with a master copy)
     swap each float8 weight for an FP8 param. `broadcast` (init_sync): makes dp rank 0's high
     precision value everyone's before the first cast. Without `stores_fp8` (no_shard) the
-    weights stay as the library made them, as under torch DDP ([Note: FP8 params]).
-    `auto_buckets` (bucket_size="auto", which rebuilds buffers) is refused with FP8 params."""
+    weights stay as the library made them, as under torch DDP ([Note: FP8 params])."""
     refuse_unsupported_modules(module)
     found = _find(module)
     for item in found:
@@ -76,11 +74,6 @@ def convert_fp8_params(
     result = Fp8Params()
     if not stores_fp8 or not found:
         return result
-    if auto_buckets:
-        raise ValueError(
-            f"megabuf: bucket_size='auto' re-plans the buffers, which FP8 params (e.g. "
-            f"{found[0].name!r}) do not support; give an int bucket_size (docs/fp8.md)"
-        )
     for item in found:
         _convert(item, result, broadcast)
     return result

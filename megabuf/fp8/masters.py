@@ -10,6 +10,12 @@ params view them). Loading writes this rank's shard of each loaded weight into i
 one amax agreement and cast a step ends with ([Note: FP8 params] in megabuf/fp8/__init__.py):
 the bytes are then those the uninterrupted run held, and so is every later step. Nothing here
 depends on the dp size: a checkpoint reshards like any other.
+
+The bucket_size="auto" re-plan rebuilds the buffers ([Note: sharded auto bucket re-plan] in
+megabuf/replan/sharded_replan.py) the same way: `reseeded` gives the new buffers each FP8
+param's full master (in the weight's dtype) as the seed they cast from, as at construction; the
+scale of the whole seed is the agreed scale, so the new bytes equal the old, and the optimizer's
+restore then copies the fp32 masters exactly into the new buffers' masters.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from megabuf.fp8.agree import agree_and_cast
+from megabuf.fp8.convert import Fp8Params
 from megabuf.fp8.shards import Fp8BufferPart
 from megabuf.pure.layout import shard_pieces
 from megabuf.transport.collectives import Collectives, Group
@@ -86,3 +93,16 @@ def recast(parts: Sequence[Fp8BufferPart], collectives: Collectives, group: Grou
     """After the masters were loaded: the amax agreement and cast a step ends with (collective
     over `group`); the caller then gathers the params."""
     agree_and_cast(parts, collectives, group)
+
+
+def reseeded(
+    parts: Sequence[Fp8BufferPart], collectives: Collectives, group: Group
+) -> Fp8Params | None:
+    """Before a rebuild of the buffers (the bucket_size="auto" re-plan): the engine's FP8 params
+    with every one's full master as its seed (collective over `group`); None without FP8
+    params. The caller drops the seeds once the new buffers are built."""
+    if not parts:
+        return None
+    fp8 = parts[0].fp8
+    fp8.seeds.update(gather_full_masters(parts, collectives, group))
+    return fp8
