@@ -232,7 +232,7 @@ def memory_case(strategy: str) -> dict[str, Any]:
 def unsupported_case(kind: str, root: str) -> str:
     """What FP8 params do not support yet is refused by name (the message), never wrong."""
     from megabuf.checkpoint import load_checkpoint, save_checkpoint
-    from megabuf.weights import Publisher, export_weights, offload
+    from megabuf.weights import Publisher, export_weights
 
     model = wrap("optim")
     acts = {
@@ -240,7 +240,6 @@ def unsupported_case(kind: str, root: str) -> str:
         "load_checkpoint": lambda: load_checkpoint(f"{root}/ckpt", model),
         "export_weights": lambda: next(iter(export_weights(model))),
         "publisher": lambda: Publisher(model, None),  # type: ignore[arg-type]
-        "offload": lambda: offload(model),
     }
     try:
         acts[kind]()
@@ -386,4 +385,29 @@ def auto_case(strategy: str) -> dict[str, Any]:
         and (strategy == "optim_grads_params" or before[0] != buckets(model)),
         "parts_bitwise": got[0] == want[0],
         "masters_bitwise": same(got[1], want[1]),
+    }
+
+
+def offload_case(strategy: str) -> dict[str, Any]:
+    """offload / restore after 2 Adam steps: the FP8 bytes, scales and masters are released and
+    come back bitwise, and the next step equals that of a model never offloaded."""
+    from megabuf.weights import offload, restore
+
+    model, opt = adam(strategy)
+    twin, twin_opt = adam(strategy)
+    train(model, opt, 2)
+    train(twin, twin_opt, 2)
+    before = state(model, opt)
+    fp8 = next(b.fp8 for b in model.engine.buffers if b.fp8 is not None)
+    report = offload(model, opt)
+    released = fp8.masters[0].untyped_storage().nbytes() == 0
+    restore(model, opt)
+    restored = state(model, opt)
+    train(model, opt, 1, start=2)
+    train(twin, twin_opt, 1, start=2)
+    got, want = state(model, opt), state(twin, twin_opt)
+    return {
+        "released": released and report.released_nbytes["main_params"] > 0,
+        "restored_bitwise": restored[0] == before[0] and same(restored[1], before[1]),
+        "step_bitwise": got[0] == want[0] and same(got[1], want[1]),
     }

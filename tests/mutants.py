@@ -1090,6 +1090,14 @@ MUTANTS = (
         ("tests/test_fp8.py",),
     ),
     Mutant(
+        "fp8-offload-masters-dropped",
+        "offload keeps the FP8 params' fp32 masters on the host and restores them bitwise",
+        "megabuf/weights/offload.py",
+        "        yield \"main_params\", masters, True  # FP8 params' fp32 masters (the buffer's)\n",
+        '        yield "main_params", masters, False\n',
+        ("tests/test_fp8.py",),
+    ),
+    Mutant(
         "fp8-scales-not-counted",
         "the memory formula counts each FP8 param's fp32 scale",
         "megabuf/sharding/formula.py",

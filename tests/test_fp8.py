@@ -42,7 +42,6 @@ TRAJECTORY_BOUND = 1e-2
 UNSUPPORTED = {
     "export_weights": "export_weights() does not support FP8 params",
     "publisher": "Publisher does not support FP8 params",
-    "offload": "offload() does not support FP8 params",
 }
 
 
@@ -55,6 +54,7 @@ def _cases(root: str = "/tmp") -> dict[str, tuple[Any, ...]]:
     cases |= {f"cross_{s}": (fc.cross_case, s, root) for s in STRATEGIES}
     cases |= {f"hybrid_{s}": (fc.hybrid_case, s) for s in HYBRID}
     cases |= {f"auto_{s}": (fc.auto_case, s) for s in STRATEGIES}
+    cases |= {f"offload_{s}": (fc.offload_case, s) for s in STRATEGIES}
     return cases | {"no_shard": (fc.no_shard_case,)}
 
 
@@ -245,9 +245,17 @@ def test_auto_bucket_rebuild_moves_the_fp8_part(results: Any, strategy: str) -> 
         assert r == {"moved": True, "parts_bitwise": True, "masters_bitwise": True}
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_offload_restore_is_bitwise(results: Any, strategy: str) -> None:
+    """offload releases the FP8 bytes, scales and fp32 masters; restore brings them back
+    bitwise, and the next step equals that of a model never offloaded."""
+    for r in _one(results, f"offload_{strategy}"):
+        assert r == {"released": True, "restored_bitwise": True, "step_bitwise": True}
+
+
 @pytest.mark.parametrize("kind", UNSUPPORTED)
 def test_not_yet_supported_is_refused_by_name(results: Any, kind: str) -> None:
-    """export_weights, Publisher and offload refuse FP8 params by name, naming the param and
+    """export_weights and Publisher refuse FP8 params by name, naming the param and
     docs/fp8.md: never a silent wrong result."""
     for message in _one(results, f"unsupported_{kind}"):
         assert UNSUPPORTED[kind] in message, message
