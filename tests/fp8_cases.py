@@ -232,13 +232,12 @@ def memory_case(strategy: str) -> dict[str, Any]:
 def unsupported_case(kind: str, root: str) -> str:
     """What FP8 params do not support yet is refused by name (the message), never wrong."""
     from megabuf.checkpoint import load_checkpoint, save_checkpoint
-    from megabuf.weights import Publisher, export_weights
+    from megabuf.weights import Publisher
 
     model = wrap("optim")
     acts = {
         "save_checkpoint": lambda: save_checkpoint(f"{root}/ckpt", model),
         "load_checkpoint": lambda: load_checkpoint(f"{root}/ckpt", model),
-        "export_weights": lambda: next(iter(export_weights(model))),
         "publisher": lambda: Publisher(model, None),  # type: ignore[arg-type]
     }
     try:
@@ -410,4 +409,34 @@ def offload_case(strategy: str) -> dict[str, Any]:
         "released": released and report.released_nbytes["main_params"] > 0,
         "restored_bitwise": restored[0] == before[0] and same(restored[1], before[1]),
         "step_bitwise": got[0] == want[0] and same(got[1], want[1]),
+    }
+
+
+def export_case(strategy: str) -> dict[str, Any]:
+    """export_weights after 2 steps, both FP8 choices: "bytes" hands over each FP8 weight's
+    bytes and scale as forward reads them; "dequantized" (bf16) is bytes / scale in bf16."""
+    from megabuf.weights import export_weights
+
+    model, opt = adam(strategy)
+    train(model, opt, 2)
+    parts = fp8_parts(model)
+    raw = dict(
+        pair for item in export_weights(model, optimizer=opt, fp8="bytes") for pair in item.named
+    )
+    deq = dict(
+        pair
+        for item in export_weights(model, optimizer=opt, fp8="dequantized", dtype=torch.bfloat16)
+        for pair in item.named
+    )
+    bytes_ok, deq_ok = True, True
+    for name, (data, scale) in parts.items():
+        mine = raw[name].view(torch.uint8).numpy().tobytes()
+        bytes_ok &= mine == data and float(raw[name + "_scale"]) == scale
+        values = torch.frombuffer(bytearray(data), dtype=torch.float8_e4m3fn).float() / scale
+        deq_ok &= torch.equal(deq[name].reshape(-1), values.to(torch.bfloat16))
+    return {
+        "bytes": bytes_ok,
+        "dequantized": deq_ok,
+        "dtypes": (str(raw[FP8_NAMES[0]].dtype), str(deq[FP8_NAMES[0]].dtype)),
+        "names": sorted(raw) == sorted(set(deq) | {n + "_scale" for n in FP8_NAMES}),
     }

@@ -1098,6 +1098,14 @@ MUTANTS = (
         ("tests/test_fp8.py",),
     ),
     Mutant(
+        "fp8-export-not-dequantized",
+        "export_weights(fp8='dequantized') hands over bytes / scale, the value forward reads",
+        "megabuf/fp8/export.py",
+        "    hp = values.to(torch.float32) / scale\n",
+        "    hp = values.to(torch.float32)\n",
+        ("tests/test_fp8.py",),
+    ),
+    Mutant(
         "fp8-scales-not-counted",
         "the memory formula counts each FP8 param's fp32 scale",
         "megabuf/sharding/formula.py",

@@ -40,7 +40,6 @@ TRAJECTORY_BOUND = 1e-2
 
 
 UNSUPPORTED = {
-    "export_weights": "export_weights() does not support FP8 params",
     "publisher": "Publisher does not support FP8 params",
 }
 
@@ -55,6 +54,7 @@ def _cases(root: str = "/tmp") -> dict[str, tuple[Any, ...]]:
     cases |= {f"hybrid_{s}": (fc.hybrid_case, s) for s in HYBRID}
     cases |= {f"auto_{s}": (fc.auto_case, s) for s in STRATEGIES}
     cases |= {f"offload_{s}": (fc.offload_case, s) for s in STRATEGIES}
+    cases |= {f"export_{s}": (fc.export_case, s) for s in STRATEGIES}
     return cases | {"no_shard": (fc.no_shard_case,)}
 
 
@@ -253,9 +253,22 @@ def test_offload_restore_is_bitwise(results: Any, strategy: str) -> None:
         assert r == {"released": True, "restored_bitwise": True, "step_bitwise": True}
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_export_weights_bytes_or_dequantized(results: Any, strategy: str) -> None:
+    """export_weights(fp8="bytes"): each FP8 weight's float8 bytes and its scale (`<name>_scale`),
+    bitwise what forward reads; fp8="dequantized" with dtype=bf16: bytes / scale in bf16."""
+    for r in _one(results, f"export_{strategy}"):
+        assert r == {
+            "bytes": True,
+            "dequantized": True,
+            "dtypes": ("torch.float8_e4m3fn", "torch.bfloat16"),
+            "names": True,
+        }
+
+
 @pytest.mark.parametrize("kind", UNSUPPORTED)
 def test_not_yet_supported_is_refused_by_name(results: Any, kind: str) -> None:
-    """export_weights and Publisher refuse FP8 params by name, naming the param and
+    """Publisher refuses FP8 params by name, naming the param and
     docs/fp8.md: never a silent wrong result."""
     for message in _one(results, f"unsupported_{kind}"):
         assert UNSUPPORTED[kind] in message, message
