@@ -178,9 +178,6 @@ def refusal_case(kind: str) -> str:
     strategy, net, ddp = "optim", None, {}
     if kind in ("rowwise", "rowwise_with_gw_hp"):
         net = build_net(fsdp=False, recipe=kind)
-    elif kind == "expert":
-        net = build_net()
-        megabuf.mark_expert_parallel(net.down.parameters())
     cfg = megabuf.DistributedDataParallelConfig.from_dict(
         {"data_parallel_sharding_strategy": strategy, "bucket_size": 3000, **ddp}
     )
@@ -439,4 +436,38 @@ def export_case(strategy: str) -> dict[str, Any]:
         "dequantized": deq_ok,
         "dtypes": (str(raw[FP8_NAMES[0]].dtype), str(deq[FP8_NAMES[0]].dtype)),
         "names": sorted(raw) == sorted(set(deq) | {n + "_scale" for n in FP8_NAMES}),
+    }
+
+
+def expert_case(strategy: str) -> dict[str, Any]:
+    """`down` expert-parallel (ep_size 2; every ep rank its own expert value): after 2 steps
+    every rank's FP8 bytes and scales are torchao's cast of its full master, the expert's
+    agreed over the expert shard group; the dense weight's bytes as every other rank's."""
+    from moe_cases import groups
+
+    from megabuf.fp8.masters import gather_by_kind
+
+    net = build_net(seed=dist.get_rank())
+    megabuf.mark_expert_parallel(net.down.parameters())
+    cfg = megabuf.DistributedDataParallelConfig.from_dict(
+        {"data_parallel_sharding_strategy": strategy, "bucket_size": 3000}
+    )
+    pgs = groups(ep_size=2)
+    model = megabuf.DistributedDataParallel(net, cfg, process_groups=pgs)
+    opt = megabuf.DistributedOptimizer(model, torch.optim.SGD, model.parameters(), lr=0.1)
+    train(model, opt, 2)
+    parts = fp8_parts(model)
+    fp8 = [b.fp8 for b in model.engine.buffers if b.fp8 is not None]
+    full = gather_by_kind(fp8, model.engine.collectives, pgs.shard_group)
+    names = {p: n for n, p in model.module.named_parameters()}
+    casts = {names[p]: torchao_cast(t) for p, t in full.items()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, parts)
+    return {
+        "bytes_are_casts": parts == casts,
+        "dense_equal": all(e["up.weight"] == parts["up.weight"] for e in everyone),
+        "experts_differ": any(e["down.weight"] != parts["down.weight"] for e in everyone),
+        "expert_buffers": sum(
+            b.is_expert_parallel and b.fp8 is not None for b in model.engine.buffers
+        ),
     }

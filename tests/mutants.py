@@ -1076,16 +1076,17 @@ MUTANTS = (
         "fp8-hybrid-agreed-over-replicas",
         "under hybrid sharding the FP8 amaxes are agreed over the shard group",
         "megabuf/optimizer/distributed.py",
-        "        agree_and_cast(parts, self.collectives, self.process_groups.shard_group(False))\n",
-        "        pgs = self.process_groups\n"
-        "        agree_and_cast(parts, self.collectives, pgs.replicate_group() or pgs.dp)\n",
+        "        agree_and_cast_by_kind(parts, self.collectives, pgs.shard_group)\n",
+        "        agree_and_cast_by_kind(\n"
+        "            parts, self.collectives, lambda e: pgs.replicate_group() or pgs.dp\n"
+        "        )\n",
         ("tests/test_fp8.py",),
     ),
     Mutant(
         "fp8-replan-not-reseeded",
         "the bucket_size='auto' rebuild casts the new FP8 buffers from the full masters",
         "megabuf/fp8/masters.py",
-        "    fp8.seeds.update(gather_full_masters(parts, collectives, group))\n",
+        "    fp8.seeds.update(gather_by_kind(parts, collectives, shard_group))\n",
         "    pass\n",
         ("tests/test_fp8.py",),
     ),
@@ -1103,6 +1104,14 @@ MUTANTS = (
         "megabuf/fp8/export.py",
         "    hp = values.to(torch.float32) / scale\n",
         "    hp = values.to(torch.float32)\n",
+        ("tests/test_fp8.py",),
+    ),
+    Mutant(
+        "fp8-expert-agreed-over-dp",
+        "expert FP8 weights' amaxes are agreed over the expert shard group, not the dense one",
+        "megabuf/fp8/agree.py",
+        "            agree_and_cast(mine, collectives, shard_group(expert))\n",
+        "            agree_and_cast(mine, collectives, shard_group(False))\n",
         ("tests/test_fp8.py",),
     ),
     Mutant(

@@ -30,7 +30,6 @@ HYBRID = ("optim", "optim_grads_params")
 REFUSALS = {
     "rowwise": "'rowwise' recipe",
     "rowwise_with_gw_hp": "'rowwise_with_gw_hp' recipe",
-    "expert": "expert-parallel",
 }
 # The trajectory bound: the FP8 grads of data-parallel training are cast per rank (torchao
 # scales grad_output by the amax of the rank's micro-batch, e5m2 keeps 2 mantissa bits), so the
@@ -55,6 +54,7 @@ def _cases(root: str = "/tmp") -> dict[str, tuple[Any, ...]]:
     cases |= {f"auto_{s}": (fc.auto_case, s) for s in STRATEGIES}
     cases |= {f"offload_{s}": (fc.offload_case, s) for s in STRATEGIES}
     cases |= {f"export_{s}": (fc.export_case, s) for s in STRATEGIES}
+    cases |= {f"expert_{s}": (fc.expert_case, s) for s in STRATEGIES}
     return cases | {"no_shard": (fc.no_shard_case,)}
 
 
@@ -263,6 +263,20 @@ def test_export_weights_bytes_or_dequantized(results: Any, strategy: str) -> Non
             "dequantized": True,
             "dtypes": ("torch.float8_e4m3fn", "torch.bfloat16"),
             "names": True,
+        }
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_expert_parallel_fp8_weights(results: Any, strategy: str) -> None:
+    """Expert-parallel FP8 weights live in expert buffers; their amaxes are agreed over the
+    expert shard group (the dense ones' over the dense group): every rank's bytes and scales are
+    torchao's cast of its full master, dense bytes equal everywhere, experts differ per ep rank."""
+    for r in _one(results, f"expert_{strategy}"):
+        assert r == {
+            "bytes_are_casts": True,
+            "dense_equal": True,
+            "experts_differ": True,
+            "expert_buffers": 1,
         }
 
 

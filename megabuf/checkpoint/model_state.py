@@ -11,7 +11,7 @@ from torch import Tensor
 
 from megabuf.ddp import DistributedDataParallel
 from megabuf.fp8 import Fp8BufferPart, is_converted_fp8
-from megabuf.fp8.masters import gather_full_masters, load_masters, recast
+from megabuf.fp8.masters import gather_by_kind, load_masters, recast
 from megabuf.optimizer.param_groups import scope_prefix
 from megabuf.planning.replicas import is_expert_parallel
 from megabuf.transport.collectives import Collectives
@@ -127,8 +127,7 @@ def _fp8_entries(chunk: DistributedDataParallel) -> dict[str, Tensor]:
     parts = _fp8_parts(chunk)
     if not parts:
         return {}
-    group = chunk.process_groups.shard_group(False)
-    masters = gather_full_masters(parts, chunk.engine.collectives, group)
+    masters = gather_by_kind(parts, chunk.engine.collectives, chunk.process_groups.shard_group)
     named = chunk.module.state_dict(keep_vars=True)
     return {name: masters[v] for name, v in named.items() if v in masters}
 
@@ -153,7 +152,6 @@ def recast_fp8(chunks: Sequence[DistributedDataParallel]) -> None:
         return
     for chunk in chunks:  # no gather may be in flight while the shard bytes change
         chunk.engine.param_side.before_step()
-    pgs = chunks[0].process_groups
-    recast(parts, chunks[0].engine.collectives, pgs.shard_group(False))
+    recast(parts, chunks[0].engine.collectives, chunks[0].process_groups.shard_group)
     for chunk in chunks:
         chunk.engine.param_side.stepped()

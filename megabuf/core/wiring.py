@@ -171,7 +171,7 @@ def rewire(
         groups = old.all_bucket_groups
         units = release_old_groups(groups, old.param_side, parts.ledger, parts.rank)
         fp8 = reseeded([b.fp8 for b in old.buffers if b.fp8 is not None], parts.collectives,
-                       parts.process_groups.shard_group(False))  # fmt: skip
+                       parts.process_groups.shard_group)  # fmt: skip
         built = assemble(plan, parts.params, *context, [n for n, _ in units] or ("",), fp8)
         if fp8 is not None:  # [Note: FP8 params in checkpoints] (the re-plan, too)
             fp8.drop_seeds()

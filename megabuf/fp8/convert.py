@@ -55,22 +55,17 @@ def convert_fp8_params(
     module: nn.Module,
     stores_fp8: bool,
     *,
-    broadcast: Callable[[Tensor], None] | None,
+    broadcast: Callable[[Tensor, bool], None] | None,
 ) -> Fp8Params:
     """Refuse unsupported recipes by name; where `stores_fp8` (a strategy with a master copy)
-    swap each float8 weight for an FP8 param. `broadcast` (init_sync): makes dp rank 0's high
-    precision value everyone's before the first cast. Without `stores_fp8` (no_shard) the
+    swap each float8 weight for an FP8 param. `broadcast(value, expert)` (init_sync): makes dp
+    rank 0's high precision value everyone's (an expert weight's: expt_dp rank 0's) before the
+    first cast. Without `stores_fp8` (no_shard) the
     weights stay as the library made them, as under torch DDP ([Note: FP8 params])."""
     refuse_unsupported_modules(module)
     found = _find(module)
     for item in found:
         item.adapter.check_recipe(item.owners[0][0], item.name)
-        if getattr(item.param, "allreduce", True) is False:
-            raise ValueError(
-                f"megabuf: FP8 param {item.name!r} is expert-parallel; FP8 params in expert "
-                "buffers are not supported (their scales would be agreed over expt_dp); keep "
-                "expert weights in high precision (docs/fp8.md)"
-            )
     result = Fp8Params()
     if not stores_fp8 or not found:
         return result
@@ -102,12 +97,14 @@ def _find(module: nn.Module) -> list[_Found]:
     return found
 
 
-def _convert(item: _Found, result: Fp8Params, broadcast: Callable[[Tensor], None] | None) -> None:
+def _convert(
+    item: _Found, result: Fp8Params, broadcast: Callable[[Tensor, bool], None] | None
+) -> None:
     adapter, old = item.adapter, item.param
     spec = adapter.spec(item.owners[0][0], old, item.name)
     seed = adapter.hp_value(old).clone()
     if broadcast is not None:
-        broadcast(seed)
+        broadcast(seed, getattr(old, "allreduce", True) is False)
     with torch.no_grad():
         scale = adapter.scale(seed.abs().max().to(torch.float32), spec)
         data = adapter.cast(seed, scale, spec)

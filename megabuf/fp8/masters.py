@@ -20,12 +20,12 @@ restore then copies the fp32 masters exactly into the new buffers' masters.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from megabuf.fp8.agree import agree_and_cast
+from megabuf.fp8.agree import agree_and_cast_by_kind
 from megabuf.fp8.convert import Fp8Params
 from megabuf.fp8.shards import Fp8BufferPart
 from megabuf.pure.layout import shard_pieces
@@ -89,20 +89,35 @@ def load_masters(parts: Sequence[Fp8BufferPart], values: dict[nn.Parameter, Tens
                     part.master_view_of(piece).copy_(flat)
 
 
-def recast(parts: Sequence[Fp8BufferPart], collectives: Collectives, group: Group) -> None:
+def recast(
+    parts: Sequence[Fp8BufferPart], collectives: Collectives, shard_group: Callable[[bool], Group]
+) -> None:
     """After the masters were loaded: the amax agreement and cast a step ends with (collective
-    over `group`); the caller then gathers the params."""
-    agree_and_cast(parts, collectives, group)
+    over each kind's shard group); the caller then gathers the params."""
+    agree_and_cast_by_kind(parts, collectives, shard_group)
+
+
+def gather_by_kind(
+    parts: Sequence[Fp8BufferPart], collectives: Collectives, shard_group: Callable[[bool], Group]
+) -> dict[nn.Parameter, Tensor]:
+    """`gather_full_masters` of the dense parts over `shard_group(False)` and of the expert
+    parts over `shard_group(True)`."""
+    out: dict[nn.Parameter, Tensor] = {}
+    for expert in (False, True):
+        mine = [part for part in parts if part.expert == expert]
+        if mine:
+            out |= gather_full_masters(mine, collectives, shard_group(expert))
+    return out
 
 
 def reseeded(
-    parts: Sequence[Fp8BufferPart], collectives: Collectives, group: Group
+    parts: Sequence[Fp8BufferPart], collectives: Collectives, shard_group: Callable[[bool], Group]
 ) -> Fp8Params | None:
     """Before a rebuild of the buffers (the bucket_size="auto" re-plan): the engine's FP8 params
-    with every one's full master as its seed (collective over `group`); None without FP8
-    params. The caller drops the seeds once the new buffers are built."""
+    with every one's full master as its seed (collective over each kind's shard group); None
+    without FP8 params. The caller drops the seeds once the new buffers are built."""
     if not parts:
         return None
     fp8 = parts[0].fp8
-    fp8.seeds.update(gather_full_masters(parts, collectives, group))
+    fp8.seeds.update(gather_by_kind(parts, collectives, shard_group))
     return fp8
