@@ -18,7 +18,7 @@ the few modules users import or run by name stay in megabuf/ itself, each its ow
     replan/       bucket_size = "auto": warm-up, agreed plan, rebuild
     core/         `assemble`, the `Engine` and its `Wiring`, what acts on it whole (pickling, join)
     ddp.py        `DistributedDataParallel` (user-facing)
-    optimizer/, training/, pipeline/, checkpoint/, weights/: what takes wrapped models
+    optimizer/, training/, pipeline/, checkpoint/, weights/, ft/: what takes wrapped models
     __init__.py   the package root: what a training script calls (user-facing)
     testing/, bench/, inspect.py, cli.py: tools (test models, benchmarks, `megabuf inspect`)
 A new package, or a new module in megabuf/ itself, must be given a place in `LAYERS` (the test
@@ -56,6 +56,7 @@ LAYERS: list[str] = [
     "megabuf.pipeline",
     "megabuf.checkpoint",
     "megabuf.weights",
+    "megabuf.ft",
     "megabuf",
     "megabuf.testing",
     "megabuf.bench",

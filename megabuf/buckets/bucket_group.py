@@ -42,6 +42,7 @@ from megabuf.sharding.grads import ShardedGrads
 from megabuf.sharding.params import ShardedParams
 from megabuf.sharding.replicate import ReplicaStage
 from megabuf.transport.collectives import Collectives
+from megabuf.transport.cross_replica import CrossReplica
 
 
 class BucketGroup:
@@ -50,7 +51,7 @@ class BucketGroup:
     Built whole: ranks and sizes (`dp_rank`/`dp_size` in `collective_group`, the global `rank`
     for messages), the `Collectives` it issues through, its id, the param names and its
     `DispatchChain` are all given here; nothing is patched in later. `grads`: its grad storage
-    (default: the full one); `replicate_group`: hybrid's second level.
+    (default: the full one); `replicas`: the second level ([Note: cross-replica level]).
     """
 
     def __init__(
@@ -68,7 +69,7 @@ class BucketGroup:
         chain: DispatchChain[BucketGroup] | None = None,
         sharded_params: ShardedParams | None = None,
         grads: GradStorage | None = None,
-        replicate_group: ProcessGroup | None = None,
+        replicas: CrossReplica | None = None,
     ) -> None:
         self.buckets = list(buckets)
         self.ddp_config = ddp_config
@@ -90,7 +91,7 @@ class BucketGroup:
         self.releases_buckets = self.grads.releases
         self.inbound = InboundScale.of(self.buckets, ddp_config.sharding)
         self.reduction: Reduction = reduction_for(  # [Note: reductions] in reductions.py
-            ddp_config.sharding, ReductionParts.of(self), replicate_group
+            ddp_config.sharding, ReductionParts.of(self), replicas
         )
         self.readiness = GradReadiness(  # [Note: grad readiness] in dispatch.py
             self.params_list, overlap=ddp_config.overlap_grad_reduce,

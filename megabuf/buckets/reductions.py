@@ -38,6 +38,7 @@ from megabuf.buckets.grad_math import InboundScale, completed, foreach_scale
 from megabuf.comm_hooks.contract import GradBucket, HookWork, Waitable
 from megabuf.sharding.replicate import ReplicaStage
 from megabuf.transport.collectives import Collectives
+from megabuf.transport.cross_replica import CrossReplica
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,16 @@ class TwoLevel:
         if not self._replicas.owed:
             return
         self.first.land()
-        self._replicas.start(self.first.parts.grads.reduced_shards())
+        self._replicas.start(self._crossing())
+
+    def _crossing(self) -> list[Tensor]:
+        """What crosses replicas: this rank's reduced shard of each bucket, or the whole bucket
+        where every rank steps whole params (no_shard, only under megabuf.ft: [Note:
+        fault-tolerant replicas])."""
+        parts = self.first.parts
+        if parts.strategy.shards_optimizer:
+            return parts.grads.reduced_shards()
+        return [b.grad_data for b in parts.buckets]
 
     def finish(self) -> None:
         self.start_second_level()
@@ -289,17 +299,15 @@ class TwoLevel:
         return TwoLevel(first, self._replicas)
 
 
-def reduction_for(
-    strategy: Any, parts: ReductionParts, replicate_group: ProcessGroup | None
-) -> Reduction:
+def reduction_for(strategy: Any, parts: ReductionParts, replicas: CrossReplica | None) -> Reduction:
     """The reduction a bucket group starts with: the strategy's first level ([Note: strategies
     build their parts] in sharding/strategies.py), wrapped in the two-level reduction under a
-    hybrid split."""
+    hybrid split or under fault tolerance (`replicas`: [Note: cross-replica level])."""
     first: FirstLevel = strategy.first_reduction(_FirstLevels(parts))
-    if replicate_group is None:
+    if replicas is None:
         return first
     stage = ReplicaStage(
-        replicate_group, parts.collectives, average=parts.average, group_id=parts.group_id,
+        replicas, parts.collectives, average=parts.average, group_id=parts.group_id,
         rank=parts.rank,
     )  # fmt: skip
     return TwoLevel(first, stage)

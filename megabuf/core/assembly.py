@@ -128,7 +128,7 @@ def _make_group(
     dp_rank, dp_size = pgs.topology.sharding(planned.expert)
     return BucketGroup(
         [buffers[b].buckets[k] for b, k in planned.members], ctx.config,
-        pgs.shard_group(planned.expert), ctx.collectives, replicate_group=pgs.replicate_group(),
+        pgs.shard_group(planned.expert), ctx.collectives, replicas=pgs.replicas(),
         group_id=planned.group_id, dp_rank=dp_rank, dp_size=dp_size, rank=pgs.topology.rank,
         param_to_name=ctx.param_to_name, chain=chain,
         sharded_params=_sharded_params(ctx, buffers, planned),

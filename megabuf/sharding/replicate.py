@@ -27,7 +27,9 @@ shard whole.)
   ([Note: comm hooks under hybrid] in megabuf/sharding/replica_hooks.py).
 Flat groups have no second level: only under a hybrid split is their reduction wrapped in
 the two-level one (`TwoLevel`, `reduction_for` in megabuf/buckets/reductions.py), which owns a
-`ReplicaStage`; a stage without a replicate group is armed never and does nothing.
+`ReplicaStage`; a stage without a replicate group is armed never and does nothing. Who carries
+the all-reduce across replicas is the stage's `CrossReplica` ([Note: cross-replica level] in
+megabuf/transport/cross_replica.py): the replicate group, or torchft's Manager.
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
-from megabuf.comm_hooks.contract import GradBucket, HookWork, Waitable
+from megabuf.comm_hooks.contract import GradBucket, HookWork, Waitable, hook_name
 from megabuf.sharding.replica_hooks import check_two_level, replica_views
 from megabuf.transport.collectives import Collectives
+from megabuf.transport.cross_replica import CrossReplica, Handle
 
 
 class ReplicaStage:
@@ -49,21 +51,21 @@ class ReplicaStage:
 
     def __init__(
         self,
-        group: ProcessGroup | None,
+        across: CrossReplica | None,
         collectives: Collectives,
         *,
         average: bool,
         group_id: int,
         rank: int,
     ) -> None:
-        self.group = group  # None: flat, nothing to do
+        self.across = across  # None: flat, nothing to do ([Note: cross-replica level])
         self.collectives = collectives
         self.average = average
         self.group_id = group_id
         self.rank = rank
         self.owed = False
         self.crossed = False  # issued since the step began (reset by `new_step`)
-        self._work: list[Waitable] = []  # the all-reduces, or the hook's works
+        self._work: list[Waitable | Handle] = []  # the all-reduces, or the hook's works
         self.hook: object | None = None  # [Note: comm hooks under hybrid]
         self.hook_buckets: list[GradBucket] = []  # one per bucket: views of the reduced shards
         self.timeout_s: float | None = None
@@ -74,15 +76,16 @@ class ReplicaStage:
     ) -> None:  # fmt: skip
         """Reduce with `hook` too ([Note: comm hooks under hybrid]); `shards` are the tensors
         `start` is given, each this rank's reduced shard of a bucket. A no-op when flat."""
-        if self.group is None:
+        if self.across is None:
             return
+        group = self.across.hook_group(hook_name(hook), group_id=self.group_id, rank=self.rank)
         check_two_level(hook, group_id=self.group_id, rank=self.rank)
-        self.hook_buckets = replica_views(first_level, shards, self.group, self.collectives)
+        self.hook_buckets = replica_views(first_level, shards, group, self.collectives)
         self.hook, self.timeout_s = hook, timeout_s
 
     @property
     def active(self) -> bool:
-        return self.group is not None
+        return self.across is not None
 
     def arm(self, final: bool) -> None:
         """The first level was dispatched: owe the all-reduce if this is the step's last
@@ -92,13 +95,13 @@ class ReplicaStage:
                 f"megabuf: bucket group {self.group_id} (rank {self.rank}) was dispatched again "
                 "while its replicate all-reduce is in flight ([Note: two-level reduction])"
             )
-        self.owed = self.group is not None and final and not self.crossed
+        self.owed = self.across is not None and final and not self.crossed
 
     def owe_at_sync(self) -> None:
         """The grad sync ends the step: a first level that ran as a non-final micro-batch (its
         reduction landed, or is in flight, before the sync knew it was the last) owes the
         all-reduce now."""
-        if self.group is not None and not self.crossed:
+        if self.across is not None and not self.crossed:
             self.owed = True
 
     def new_step(self) -> None:
@@ -115,10 +118,10 @@ class ReplicaStage:
             self._work = [HookWork(self.hook, b, self.timeout_s) for b in self.hook_buckets]
             self.wait()
             return
-        self._work = list(
-            self.collectives.all_reduce_many(shards, self.group, average=self.average,
-                                             async_op=True)
-        )  # fmt: skip
+        if self.across is not None:  # always, when owed
+            self._work = list(
+                self.across.start(shards, self.collectives, average=self.average,)
+            )  # fmt: skip
 
     def completed(self) -> bool:
         """Nothing owed and the issued all-reduce (if any) has landed; never waits."""

@@ -28,6 +28,7 @@ from torch.distributed import ProcessGroup
 
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.pure.hybrid import HybridSplit, hybrid_layout, node_shard_size, split_for
+from megabuf.transport.cross_replica import CrossReplica, ReplicateGroup
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -91,11 +92,19 @@ class ProcessGroups:
     None when flat (the shard group is dp)."""
     dp_replicate: ProcessGroup | None = None
     """Hybrid sharding: the R ranks of dp holding the same shard; None when flat."""
+    cross_replica: CrossReplica | None = None
+    """Fault tolerance: what all-reduces across replica groups, torchft's Manager
+    (`megabuf.ft`); dp is then one replica group. None: see `replicas()`."""
 
     def __post_init__(self) -> None:
         if (self.dp_shard is None) != (self.dp_replicate is None):
             raise ValueError(
                 "megabuf: ProcessGroups needs both dp_shard and dp_replicate, or neither"
+            )
+        if self.cross_replica is not None and self.dp_replicate is not None:
+            raise ValueError(
+                "megabuf: ProcessGroups got both a cross_replica level (fault tolerance) and a "
+                "hybrid dp_replicate group; under megabuf.ft dp is one replica group"
             )
 
     def named(self) -> dict[str, ProcessGroup | None]:
@@ -120,6 +129,13 @@ class ProcessGroups:
         """The group a reduced shard is all-reduced over after the shard group's
         reduce-scatter; None when flat."""
         return self.dp_replicate
+
+    def replicas(self) -> CrossReplica | None:
+        """The level every bucket group's reduction ends with across replicas ([Note:
+        cross-replica level]): `cross_replica` if given, else the replicate group's, else none."""
+        if self.cross_replica is not None:
+            return self.cross_replica
+        return None if self.dp_replicate is None else ReplicateGroup(self.dp_replicate)
 
     @functools.cached_property
     def topology(self) -> Topology:
