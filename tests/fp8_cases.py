@@ -226,6 +226,13 @@ def memory_case(strategy: str) -> dict[str, Any]:
     }
 
 
+def _trainers() -> Any:
+    """A publish group whose trainers are the model's dp ranks (the checks before FP8's)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(trainers=tuple(range(dist.get_world_size())))
+
+
 def unsupported_case(kind: str, root: str) -> str:
     """What FP8 params do not support yet is refused by name (the message), never wrong."""
     from megabuf.checkpoint import load_checkpoint, save_checkpoint
@@ -235,7 +242,7 @@ def unsupported_case(kind: str, root: str) -> str:
     acts = {
         "save_checkpoint": lambda: save_checkpoint(f"{root}/ckpt", model),
         "load_checkpoint": lambda: load_checkpoint(f"{root}/ckpt", model),
-        "publisher": lambda: Publisher(model, None),  # type: ignore[arg-type]
+        "publisher": lambda: Publisher(model, _trainers()),  # type: ignore[arg-type]
     }
     try:
         acts[kind]()
