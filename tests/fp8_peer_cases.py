@@ -60,14 +60,14 @@ def _diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[s
 def fsdp2_case() -> dict[str, Any]:
     pgs = megabuf.ProcessGroups.default_local()
     module = build_model("gpt_tiny", seed=0)
-    engine = build_fsdp2(module, pgs, float8=True)
+    fsdp2 = build_fsdp2(module, pgs, float8=True)
     local = GLOBAL_BATCH // pgs.dp_size
     lo, hi = pgs.dp_rank * local, (pgs.dp_rank + 1) * local
     for x, y in _batches():
-        engine.zero_grad()
-        gpt_loss(engine.model(x[lo:hi]), y[lo:hi]).backward()
-        engine.optimizer.step()
-        engine.after_step()
+        fsdp2.zero_grad()
+        gpt_loss(fsdp2.model(x[lo:hi]), y[lo:hi]).backward()
+        fsdp2.optimizer.step()
+        fsdp2.after_step()
     float8 = sum(is_float8_weight(p) for p in module.parameters())
     got = {n: p.full_tensor().detach().clone() for n, p in module.named_parameters()}
     return {

@@ -44,6 +44,8 @@ FACTORY_ALLOWLIST = {
     ("testing/corpus.py", "*"): "token corpus for tests and the demo (host data)",
     ("testing/moe.py", "moe_batch"): "test batches from a CPU generator",
     ("bench/reference.py", "*"): "benchmark sample indices, used on the host",
+    ("bench/fp8_systems.py", "wire_element_nbytes"): "a 0-element tensor read for its element "
+    "size only",
 }
 
 # CPU devices named in code (`torch.device("cpu")`, a "cpu" string) -> why.
@@ -67,6 +69,10 @@ CPU_ALLOWLIST = {
     "tensors by value ([Note: rank results by value])",
     ("bench/systems.py", "*"): "benchmark systems, CPU by choice (see megabuf.bench)",
     ("bench/curves.py", "run_ranks"): "loss curves of the demo GPT on gloo ranks, CPU by choice",
+    ("bench/fp8_curves.py", "_ranks"): "FP8 loss band of the demo GPT on gloo ranks, CPU by choice",
+    ("bench/fp8_peers.py", "run_rounds"): "FP8 peers bench on gloo ranks, CPU by choice",
+    ("bench/planner.py", "*"): "memory planner bench: megabuf and FSDP2 on gloo ranks, CPU by "
+    "choice (the measured bytes are the host's)",
     ("bench/options.py", "build_parser"): "--device's default: CPU models and gloo on any "
     "machine unless --device cuda is asked for",
     ("bench/worker.py", "rank_device"): "the benchmark's own choice of device (--device)",

@@ -26,11 +26,10 @@ from megabuf.fp8 import convert_fp8_params, is_fp8_param
 from megabuf.planning.plan import dtype_key
 
 STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
+HYBRID = ("optim", "optim_grads_params")
 REFUSALS = {
     "rowwise": "'rowwise' recipe",
     "rowwise_with_gw_hp": "'rowwise_with_gw_hp' recipe",
-    "expert": "expert-parallel",
-    "auto": "bucket_size='auto'",
 }
 # The trajectory bound: the FP8 grads of data-parallel training are cast per rank (torchao
 # scales grad_output by the amax of the rank's micro-batch, e5m2 keeps 2 mantissa bits), so the
@@ -40,12 +39,7 @@ TRAJECTORY_BOUND = 1e-2
 
 
 UNSUPPORTED = {
-    "save_checkpoint": "save_checkpoint() does not support FP8 params",
-    "load_checkpoint": "load_checkpoint() does not support FP8 params",
-    "export_weights": "export_weights() does not support FP8 params",
     "publisher": "Publisher does not support FP8 params",
-    "offload": "offload() does not support FP8 params",
-    "hybrid": "not supported under hybrid sharding",
 }
 
 
@@ -54,6 +48,13 @@ def _cases(root: str = "/tmp") -> dict[str, tuple[Any, ...]]:
     cases |= {f"refuse_{k}": (fc.refusal_case, k) for k in REFUSALS}
     cases |= {f"memory_{s}": (fc.memory_case, s) for s in STRATEGIES}
     cases |= {f"unsupported_{k}": (fc.unsupported_case, k, root) for k in UNSUPPORTED}
+    cases |= {f"resume_{s}": (fc.resume_case, s, root) for s in STRATEGIES}
+    cases |= {f"cross_{s}": (fc.cross_case, s, root) for s in STRATEGIES}
+    cases |= {f"hybrid_{s}": (fc.hybrid_case, s) for s in HYBRID}
+    cases |= {f"auto_{s}": (fc.auto_case, s) for s in STRATEGIES}
+    cases |= {f"offload_{s}": (fc.offload_case, s) for s in STRATEGIES}
+    cases |= {f"export_{s}": (fc.export_case, s) for s in STRATEGIES}
+    cases |= {f"expert_{s}": (fc.expert_case, s) for s in STRATEGIES}
     return cases | {"no_shard": (fc.no_shard_case,)}
 
 
@@ -191,11 +192,98 @@ def test_memory_formula_equals_report_and_storage_walk(results: Any, strategy: s
         assert fp32_params >= 0 and fp32_params % 4 == 0  # the rest: the fp32 buffer
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_checkpoint_resume_is_bitwise(results: Any, strategy: str) -> None:
+    """A checkpoint of an FP8 model loads into a fresh one (bytes, scales, fp32 masters bitwise
+    those saved), and the next step equals the uninterrupted run's bitwise ([Note: FP8 params
+    in checkpoints])."""
+    for r in _one(results, f"resume_{strategy}"):
+        assert r == {"loaded_bitwise": True, "step_bitwise": True, "changed": True}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_checkpoint_loads_across_fp8_and_plain_models(results: Any, strategy: str) -> None:
+    """An FP8 model's checkpoint (entries: the masters in the weight's dtype) loads into the
+    model without torchao, and a checkpoint of the model torchao casts in forward loads into the
+    FP8 model, whose bytes are then torchao's cast of the loaded masters."""
+    for r in _one(results, f"cross_{strategy}"):
+        assert r == {"to_plain": True, "from_hp": True, "bytes_are_casts": True}
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+@pytest.mark.parametrize(("saved_dp", "loaded_dp"), [(2, 4), (4, 2)])
+def test_checkpoint_reshards(
+    pools: Any, tmp_path_factory: Any, strategy: str, saved_dp: int, loaded_dp: int
+) -> None:
+    """Saved at one dp size, loaded at another: the full masters bitwise those saved, every
+    rank's FP8 bytes and scales torchao's cast of them, and a step runs."""
+    root = str(tmp_path_factory.mktemp(f"fp8_reshard_{strategy}_{saved_dp}"))
+    saved = pools(saved_dp).run(fc.reshard_save_case, strategy, root)[0]
+    for r in pools(loaded_dp).run(fc.reshard_load_case, strategy, root, saved_dp):
+        assert fc.same(r["masters"], saved)
+        assert r["parts"] == r["torchao"]
+
+
+@pytest.mark.parametrize("strategy", HYBRID)
+def test_hybrid_sharding_agrees_over_the_shard_group(results: Any, strategy: str) -> None:
+    """Two replicas of a shard group (num_distributed_optimizer_instances=2): the amax
+    all-reduce runs over the shard group only (replicas hold equal masters); every rank's bytes
+    and scales are equal and torchao's cast of the master; training within the bound."""
+    per_rank = _one(results, f"hybrid_{strategy}")
+    for r in per_rank:
+        assert r["parts"] == per_rank[0]["parts"]
+        assert r["parts"] == r["torchao"]
+        assert r["master_diff"] < TRAJECTORY_BOUND
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_auto_bucket_rebuild_moves_the_fp8_part(results: Any, strategy: str) -> None:
+    """bucket_size="auto" is accepted; the re-plan's rebuild moves each FP8 param's bytes, scale
+    and fp32 master to the new buffers: training then equals a model on the new boundaries from
+    the start, bitwise."""
+    for r in _one(results, f"auto_{strategy}"):
+        assert r == {"moved": True, "parts_bitwise": True, "masters_bitwise": True}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_offload_restore_is_bitwise(results: Any, strategy: str) -> None:
+    """offload releases the FP8 bytes, scales and fp32 masters; restore brings them back
+    bitwise, and the next step equals that of a model never offloaded."""
+    for r in _one(results, f"offload_{strategy}"):
+        assert r == {"released": True, "restored_bitwise": True, "step_bitwise": True}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_export_weights_bytes_or_dequantized(results: Any, strategy: str) -> None:
+    """export_weights(fp8="bytes"): each FP8 weight's float8 bytes and its scale (`<name>_scale`),
+    bitwise what forward reads; fp8="dequantized" with dtype=bf16: bytes / scale in bf16."""
+    for r in _one(results, f"export_{strategy}"):
+        assert r == {
+            "bytes": True,
+            "dequantized": True,
+            "dtypes": ("torch.float8_e4m3fn", "torch.bfloat16"),
+            "names": True,
+        }
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_expert_parallel_fp8_weights(results: Any, strategy: str) -> None:
+    """Expert-parallel FP8 weights live in expert buffers; their amaxes are agreed over the
+    expert shard group (the dense ones' over the dense group): every rank's bytes and scales are
+    torchao's cast of its full master, dense bytes equal everywhere, experts differ per ep rank."""
+    for r in _one(results, f"expert_{strategy}"):
+        assert r == {
+            "bytes_are_casts": True,
+            "dense_equal": True,
+            "experts_differ": True,
+            "expert_buffers": 1,
+        }
+
+
 @pytest.mark.parametrize("kind", UNSUPPORTED)
 def test_not_yet_supported_is_refused_by_name(results: Any, kind: str) -> None:
-    """Checkpoints (and so resharding through them), export_weights, Publisher, offload and
-    hybrid sharding refuse FP8 params by name, naming the param and docs/fp8.md: never a
-    silent wrong result."""
+    """Publisher refuses FP8 params by name, naming the param and
+    docs/fp8.md: never a silent wrong result."""
     for message in _one(results, f"unsupported_{kind}"):
         assert UNSUPPORTED[kind] in message, message
         assert "docs/fp8.md" in message

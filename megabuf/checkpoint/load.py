@@ -34,6 +34,8 @@ from megabuf.checkpoint.model_state import (
     check_parallel_sizes,
     expected_model_entries,
     model_template,
+    recast_fp8,
+    take_fp8_entries,
 )
 from megabuf.checkpoint.save import AnyOptimizer, Chunks, wait_for_pending_save
 from megabuf.checkpoint.torch_optim import (
@@ -42,7 +44,6 @@ from megabuf.checkpoint.torch_optim import (
     plan_torch_load,
 )
 from megabuf.ddp import DistributedDataParallel
-from megabuf.fp8 import refuse_fp8_params
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.model_space import check_common, expected_layouts
 from megabuf.optimizer.param_groups import as_chunks
@@ -201,7 +202,6 @@ def load_checkpoint(
     required in full."""
     with torch.profiler.record_function("megabuf::load_checkpoint"):
         chunks = as_chunks(model)
-        refuse_fp8_params(chunks, "load_checkpoint()")  # [Note: FP8 params]
         wait_for_pending_save()
         collectives = chunks[0].engine.collectives
         found = _agreed(
@@ -229,7 +229,8 @@ def load_checkpoint(
         # the hooks first: one refusing its state leaves the model as it was
         _agreed(collectives, lambda: load_hook_states(found["hooks"], hook_state, merged))
         for chunk, entries in zip(chunks, per_chunk, strict=True):
-            chunk.load_state_dict(entries, strict=True)  # the model before the optimizer
+            fp8 = take_fp8_entries(chunk, entries)  # [Note: FP8 params in checkpoints]
+            chunk.load_state_dict(entries, strict=not fp8)  # the model before the optimizer
         pieces = [
             {"key": key, "start": start, "end": end, "numel": numel, "shape": [numel],
              "state": loaded_state(opt_template, locals_, key)}
@@ -239,4 +240,5 @@ def load_checkpoint(
             optimizer.load_state_dict({"common": found["common"], "pieces": pieces})
         elif optimizer is not None:
             load_torch_optimizer_state(chunks, optimizer, found["common"], pieces)
+        recast_fp8(chunks)  # [Note: FP8 params in checkpoints]
         return found["extra"]

@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 
 from megabuf.ddp import DistributedDataParallel
+from megabuf.fp8 import Fp8BufferPart, is_converted_fp8
+from megabuf.fp8.masters import gather_by_kind, load_masters, recast
 from megabuf.optimizer.param_groups import scope_prefix
 from megabuf.planning.replicas import is_expert_parallel
 from megabuf.transport.collectives import Collectives
@@ -61,7 +63,7 @@ def owned_model_state(chunks: Sequence[DistributedDataParallel]) -> dict[str, Te
     for chunk, scoped in zip(chunks, _entry_scopes(chunks), strict=True):
         pgs = chunk.process_groups
         writes_dense, writes_expert = pgs.topology.dp_rank == 0, pgs.topology.expt_dp_rank == 0
-        values = chunk.state_dict()  # publishes params first
+        values = chunk.state_dict() | _fp8_entries(chunk)  # publishes params first
         for name, (key, expert) in scoped.items():
             if writes_expert if expert else writes_dense:
                 state[key] = values[name].detach().clone()  # a view would save its whole buffer
@@ -102,7 +104,54 @@ def model_template(
     by_key: dict[str, Tensor] = {}
     for chunk, scoped in zip(chunks, _entry_scopes(chunks), strict=True):
         values = chunk.module.state_dict(keep_vars=True)
-        entries = {name: torch.empty_like(values[name].detach()) for name in scoped}
+        entries = {name: _empty_like(values[name].detach()) for name in scoped}
         by_key |= {scoped[name][0]: t for name, t in entries.items()}
         per_chunk.append(entries)
     return per_chunk, by_key
+
+
+def _empty_like(value: Tensor) -> Tensor:
+    """An FP8 param's entry is a plain tensor of its dtype ([Note: FP8 params in checkpoints])."""
+    if is_converted_fp8(value):
+        return torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    return torch.empty_like(value)
+
+
+def _fp8_parts(chunk: DistributedDataParallel) -> list[Fp8BufferPart]:
+    return [b.fp8 for b in chunk.engine.buffers if b.fp8 is not None]
+
+
+def _fp8_entries(chunk: DistributedDataParallel) -> dict[str, Tensor]:
+    """Local name -> full master of every FP8 param (collective over the shard group):
+    [Note: FP8 params in checkpoints]."""
+    parts = _fp8_parts(chunk)
+    if not parts:
+        return {}
+    masters = gather_by_kind(parts, chunk.engine.collectives, chunk.process_groups.shard_group)
+    named = chunk.module.state_dict(keep_vars=True)
+    return {name: masters[v] for name, v in named.items() if v in masters}
+
+
+def take_fp8_entries(chunk: DistributedDataParallel, entries: dict[str, Tensor]) -> bool:
+    """Pop the FP8 params' entries and write them into this rank's masters (the bytes follow in
+    `recast_fp8`); whether there were any ([Note: FP8 params in checkpoints])."""
+    parts = _fp8_parts(chunk)
+    if not parts:
+        return False
+    named = chunk.module.state_dict(keep_vars=True)
+    values = {v: entries.pop(n) for n, v in named.items() if n in entries and is_converted_fp8(v)}
+    load_masters(parts, values)
+    return True
+
+
+def recast_fp8(chunks: Sequence[DistributedDataParallel]) -> None:
+    """After a load: every chunk's FP8 bytes cast from its loaded masters, then the params
+    gathered (collective; nothing without FP8 params)."""
+    parts = [part for chunk in chunks for part in _fp8_parts(chunk)]
+    if not parts:
+        return
+    for chunk in chunks:  # no gather may be in flight while the shard bytes change
+        chunk.engine.param_side.before_step()
+    recast(parts, chunks[0].engine.collectives, chunks[0].process_groups.shard_group)
+    for chunk in chunks:
+        chunk.engine.param_side.stepped()

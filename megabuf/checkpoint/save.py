@@ -63,7 +63,6 @@ from megabuf.checkpoint.torch_optim import (
     torch_optimizer_state,
 )
 from megabuf.ddp import DistributedDataParallel
-from megabuf.fp8 import refuse_fp8_params
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.param_groups import as_chunks
 from megabuf.transport.collectives import Collectives
@@ -176,7 +175,6 @@ def save_checkpoint(
     """
     with torch.profiler.record_function("megabuf::save_checkpoint"):
         chunks = as_chunks(model)
-        refuse_fp8_params(chunks, "save_checkpoint()")  # [Note: FP8 params]
         wait_for_pending_save()
         collectives, rank = chunks[0].engine.collectives, Collectives.rank()
         final = Path(path)

@@ -112,12 +112,11 @@ class Engine:
     # ---- construction -------------------------------------------------------------------------
     def _convert_fp8(self, init_sync: bool) -> Fp8Params:
         """The model's float8 weights become FP8 params ([Note: FP8 params])."""
-        dp, collectives = self.process_groups.dp, self.collectives
+        pgs, collectives = self.process_groups, self.collectives
         return convert_fp8_params(
             self.module, self.config.sharding.param_home != "module",
-            broadcast=(lambda t: collectives.broadcast(t, 0, dp)) if init_sync else None,
-            auto_buckets=self.config.bucket_size == "auto",
-            hybrid=self.topology.dp_replicate_size > 1,
+            broadcast=(lambda t, expert: collectives.broadcast(
+                t, 0, pgs.expt_dp if expert else pgs.dp)) if init_sync else None,
         )  # fmt: skip
 
     def _build(self, disable_bucketing: bool, init_sync: bool) -> None:

@@ -28,6 +28,7 @@ from megabuf.buckets.bucket_group import BucketGroup, DispatchChain
 from megabuf.buckets.buffer import _ParamAndGradBuffer
 from megabuf.config import DistributedDataParallelConfig
 from megabuf.core.assembly import Assembly, assemble, rebucket
+from megabuf.fp8.masters import reseeded
 from megabuf.planning.plan import Plan
 from megabuf.replan.sharded_replan import release_old_groups, retire_old_params
 from megabuf.sharding.ledger import MemoryLedger
@@ -169,7 +170,11 @@ def rewire(
     if sharded:  # new buffers, params copied in ([Note: sharded auto bucket re-plan])
         groups = old.all_bucket_groups
         units = release_old_groups(groups, old.param_side, parts.ledger, parts.rank)
-        built = assemble(plan, parts.params, *context, [name for name, _ in units] or ("",))
+        fp8 = reseeded([b.fp8 for b in old.buffers if b.fp8 is not None], parts.collectives,
+                       parts.process_groups.shard_group)  # fmt: skip
+        built = assemble(plan, parts.params, *context, [n for n, _ in units] or ("",), fp8)
+        if fp8 is not None:  # [Note: FP8 params in checkpoints] (the re-plan, too)
+            fp8.drop_seeds()
         retire_old_params(groups)
     else:  # the same buffers, other boundaries
         built = rebucket(plan, old.buffers, *context)

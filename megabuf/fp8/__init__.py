@@ -6,7 +6,7 @@ A float8 training weight of a library the engine has an adapter for (torchao's
 config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))`) is an FP8 param:
 - Detection and refusals (`convert.py`, at construction, before planning): only tensorwise
   dynamic scaling is supported; rowwise, rowwise_with_gw_hp, non-dynamic weight scaling, MX block
-  scales, Transformer Engine weights and expert-parallel FP8 weights are refused by name. Under
+  scales and Transformer Engine weights are refused by name. Under
   `no_shard` there is no master copy: the weights stay as torchao made them (high precision,
   cast in forward by torchao), exactly what torch DDP does with the same model.
 - Storage: under the sharded strategies each FP8 weight is swapped for an `nn.Parameter` of the
@@ -18,17 +18,25 @@ config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))`) is an FP8 param
   with grad_reduce_in_fp32).
 - Master: the buffer's `Fp8BufferPart.masters`, this rank's shard of every bucket in fp32, is what
   the distributed optimizer steps in place (its main params view it).
-- After each step (`agree_and_cast`, called by the distributed optimizer before the param
-  gathers are dispatched): each rank takes its shard's amax per FP8 param (of the master rounded
-  to the weight's dtype), ONE all-reduce(MAX) of all of them over the group the buffers are
-  sharded over, the scales by torchao's own `amax_to_scale`, and the cast of its shard by
-  torchao's own `hp_tensor_and_scale_to_float8` into the uint8 buffer. Every rank then holds the
+- After each step (`agree_and_cast_by_kind`, called by the distributed optimizer before the
+  param gathers are dispatched): each rank takes its shard's amax per FP8 param (of the master
+  rounded to the weight's dtype), ONE all-reduce(MAX) of all of them over the group the buffers
+  are sharded over (expert-parallel FP8 params, in expert buffers: one more over the expert
+  shard group), the scales by torchao's own `amax_to_scale`, and the cast of its shard by
+  torchao's own `hp_tensor_and_scale_to_float8` into the uint8 buffer. Under hybrid sharding
+  that group is the shard group, not the whole dp group: the replicas of a shard step the same
+  reduced grads (all-reduced across replicas) from the same master, so they hold equal masters
+  and agree on the same amaxes without the cross-replica traffic. Every rank then holds the
   same scales, and the param all-gather (after the step, or per unit in forward under
   optim_grads_params) moves 1 byte per element. The max of the shards' amaxes is the amax of
   the full weight, and the cast is elementwise: the gathered weight is bitwise the cast torchao
   would make of the full master.
-- At construction each rank casts the full seed (dp rank 0's value when init_sync) with the
-  scale of the full weight: the same on every rank without a collective.
+- At construction each rank casts the full seed (dp rank 0's value when init_sync; an expert
+  weight's: expt_dp rank 0's) with the scale of the full weight: the same on every rank without
+  a collective.
+- Checkpoints, the bucket_size="auto" rebuild: [Note: FP8 params in checkpoints] (masters.py);
+  export_weights: [Note: FP8 params in export_weights] (export.py); offload: the bytes, scales
+  and masters are stashed like any storage ([Note: what offload releases]).
 """
 
 import torch

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -25,3 +25,15 @@ def agree_and_cast(parts: Sequence[Fp8BufferPart], collectives: Collectives, gro
         for part in parts:
             part.cast(amax[offset : offset + part.numel])
             offset += part.numel
+
+
+def agree_and_cast_by_kind(
+    parts: Sequence[Fp8BufferPart], collectives: Collectives, shard_group: Callable[[bool], Group]
+) -> None:
+    """`agree_and_cast` of the dense parts over `shard_group(False)`, then of the expert parts
+    over `shard_group(True)` (the expert shard group: an expert's replicas across expt_dp hold
+    its shards); one all-reduce per kind present."""
+    for expert in (False, True):
+        mine = [part for part in parts if part.expert == expert]
+        if mine:
+            agree_and_cast(mine, collectives, shard_group(expert))

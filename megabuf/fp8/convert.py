@@ -33,8 +33,8 @@ class Fp8Params:
         if param not in self.seeds:
             raise RuntimeError(
                 f"megabuf: FP8 param {self.specs[param].name!r} has no high precision seed: "
-                "its buffer can only be built once, at construction (a rebuild of FP8 buffers, "
-                "e.g. bucket_size='auto' or a copy of the model, is not supported)"
+                "its buffer is built at construction and rebuilt by the bucket_size='auto' "
+                "re-plan only (a copy of the model is not supported)"
             )
         return self.seeds[param]
 
@@ -55,40 +55,20 @@ def convert_fp8_params(
     module: nn.Module,
     stores_fp8: bool,
     *,
-    broadcast: Callable[[Tensor], None] | None,
-    auto_buckets: bool = False,
-    hybrid: bool = False,
+    broadcast: Callable[[Tensor, bool], None] | None,
 ) -> Fp8Params:
     """Refuse unsupported recipes by name; where `stores_fp8` (a strategy with a master copy)
-    swap each float8 weight for an FP8 param. `broadcast` (init_sync): makes dp rank 0's high
-    precision value everyone's before the first cast. Without `stores_fp8` (no_shard) the
-    weights stay as the library made them, as under torch DDP ([Note: FP8 params]).
-    `auto_buckets` (bucket_size="auto", which rebuilds buffers) and `hybrid` (a replicate x
-    shard split) are refused with FP8 params."""
+    swap each float8 weight for an FP8 param. `broadcast(value, expert)` (init_sync): makes dp
+    rank 0's high precision value everyone's (an expert weight's: expt_dp rank 0's) before the
+    first cast. Without `stores_fp8` (no_shard) the
+    weights stay as the library made them, as under torch DDP ([Note: FP8 params])."""
     refuse_unsupported_modules(module)
     found = _find(module)
     for item in found:
         item.adapter.check_recipe(item.owners[0][0], item.name)
-        if getattr(item.param, "allreduce", True) is False:
-            raise ValueError(
-                f"megabuf: FP8 param {item.name!r} is expert-parallel; FP8 params in expert "
-                "buffers are not supported (their scales would be agreed over expt_dp); keep "
-                "expert weights in high precision (docs/fp8.md)"
-            )
     result = Fp8Params()
     if not stores_fp8 or not found:
         return result
-    if hybrid:
-        raise ValueError(
-            f"megabuf: FP8 params (e.g. {found[0].name!r}) are not supported under hybrid "
-            "sharding (num_distributed_optimizer_instances > 1 or a dp shard group) yet; "
-            "shard over the whole dp group (docs/fp8.md)"
-        )
-    if auto_buckets:
-        raise ValueError(
-            f"megabuf: bucket_size='auto' re-plans the buffers, which FP8 params (e.g. "
-            f"{found[0].name!r}) do not support; give an int bucket_size (docs/fp8.md)"
-        )
     for item in found:
         _convert(item, result, broadcast)
     return result
@@ -117,12 +97,14 @@ def _find(module: nn.Module) -> list[_Found]:
     return found
 
 
-def _convert(item: _Found, result: Fp8Params, broadcast: Callable[[Tensor], None] | None) -> None:
+def _convert(
+    item: _Found, result: Fp8Params, broadcast: Callable[[Tensor, bool], None] | None
+) -> None:
     adapter, old = item.adapter, item.param
     spec = adapter.spec(item.owners[0][0], old, item.name)
     seed = adapter.hp_value(old).clone()
     if broadcast is not None:
-        broadcast(seed)
+        broadcast(seed, getattr(old, "allreduce", True) is False)
     with torch.no_grad():
         scale = adapter.scale(seed.abs().max().to(torch.float32), spec)
         data = adapter.cast(seed, scale, spec)

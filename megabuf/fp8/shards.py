@@ -36,7 +36,10 @@ class Fp8BufferPart:
         self.specs = [fp8.specs[p] for p in self.params]
         self.adapters = [fp8.adapters[p] for p in self.params]
         self.shard_bytes = shard_bytes
+        # an expert buffer's: sharded over (and its amaxes agreed over) the expert shard group
+        self.expert = any(getattr(p, "allreduce", True) is False for p in self.params)
         self.scales = torch.ones(len(self.params), dtype=torch.float32, device=device)  # 1-D
+        self.layout, self.dp_size = layout, dp_size
         self.pieces = shard_pieces(layout, dp_rank, dp_size)
         # this rank's shard of each bucket, 1-D, fp32, padded numel / dp: the master copy
         self.masters = [

@@ -64,15 +64,19 @@ class LayoutCheck:
         self.fingerprint: int | None = None
         self._work: Any = None
         self._tensor: torch.Tensor | None = None
+        self._device: torch.device | None = None
 
-    def expect(self, fingerprint: int) -> None:
+    def expect(self, fingerprint: int, device: torch.device) -> None:
+        """This step's fingerprint, carried on `device` (the params', as the grads it joins)."""
         self.fingerprint, self._work, self._tensor = fingerprint, None, None
+        self._device = device
 
     def issue_once(self) -> None:
         if self.fingerprint is None or self._tensor is not None:
             return
         h = [float(c) for c in _chunks(self.fingerprint)]
-        self._tensor = torch.tensor([1.0, *h, *[c * c for c in h]], dtype=torch.float64)
+        values = [1.0, *h, *[c * c for c in h]]
+        self._tensor = torch.tensor(values, dtype=torch.float64, device=self._device)
         self._work = self.manager.allreduce(self._tensor, reduce_op=ReduceOp.SUM)
 
     def _landed(self) -> torch.Tensor | None:

@@ -15,6 +15,7 @@ from megabuf.ft.fingerprint import layout_fingerprint
 from megabuf.ft.replicas import ManagerReplicas
 from megabuf.ft.state import load_replica_state, replica_state
 from megabuf.optimizer import MegabufOptimizer, StepResult
+from megabuf.transport.devices import params_device
 from megabuf.transport.process_groups import ProcessGroups
 
 STATE_KEY = "megabuf"
@@ -101,7 +102,8 @@ class FaultTolerantOptimizer:
         """Start the step: the quorum (asynchronous under use_async_quorum), the fingerprint
         the step's first cross-replica all-reduce carries, and a new iteration's grads. The
         grads are divided by the step's contributor count ([Note: layout fingerprint])."""
-        self.layout.expect(layout_fingerprint(self.model))
+        device = params_device(self.model.parameters(), None)
+        self.layout.expect(layout_fingerprint(self.model), device)
         self.manager.start_quorum()
         self.optimizer.zero_grad()  # the model's zero_grad_buffer()
 

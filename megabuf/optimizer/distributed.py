@@ -26,7 +26,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from megabuf.ddp import DistributedDataParallel
-from megabuf.fp8 import agree_and_cast
+from megabuf.fp8.agree import agree_and_cast_by_kind
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.optimizer.main_params import MainParam, sharded_main_params
 from megabuf.optimizer.model_space import (
@@ -129,7 +129,8 @@ class DistributedOptimizer(MegabufOptimizer):
         """See [Note: publishing params]; FP8 params are cast first ([Note: FP8 params])."""
         chunks = self.model_chunks
         parts = [b.fp8 for c in chunks for b in c.engine.buffers if b.fp8 is not None]
-        agree_and_cast(parts, self.collectives, self.process_groups.shard_group(False))
+        pgs = self.process_groups  # each kind over its shard group ([Note: FP8 params])
+        agree_and_cast_by_kind(parts, self.collectives, pgs.shard_group)
         with torch.profiler.record_function("megabuf::publish_params"):
             for chunk in self.model_chunks:
                 chunk.engine.param_side.stepped()

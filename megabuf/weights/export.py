@@ -41,7 +41,8 @@ from torch import Tensor
 
 from megabuf.buckets.bucket_group import BucketGroup
 from megabuf.ddp import DistributedDataParallel, as_model_chunks
-from megabuf.fp8 import refuse_fp8_params
+from megabuf.fp8 import is_converted_fp8
+from megabuf.fp8.export import Fp8Export, check_fp8_export, export_view, fp8_exported
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.sharding.ledger import MemoryLedger
 from megabuf.transport.collectives import PendingCollective
@@ -87,11 +88,13 @@ def export_weights(
     dtype: torch.dtype | None = None,
     name_map: NameMap | None = None,
     max_buckets: int = 1,
+    fp8: Fp8Export = "dequantized",
 ) -> Iterator[WeightBucket]:
     """See [Note: streamed export]. Collective under optim_grads_params (every dp rank must
-    consume the whole iterator); elsewhere not."""
+    consume the whole iterator); elsewhere not. `fp8`: what FP8 params become, "dequantized"
+    or "bytes" (with their scales): [Note: FP8 params in export_weights]."""
     chunks = as_model_chunks(model_or_chunks, "megabuf.weights.export_weights")
-    refuse_fp8_params(chunks, "export_weights()")  # [Note: FP8 params]
+    check_fp8_export(fp8)
     if max_buckets < 1:
         raise ValueError(f"megabuf: export_weights(max_buckets={max_buckets}) must be >= 1")
     number = resolve_version(optimizer, version)
@@ -100,14 +103,13 @@ def export_weights(
         chunk.engine.param_side.publish()  # no param is read mid-gather
         chunk.engine.param_side.reshard()
     groups = [(chunk, g) for chunk in chunks for g in chunk.engine.all_bucket_groups]
-    return _stream(groups, number, dtype, name_map, max_buckets)
+    return _stream(groups, number, _Options(dtype, name_map, fp8), max_buckets)
 
 
 def _stream(
     groups: list[tuple[DistributedDataParallel, BucketGroup]],
     version: int,
-    dtype: torch.dtype | None,
-    name_map: NameMap | None,
+    options: _Options,
     max_buckets: int,
 ) -> Iterator[WeightBucket]:
     gathered: dict[int, _Gathered] = {}
@@ -117,7 +119,7 @@ def _stream(
                 if ahead not in gathered:
                     gathered[ahead] = _Gathered.start(*groups[ahead])
             # handed over, never bound in this frame ([Note: streamed export], real memory)
-            yield from _item(*groups[index], gathered.pop(index), version, index, dtype, name_map)
+            yield from _item(*groups[index], gathered.pop(index), version, index, options)
     finally:  # a consumer that stopped early (close(), break): nothing stays gathered
         for ahead in sorted(gathered):
             gathered[ahead].wait()
@@ -130,13 +132,12 @@ def _item(
     gathered: _Gathered,
     version: int,
     index: int,
-    dtype: torch.dtype | None,
-    name_map: NameMap | None,
+    options: _Options,
 ) -> Iterator[WeightBucket]:
     """Yields group `index`'s item. This frame is the export's only holder of the group's memory
     and ends before the next group is gathered ([Note: streamed export], real memory)."""
     try:
-        named = _named(chunk, group, gathered.wait(), dtype, name_map)
+        named = _named(chunk, group, gathered.wait(), options)
         copied = sum(t.numel() * t.element_size() for t in _copies(gathered.views, named))
         chunk.engine.memory_ledger.alloc(EXPORT_CATEGORY, copied)
         try:
@@ -145,6 +146,15 @@ def _item(
             chunk.engine.memory_ledger.free(EXPORT_CATEGORY, copied)
     finally:
         gathered.done()
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What the consumer asked for: `dtype`, `name_map`, what FP8 params become."""
+
+    dtype: torch.dtype | None
+    name_map: NameMap | None
+    fp8: Fp8Export
 
 
 @dataclass
@@ -161,14 +171,14 @@ class _Gathered:
     def start(cls, chunk: DistributedDataParallel, group: BucketGroup) -> _Gathered:
         sharded, ledger = group.sharded_params, chunk.engine.memory_ledger
         if sharded is None:
-            return cls([p.detach() for p in group.params_list], [], ledger)
+            return cls([export_view(p) for p in group.params_list], [], ledger)
         fresh = [torch.empty_like(t) for t in sharded.full]
         pending = sharded.collectives.all_gather_many(
             fresh, sharded.shards, sharded.group, async_op=True, tag=sharded.group_id
         )
         nbytes = sum(t.numel() * t.element_size() for t in fresh)
         ledger.alloc(EXPORT_CATEGORY, nbytes)
-        views = [_view_in(p, sharded.full, fresh) for p in group.params_list]
+        views = [_view_in(export_view(p), sharded.full, fresh) for p in group.params_list]
         return cls(views, pending, ledger, nbytes)
 
     def wait(self) -> list[Tensor]:
@@ -202,15 +212,18 @@ def _named(
     chunk: DistributedDataParallel,
     group: BucketGroup,
     tensors: list[Tensor],
-    dtype: torch.dtype | None,
-    name_map: NameMap | None,
+    options: _Options,
 ) -> list[tuple[str, Tensor]]:
+    dtype, name_map = options.dtype, options.name_map
     out: list[tuple[str, Tensor]] = []
     for param, tensor in zip(group.params_list, tensors, strict=True):
         name = chunk.engine.param_to_name[param]
-        if dtype is not None and tensor.dtype != dtype:
-            tensor = tensor.to(dtype)
-        out.extend(name_map(name, tensor) if name_map is not None else [(name, tensor)])
+        if is_converted_fp8(param):  # [Note: FP8 params in export_weights]
+            pairs = fp8_exported(param, name, tensor, options.fp8, dtype)
+        else:
+            pairs = [(name, tensor.to(dtype) if dtype is not None else tensor)]
+        for n, t in pairs:
+            out.extend(name_map(n, t) if name_map is not None else [(n, t)])
     return out
 
 

@@ -5,9 +5,10 @@ For every model chunk: the grad memory (the contiguous `grad_data`, or under opt
 grad shards and any full bucket holding grads; exposed `.grad` tensors; "grad_scratch": gloo's
 reduce-scatter landing zones, never kept), the param memory (`param_data`, or under
 optim_grads_params the param shards, after every unit's full params were released; under
-no_shard the params' own storages) and the module's buffers; with the optimizer: its fp32 main
-params (those that are copies; fp32 main params that *are* `param_data` views were counted as
-params) and every state tensor on the device. Released bytes per category are
+no_shard the params' own storages; an FP8 param's bytes and scale, its fp32 master counted as
+main_params, with or without the optimizer) and the module's buffers; with the optimizer: its
+fp32 main params (those that are copies; fp32 main params that *are* `param_data` views were
+counted as params) and every state tensor on the device. Released bytes per category are
 `OffloadReport.released_nbytes`; tests check them against the layout (`tests/weights_cases.py`).
 Storages are released in place ([Note: release in place] in stash.py); exposed `.grad` tensors
 are detached from their params meanwhile, so a backward run while offloaded creates new ones
@@ -33,7 +34,7 @@ from torch import Tensor
 
 from megabuf.buckets.bucket_group import GradSyncState
 from megabuf.ddp import DistributedDataParallel, as_model_chunks
-from megabuf.fp8 import refuse_fp8_params
+from megabuf.fp8 import broadcast_tensors
 from megabuf.optimizer.base import MegabufOptimizer
 from megabuf.sync.grad_sync import SyncPhase
 from megabuf.weights.stash import StorageStash
@@ -81,7 +82,6 @@ def offload(
     """Release every device storage of `model_or_chunks` (and of `optimizer`'s main params and
     state); see [Note: what offload releases]. Not collective. Returns the bytes released."""
     chunks = as_model_chunks(model_or_chunks, "megabuf.weights.offload")
-    refuse_fp8_params(chunks, "offload()")  # [Note: FP8 params]
     _check_can_offload(chunks, optimizer)
     for chunk in chunks:
         chunk.engine.param_side.publish()  # gathers in flight land first ([Note: who waits ...])
@@ -203,8 +203,13 @@ def _collect(
         yield "grad_scratch", scratch, False  # landing zones: contents never outlive a reduction
         params: list[Tensor | None] = [b.param_data for b in buckets]
         params += [b.param_shard for b in buckets]
-        params += [p.data for p in chunk.module.parameters()]
+        # an FP8 param: its bytes and scale ([Note: FP8 params]); else its data
+        params += [t for p in chunk.module.parameters() for t in broadcast_tensors(p)]
         yield "params", params, True
+        masters: list[Tensor | None] = [
+            m for buf in buffers if buf.fp8 is not None for m in buf.fp8.masters
+        ]
+        yield "main_params", masters, True  # FP8 params' fp32 masters (the buffer's)
         yield "module_buffers", list(chunk.module.buffers()), True
     if optimizer is None:
         return

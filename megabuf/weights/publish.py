@@ -71,7 +71,6 @@ class Publisher:
         `anchor_every`-th publish is whole ([Note: element deltas] in delta.py)."""
         if anchor_every < 1:
             raise ValueError(f"megabuf: Publisher(anchor_every={anchor_every}) must be >= 1")
-        refuse_fp8_params(model, "Publisher")  # [Note: FP8 params]
         topo = model.engine.process_groups.topology
         if topo.pp_size > 1 or topo.ep_size > 1:
             raise ValueError(
@@ -101,6 +100,7 @@ class Publisher:
                 f"the group's trainers {list(group.trainers)} must be {which}, {count} ranks "
                 "in order"
             )
+        refuse_fp8_params(model, "Publisher")  # [Note: FP8 params]
         self.model = model
         self.group = group
         self.collectives = collectives if collectives is not None else model.engine.collectives
