@@ -315,7 +315,7 @@ class BucketGroup:
         self.written.zero_unwritten()
         if self.ddp_config.check_for_nan_in_grad:
             self.nonfinite.record(self.buckets[0].grad_data.device)
-        with self.collectives.observers.issuing(*self._issue_descriptor()):  # [Note: verify mode]
+        with self.collectives.observers.issuing(self._issue_descriptor):  # [Note: verify mode]
             self.reduction.start(self.ddp_config.overlap_grad_reduce, self._final)
         self.grad_state = GradSyncState.DISPATCHED
         counter.reset()  # a later arrival checks the state

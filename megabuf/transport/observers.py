@@ -6,15 +6,16 @@ verify mode's collective fingerprint: [Note: verify mode] in megabuf/verify/__in
 wrapper's byte accounting (`Collectives._record`, which every wrapper calls before its
 torch.distributed call) tells every observer `on_issue(group, op, nbytes)`; a caller whose order of
 collectives is fixed by construction (a bucket group's dispatch) wraps its calls in
-`issuing(label, group, descriptor)`, which lets each observer check the descriptor against the
+`issuing(describe)`, which lets each observer check the descriptor against the
 other ranks *before* anything is issued (`before_issue`) and labels what is issued inside. With
-no observer (the default) both cost a loop over an empty list.
+no observer (the default) `on_issue` costs a loop over an empty list and `issuing` one test
+(the descriptor is not even built).
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -22,6 +23,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 Group = ProcessGroup | None
+Issue = tuple[str, Group, tuple[int, ...]]  # (label, group, descriptor) of what is issued
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -59,9 +61,14 @@ class CollectiveObservers:
             observer.on_issue(group, op, nbytes, self.label)
 
     @contextmanager
-    def issuing(self, label: str, group: Group, descriptor: tuple[int, ...]) -> Iterator[None]:
-        """Check `descriptor` (equal on every rank of `group` when nothing is wrong) before the
-        calls inside are issued, and label them `label`."""
+    def issuing(self, describe: Callable[[], Issue]) -> Iterator[None]:
+        """Check the descriptor `describe()` gives (equal on every rank of its group when
+        nothing is wrong) before the calls inside are issued, and label them with its label.
+        Without observers nothing is described: the dispatch path pays one test."""
+        if not self._observers:
+            yield
+            return
+        label, group, descriptor = describe()
         for observer in self._observers:
             observer.before_issue(label, group, descriptor)
         outer, self.label = self.label, label
